@@ -1,0 +1,348 @@
+"""KVCache: the paged block manager (backend-independent) in front of one backend.
+
+Pages ("blocks") of ``block_size`` tokens are shared by all layers: a sequence has one block table,
+and layer ``l`` of block ``b`` lives in ``pools[l]``. Each layer keeps its own token count, since an
+engine stores layer by layer. Blocks are refcounted: ``seq_cp`` shares them and the next write into
+a shared block copies it first (copy-on-write, byte for byte through ``Backend.copy_slots``).
+
+Every public method validates everything and reserves every block it needs before it changes
+anything, so a call that raises leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import registry
+from .backend import Backend
+from .errors import CapacityError, PositionError, SequenceError, ShapeError, SpecError
+from .spec import CacheSpec
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    backend: str
+    n_blocks: int
+    block_size: int
+    blocks_used: int
+    blocks_free: int
+    blocks_shared: int  # blocks referenced by more than one sequence
+    capacity_tokens: int  # n_blocks * block_size: what the pools really hold per sequence-free cache
+    n_seqs: int
+    tokens: int  # sum over sequences of their longest layer
+    k_format: str
+    v_format: str
+    k_bytes: int  # allocated, all layers
+    v_bytes: int
+    bytes_allocated: int  # what the backend reports for its pools
+    bytes_per_token: int  # K+V over all layers and heads
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Seq:
+    blocks: list[int]
+    lens: list[int]  # tokens stored per layer
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class KVCache:
+    def __init__(
+        self,
+        spec: CacheSpec,
+        capacity_tokens: int,
+        backend: str | Backend = "auto",
+        *,
+        allow_fallback: bool = False,
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(spec, CacheSpec):
+            raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
+        if not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
+            raise SpecError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
+        self.spec = spec
+        fmts = sorted({spec.k_format, spec.v_format})
+        if isinstance(backend, Backend):
+            self.backend = backend
+        else:
+            cls = registry.resolve(backend, fmts, allow_fallback)
+            self.backend = cls(**(backend_options or {}))
+        self.n_blocks = math.ceil(capacity_tokens / spec.block_size)
+        self.pools = self.backend.allocate(spec, self.n_blocks)
+        self._ref = np.zeros(self.n_blocks, np.int32)
+        self._free = list(range(self.n_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 0
+
+    # -- sequences -----------------------------------------------------------------------------------
+
+    def new_seq(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self._seqs[sid] = _Seq([], [0] * self.spec.n_layers)
+        return sid
+
+    def seq_len(self, seq: int, layer: int | None = None) -> int:
+        """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
+        s = self._seq(seq)
+        return max(s.lens) if layer is None else s.lens[self._layer(layer)]
+
+    @property
+    def seqs(self) -> list[int]:
+        return list(self._seqs)
+
+    def free_seq(self, seq: int) -> None:
+        s = self._seq(seq)
+        self._release(s.blocks)
+        del self._seqs[seq]
+
+    def seq_keep(self, seq: int) -> None:
+        """Free every sequence but ``seq``."""
+        self._seq(seq)
+        for other in [o for o in self._seqs if o != seq]:
+            self.free_seq(other)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove positions ``[p0, p1)`` (llama.cpp: p0 < 0 is the start, p1 < 0 the end).
+
+        Sequences are dense: removing a middle range shifts the later tokens down by ``p1 - p0``
+        (llama.cpp's ``seq_rm`` followed by ``seq_add``). K is stored as given (post-RoPE): an
+        engine that needs re-rotated keys re-stores them.
+        """
+        s = self._seq(seq)
+        lo, hi = self._range(p0, p1)
+        bs = self.spec.block_size
+        new_lens = [L - max(0, min(hi, L) - min(lo, L)) for L in s.lens]
+        moves = [(min(lo, L), min(hi, L), L) for L in s.lens]  # per layer: tokens [b, L) move to a
+        shifting = [a < b < L for a, b, L in moves]
+        # blocks written by a shift must be owned; count copies before touching anything
+        n_keep = math.ceil(max(new_lens, default=0) / bs)
+        first = min((a // bs for (a, b, L), sh in zip(moves, shifting) if sh), default=n_keep)
+        touched = list(range(first, n_keep))
+        self._reserve(sum(self._ref[s.blocks[i]] > 1 for i in touched))
+        self._own(s, touched)
+        for layer, ((a, b, L), sh) in enumerate(zip(moves, shifting)):
+            if sh:
+                src = self._slots(s, b, L)
+                dst = self._slots(s, a, a + L - b)
+                self.backend.copy_slots(self.pools[layer], src, dst)
+        s.lens = new_lens
+        self._release(s.blocks[n_keep:])
+        del s.blocks[n_keep:]
+
+    def seq_cp(self, seq: int, p0: int = -1, p1: int = -1) -> int:
+        """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
+        s = self._seq(seq)
+        lo, hi = self._range(p0, p1)
+        bs = self.spec.block_size
+        lens = [max(0, min(hi, L) - min(lo, L)) for L in s.lens]
+        n_blocks = math.ceil(max(lens, default=0) / bs)
+        if lo % bs == 0:  # page-aligned: share
+            blocks = s.blocks[lo // bs : lo // bs + n_blocks]
+            self._ref[blocks] += 1
+            t = _Seq(list(blocks), lens)
+        else:  # unaligned start: the rows move to other offsets, so copy them
+            self._reserve(n_blocks)
+            t = _Seq([self._free.pop() for _ in range(n_blocks)], lens)
+            self._ref[t.blocks] = 1
+            for layer, n in enumerate(lens):
+                if n:
+                    src = self._slots(s, lo, lo + n)
+                    self.backend.copy_slots(self.pools[layer], src, self._slots(t, 0, n))
+        sid = self._next_id
+        self._next_id += 1
+        self._seqs[sid] = t
+        return sid
+
+    # -- data ----------------------------------------------------------------------------------------
+
+    def store(self, seq: int, layer: int, k: Any, v: Any) -> None:
+        """Append ``k``, ``v`` ``[n_new, n_kv_heads, head_dim]`` to ``seq`` at ``layer``."""
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        k = self.backend.asarray(k, "k")
+        v = self.backend.asarray(v, "v")
+        expect = (self.spec.n_kv_heads, self.spec.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if len(x.shape) != 3 or tuple(x.shape[1:]) != expect:
+                raise ShapeError(
+                    f"{name} has shape {tuple(x.shape)}; expected [n_new, {expect[0]}, {expect[1]}] "
+                    "(tokens, n_kv_heads, head_dim)"
+                )
+        if k.shape[0] != v.shape[0]:
+            raise ShapeError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}; store both for the same tokens")
+        n = int(k.shape[0])
+        if n == 0:
+            return
+        self.backend.check_values(self.spec.k_fmt, k)
+        self.backend.check_values(self.spec.v_fmt, v)
+        bs = self.spec.block_size
+        p0 = s.lens[layer]
+        p1 = p0 + n
+        touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
+        n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
+        self._reserve(n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched))
+        self._own(s, touched)
+        added = [self._free.pop() for _ in range(n_new)]
+        self._ref[added] = 1
+        s.blocks.extend(added)
+        try:
+            self.backend.store(self.pools[layer], k, v, self._slots(s, p0, p1))
+        except BaseException:
+            self._release(added)
+            del s.blocks[len(s.blocks) - len(added) :]
+            raise
+        s.lens[layer] = p1
+
+    def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
+        """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
+        s = self._seq(seq)
+        layer = self._layer(layer)
+        L = s.lens[layer]
+        hi = L if p1 is None or p1 < 0 else p1
+        if not (0 <= p0 <= hi <= L):
+            raise PositionError(f"load range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}")
+        bs = self.spec.block_size
+        first = p0 // bs
+        blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
+        k, v = self.backend.load(self.pools[layer], blocks, hi - first * bs)
+        skip = p0 - first * bs
+        return k[skip:], v[skip:]
+
+    def attention(
+        self,
+        layer: int,
+        q: Any,
+        seqs: Sequence[int],
+        q_lens: Sequence[int] | None = None,
+        scale: float | None = None,
+        causal: bool = True,
+        window: int | None = None,
+    ) -> Any:
+        """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over each sequence's cached K/V at ``layer``.
+
+        The queries of a sequence are its last ``q_len`` stored tokens (store before attending).
+        """
+        layer = self._layer(layer)
+        seq_objs = [self._seq(x) for x in seqs]
+        if not seq_objs:
+            raise ShapeError("attention needs at least one sequence in seqs")
+        q = self.backend.asarray(q, "q")
+        if len(q.shape) != 3 or q.shape[2] != self.spec.head_dim:
+            raise ShapeError(f"q has shape {tuple(q.shape)}; expected [sum(q_lens), n_heads, {self.spec.head_dim}]")
+        n_heads = int(q.shape[1])
+        if n_heads % self.spec.n_kv_heads:
+            raise ShapeError(
+                f"q has {n_heads} heads, not a multiple of the cache's {self.spec.n_kv_heads} KV heads (GQA needs one)"
+            )
+        if q_lens is None:
+            if len(seq_objs) != 1 and q.shape[0] != len(seq_objs):
+                raise ShapeError("pass q_lens when attending over several sequences with more than one query each")
+            q_lens = [int(q.shape[0])] if len(seq_objs) == 1 else [1] * len(seq_objs)
+        ql = np.asarray(q_lens, np.int32)
+        if ql.shape != (len(seq_objs),) or (ql < 1).any():
+            raise ShapeError(f"q_lens must hold one positive count per sequence; got {list(q_lens)} for {len(seq_objs)} seqs")
+        if int(ql.sum()) != q.shape[0]:
+            raise ShapeError(f"q has {q.shape[0]} rows but q_lens sums to {int(ql.sum())}")
+        lens = np.asarray([s.lens[layer] for s in seq_objs], np.int32)
+        if (ql > lens).any():
+            i = int(np.argmax(ql > lens))
+            raise PositionError(
+                f"sequence {seqs[i]} has {lens[i]} tokens at layer {layer} but {ql[i]} queries; "
+                "store the new tokens' K/V before attending"
+            )
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ShapeError(f"window must be a positive int or None, got {window!r}")
+        if scale is None:
+            scale = 1.0 / math.sqrt(self.spec.head_dim)
+        bs = self.spec.block_size
+        width = max(math.ceil(int(n) / bs) for n in lens)
+        table = np.full((len(seq_objs), max(width, 1)), -1, np.int32)
+        for i, (s, n) in enumerate(zip(seq_objs, lens)):
+            nb = math.ceil(int(n) / bs)
+            table[i, :nb] = s.blocks[:nb]
+        return self.backend.attention(q, self.pools[layer], table, lens, ql, float(scale), bool(causal), window)
+
+    def stats(self) -> CacheStats:
+        spec = self.spec
+        per_block_k = spec.n_layers * spec.n_kv_heads * spec.block_size * spec.k_row_bytes
+        per_block_v = spec.n_layers * spec.n_kv_heads * spec.block_size * spec.v_row_bytes
+        used = int((self._ref > 0).sum())
+        return CacheStats(
+            backend=self.backend.name,
+            n_blocks=self.n_blocks,
+            block_size=spec.block_size,
+            blocks_used=used,
+            blocks_free=len(self._free),
+            blocks_shared=int((self._ref > 1).sum()),
+            capacity_tokens=self.n_blocks * spec.block_size,
+            n_seqs=len(self._seqs),
+            tokens=sum(max(s.lens) for s in self._seqs.values()),
+            k_format=spec.k_format,
+            v_format=spec.v_format,
+            k_bytes=per_block_k * self.n_blocks,
+            v_bytes=per_block_v * self.n_blocks,
+            bytes_allocated=sum(p.nbytes for p in self.pools),
+            bytes_per_token=spec.bytes_per_token,
+        )
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _seq(self, seq: int) -> _Seq:
+        try:
+            return self._seqs[seq]
+        except (KeyError, TypeError):
+            raise SequenceError(f"no sequence {seq!r} in this cache (live: {sorted(self._seqs)}); create one with new_seq()") from None
+
+    def _layer(self, layer: int) -> int:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.n_layers:
+            raise PositionError(f"layer {layer!r} is out of range; the cache has layers 0..{self.spec.n_layers - 1}")
+        return int(layer)
+
+    @staticmethod
+    def _range(p0: int, p1: int) -> tuple[int, int]:
+        lo = 0 if p0 < 0 else p0
+        hi = 2**62 if p1 < 0 else p1
+        if hi < lo:
+            raise PositionError(f"range [{p0}, {p1}) is empty backwards; need p0 <= p1 (or p1 < 0 for the end)")
+        return lo, hi
+
+    def _slots(self, s: _Seq, p0: int, p1: int) -> np.ndarray:
+        pos = np.arange(p0, p1, dtype=np.int64)
+        bs = self.spec.block_size
+        return np.asarray(s.blocks, np.int64)[pos // bs] * bs + pos % bs
+
+    def _reserve(self, n: int | np.integer) -> None:
+        if n > len(self._free):
+            raise CapacityError(
+                f"need {int(n)} free blocks of {self.spec.block_size} tokens but {len(self._free)} of {self.n_blocks} "
+                "are free; free sequences (free_seq/seq_rm) or create the cache with a larger capacity_tokens"
+            )
+
+    def _own(self, s: _Seq, indices: list[int]) -> None:
+        """Copy-on-write: give ``s`` its own copy of each shared block at ``indices`` (blocks reserved)."""
+        bs = self.spec.block_size
+        for i in indices:
+            old = s.blocks[i]
+            if self._ref[old] <= 1:
+                continue
+            new = self._free.pop()
+            src = np.arange(old * bs, old * bs + bs, dtype=np.int64)
+            dst = np.arange(new * bs, new * bs + bs, dtype=np.int64)
+            for pools in self.pools:
+                self.backend.copy_slots(pools, src, dst)
+            self._ref[old] -= 1
+            self._ref[new] = 1
+            s.blocks[i] = new
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free.append(b)

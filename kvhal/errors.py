@@ -1,0 +1,50 @@
+"""Every error kvhal raises is a KVHalError; each message says what to do next."""
+
+from __future__ import annotations
+
+
+class KVHalError(Exception):
+    """Base class of all kvhal errors."""
+
+
+class ShapeError(KVHalError, ValueError):
+    """An array has the wrong shape for the cache it is given to."""
+
+
+class DTypeError(KVHalError, TypeError):
+    """An array has a dtype kvhal does not take."""
+
+
+class NonFiniteError(KVHalError, ValueError):
+    """Input holds NaN or ±inf, or a value the format cannot represent."""
+
+
+class FormatError(KVHalError, ValueError):
+    """Unknown format name or a format that does not fit the spec."""
+
+
+class UnsupportedError(KVHalError):
+    """The chosen backend cannot run this format/operation; the message names backends that can."""
+
+
+class BackendUnavailableError(KVHalError):
+    """The requested backend is not installed or its probe refused this machine."""
+
+
+class CapacityError(KVHalError):
+    """The cache has no free blocks left for the requested store or copy."""
+
+
+class SequenceError(KVHalError, KeyError):
+    """Unknown or freed sequence id."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PositionError(KVHalError, IndexError):
+    """A position or range outside the sequence."""
+
+
+class SpecError(KVHalError, ValueError):
+    """An invalid CacheSpec or KVCache argument."""

@@ -1,0 +1,111 @@
+"""The format registry: one entry per KV storage format, each with a numpy reference that *is* the spec.
+
+A format stores a row of ``n`` values (one token of one KV head, ``n = head_dim``) as ``n // block_len``
+blocks of ``block_bytes`` bytes each, laid out back to back. The ggml formats are byte-identical to
+ggml's ``block_*`` structs, so a kvhal pool row is a valid ggml tensor row of that type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import FormatError, NonFiniteError
+
+Quantizer = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    block_len: int  # values per block
+    block_bytes: int  # bytes per block, scales included
+    max_abs: float  # largest |x| the format stores without overflowing its scale or values
+    quantize_blocks: Quantizer = field(repr=False)  # [nb, block_len] f32 -> [nb, block_bytes] u8
+    dequantize_blocks: Quantizer = field(repr=False)  # [nb, block_bytes] u8 -> [nb, block_len] f32
+    ggml_type: str | None = None  # gguf.GGMLQuantizationType member name, when ggml has the format
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage bits per value, scales and mins included (q8_0: 8.5, q4_0: 4.5)."""
+        return self.block_bytes * 8 / self.block_len
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one stored row of ``n`` values."""
+        self.check_row_len(n)
+        return n // self.block_len * self.block_bytes
+
+    def check_row_len(self, n: int) -> None:
+        if n <= 0 or n % self.block_len:
+            raise FormatError(
+                f"format {self.name} stores rows in blocks of {self.block_len} values; "
+                f"a row of {n} is not a multiple of it (pick a head_dim that is)"
+            )
+
+    def check_values(self, x: np.ndarray) -> None:
+        """Raise NonFiniteError if ``x`` holds a value this format cannot store faithfully."""
+        if x.size == 0:
+            return
+        finite = np.isfinite(x)
+        if not finite.all():
+            bad = x[~finite].flat[0]
+            raise NonFiniteError(
+                f"{int((~finite).sum())} non-finite value(s) (first: {bad}) in input for format {self.name}; "
+                "kvhal stores finite values only: find the NaN/inf upstream (overflowing activations) "
+                "or clamp before storing"
+            )
+        amax = float(np.abs(x).max())
+        if amax > self.max_abs:
+            raise NonFiniteError(
+                f"|x| = {amax:g} exceeds {self.max_abs:g}, the largest value format {self.name} stores "
+                "without overflowing to inf; clamp, rescale, or use a wider format (f32/bf16)"
+            )
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        """Quantize float rows ``[..., n]`` into bytes ``[..., row_bytes(n)]``; rejects non-finite input."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        n = x.shape[-1]
+        self.check_row_len(n)
+        self.check_values(x)
+        blocks = x.reshape(-1, self.block_len)
+        out = self.quantize_blocks(blocks)
+        return out.reshape(*x.shape[:-1], n // self.block_len * self.block_bytes)
+
+    def dequantize(self, q: np.ndarray) -> np.ndarray:
+        """Dequantize bytes ``[..., row_bytes]`` into float32 rows ``[..., n]``."""
+        q = np.ascontiguousarray(q, dtype=np.uint8)
+        nb = q.shape[-1]
+        if nb % self.block_bytes:
+            raise FormatError(f"{nb} bytes is not a whole number of {self.name} blocks ({self.block_bytes} B each)")
+        out = self.dequantize_blocks(q.reshape(-1, self.block_bytes))
+        return out.reshape(*q.shape[:-1], nb // self.block_bytes * self.block_len)
+
+
+_REGISTRY: dict[str, Format] = {}
+
+
+def register(fmt: Format) -> Format:
+    if fmt.name in _REGISTRY:
+        raise FormatError(f"format {fmt.name!r} is already registered")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def get(name: str | Format) -> Format:
+    if isinstance(name, Format):
+        return name
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise FormatError(f"unknown format {name!r}; known formats: {', '.join(_REGISTRY)}") from None
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+from . import ggml as _ggml  # noqa: E402,F401  (registers the ggml formats)
+
+__all__ = ["Format", "get", "names", "register"]

@@ -1,0 +1,39 @@
+"""DLPack in, numpy out: the only array conversions the core needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import DTypeError
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Any backend's output (numpy, torch, cupy, pyopencl arrays) as a host numpy array."""
+    if isinstance(x, np.ndarray):
+        return x
+    module = type(x).__module__.split(".")[0]
+    if module == "torch":
+        return x.detach().to("cpu").numpy()
+    if module in ("cupy", "pyopencl") or hasattr(x, "get") and hasattr(x, "shape") and not hasattr(x, "__dlpack__"):
+        return np.asarray(x.get())
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)
+
+
+def host_float_array(x: Any, what: str) -> np.ndarray:
+    """A host float32/float16 numpy view of ``x`` (numpy, torch CPU tensor, anything with __dlpack__)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and str(dtype).replace("torch.", "") not in ("float32", "float16"):
+        raise DTypeError(
+            f"{what} has dtype {dtype}; kvhal takes float32 or float16 (convert with .float() or .astype('float32'))"
+        )
+    try:
+        arr = to_numpy(x) if dtype is not None else np.asarray(x, dtype=np.float32)
+    except (TypeError, BufferError, RuntimeError) as e:
+        raise DTypeError(f"{what} could not be read through DLPack ({e}); pass a CPU array") from e
+    if arr.dtype not in (np.float32, np.float16):
+        raise DTypeError(f"{what} has dtype {arr.dtype}; kvhal takes float32 or float16")
+    return arr
