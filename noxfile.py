@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 nox.options.sessions = ["lint", "test-reference"]

@@ -134,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
         refs = [b for seq in self.cache._seqs.values() for b in seq.blocks]
         assert st_.blocks_used == len(set(refs))
         assert st_.blocks_shared == sum(1 for b in set(refs) if refs.count(b) > 1)
-        for s, seq in self.cache._seqs.items():
+        for seq in self.cache._seqs.values():
             assert len(seq.blocks) == math.ceil(max(seq.lens) / BS)
 
 
