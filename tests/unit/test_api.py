@@ -26,11 +26,12 @@ def rows(n: int, heads: int = 2, dim: int = 32, seed: int = 0) -> np.ndarray:
 
 
 def test_import_is_light():
-    code = ("import sys, time; t = time.perf_counter(); import kvhal; dt = time.perf_counter() - t; "
+    # CPU time, not wall time: the budget is kvhal's own work, not other processes on a shared machine
+    code = ("import sys, time; t = time.process_time(); import kvhal; dt = time.process_time() - t; "
             "heavy = [m for m in ('torch', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu') "
             "if m in sys.modules]; print(dt, heavy)")
     times = []
-    for _ in range(3):
+    for _ in range(5):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
         times.append(float(out[0]))
         assert out[1] == "[]", f"import kvhal imported {out[1:]}"
