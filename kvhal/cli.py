@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     pi = sub.add_parser("info", help="backends, why any is unavailable, and the formats each runs")
     pi.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb = sub.add_parser("bench", help="store/load/decode attention per backend and format")
-    pb.add_argument("--backend", action="append", help="backend to run (repeatable; default: every available one)")
+    pb.add_argument("--backend", action="append", help="backend to run, or 'auto' (repeatable; default: every available one)")
     pb.add_argument(
         "--format", action="append", dest="formats", help="KV format (repeatable; default: all the backend runs)"
     )
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
         available = [b for b in backends() if b.available]
         names = args.backend or [b.name for b in available]
+        if "auto" in names:  # the backend KVCache(backend="auto") would pick for f16
+            from .registry import resolve
+
+            names = [resolve("auto", ["f16"]).name if n == "auto" else n for n in names]
         by_name = {b.name: b for b in backends()}
         jobs_formats = args.formats or formats.names()
         for n in names:
