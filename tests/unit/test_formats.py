@@ -119,3 +119,56 @@ def test_quantization_error_bounds():
         f = formats.get(name)
         err = np.abs(f.dequantize(f.quantize(x)) - x).reshape(-1, 32).max(axis=1)
         assert (err <= b + 1e-7).all(), name
+
+
+def _ggml_scalar(x: np.ndarray, name: str) -> bytes:
+    """A literal transcription of ggml-quants.c's scalar reference loops for one block (an oracle
+    independent of both kvhal's vectorized code and gguf's), for the cases where they could differ."""
+    f32, f16 = np.float32, np.float16
+    out = b""
+    if name in ("q4_0", "q5_0"):
+        amax, mx = f32(0), f32(0)
+        for v in x:
+            if amax < abs(v):
+                amax, mx = abs(v), v
+        d = f32(mx / f32(-8 if name == "q4_0" else -16))
+        idv = f32(1) / d if d else f32(0)
+        bias, top = (f32(8.5), 15) if name == "q4_0" else (f32(16.5), 31)
+        q = [min(top, int(f32(v * idv) + bias)) for v in x]
+    else:  # q4_1, q5_1
+        lo, hi = f32(np.finfo(f32).max), f32(-np.finfo(f32).max)
+        for v in x:
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        d = f32((hi - lo) / f32(15 if name == "q4_1" else 31))
+        idv = f32(1) / d if d else f32(0)
+        top = 15 if name == "q4_1" else 31
+        q = [min(top, int(f32((v - lo) * idv) + f32(0.5))) for v in x]
+    out += f16(d).tobytes()
+    if name in ("q4_1", "q5_1"):
+        out += f16(lo).tobytes()
+    if name in ("q5_0", "q5_1"):
+        qh = sum(((qi >> 4) & 1) << j for j, qi in enumerate(q))
+        out += int(qh).to_bytes(4, "little")
+    out += bytes((q[j] & 0xF) | ((q[j + 16] & 0xF) << 4) for j in range(16))
+    return out
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q5_0", "q5_1"])
+def test_signed_zeros_and_ties_follow_ggml_c(name):
+    rng = np.random.default_rng(3)
+    cases = [
+        np.r_[np.float32(-0.0), np.zeros(31)],  # all zero, first one negative
+        np.r_[np.zeros(31), np.float32(-0.0)],
+        np.full(32, -0.0),
+        np.r_[-0.0, 0.0, rng.uniform(0.1, 1, 30)],  # zero min: first occurrence decides its sign
+        np.r_[rng.uniform(-1, -0.1, 30), 0.0, -0.0],  # zero max
+        np.r_[2.0, -2.0, rng.uniform(-1, 1, 30)],  # |max| tie: the first wins
+        np.r_[-2.0, 2.0, rng.uniform(-1, 1, 30)],
+    ]
+    f = formats.get(name)
+    for x in cases:
+        x = np.asarray(x, np.float32)
+        assert f.quantize(x[None]).tobytes() == _ggml_scalar(x, name), x[:4]
