@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     pi = sub.add_parser("info", help="backends, why any is unavailable, and the formats each runs")
     pi.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb = sub.add_parser("bench", help="store/load/decode attention per backend and format")
-    pb.add_argument("--backend", action="append", help="backend to run, or 'auto' (repeatable; default: every available one)")
+    pb.add_argument(
+        "--backend", action="append", help="backend to run, or 'auto' (repeatable; default: every available one)"
+    )
     pb.add_argument(
         "--format", action="append", dest="formats", help="KV format (repeatable; default: all the backend runs)"
     )
