@@ -73,25 +73,33 @@ def _select(selector: str) -> tuple[Any, str] | str:
     """The chosen device and its "p:d" index, or why there is none (text for unavailable_reason)."""
     if importlib.util.find_spec("pyopencl") is None:
         return "pyopencl is not installed (pip install pyopencl, or install kvhal-opencl with its dependencies)"
-    import pyopencl as cl
-
+    try:
+        import pyopencl as cl
+    except ImportError as e:  # a source build of pyopencl links the system's libOpenCL
+        return f"pyopencl is installed but does not import ({e}); {INSTALL_HINT}"
     try:
         found = _devices(cl)
     except cl.Error as e:  # the ICD loader found no platform at all
         return f"no OpenCL platform found ({e}): no ICD is registered in /etc/OpenCL/vendors; {INSTALL_HINT}"
+    return _choose(cl, found, selector)
+
+
+def _choose(cl: Any, found: list[tuple[str, Any]], selector: str) -> tuple[Any, str] | str:
+    """Apply ``KVHAL_OPENCL_DEVICE`` (empty: the first GPU, else accelerator, else CPU) to ``found``."""
     if not found:
         return f"OpenCL platforms are installed but report no devices; {INSTALL_HINT}"
     if not selector:
-        return min(found, key=lambda f: _kind_rank(cl, f[1]))[::-1]
-    listing = "; ".join(_describe(i, d) for i, d in found)
+        index, dev = min(found, key=lambda f: _kind_rank(cl, f[1]))  # min is stable: first of the best kind
+        return dev, index
     if ":" in selector and selector.replace(":", "").isdigit():
         match = [f for f in found if f[0] == selector]
     else:
         s = selector.lower()
         match = [f for f in found if s in f[1].name.lower() or s in f[1].platform.name.lower()]
     if not match:
+        listing = "; ".join(_describe(i, d) for i, d in found)
         return f"{ENV_DEVICE}={selector!r} matches no OpenCL device; devices here: {listing}"
-    return match[0][::-1]
+    return match[0][1], match[0][0]
 
 
 @dataclass
