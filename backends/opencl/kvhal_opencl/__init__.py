@@ -13,7 +13,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib.resources import files
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ import numpy as np
 from kvhal import formats
 from kvhal.backend import Backend, LayerPools, Probe
 from kvhal.errors import BackendUnavailableError, CapacityError, DTypeError, KVHalError, UnsupportedError
+from kvhal.formats import Format
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
 
@@ -49,7 +50,7 @@ class OpenCLBuildError(KVHalError):
 
 def _devices(cl: Any) -> list[tuple[str, Any]]:
     """("platform:device", device) for every device of every platform."""
-    out = []
+    out: list[tuple[str, Any]] = []
     for p, platform in enumerate(cl.get_platforms()):
         try:
             devs = platform.get_devices()
@@ -177,7 +178,7 @@ class _Device:
 _DEVICES: dict[int, _Device] = {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _source(name: str) -> str:
     return (files(__name__) / "kernels" / name).read_text()
 
@@ -227,7 +228,7 @@ class OpenCLBackend(Backend):
         s = self.spec
         return {"HEAD_DIM": s.head_dim, "N_KV_HEADS": s.n_kv_heads, "BLOCK_SIZE": s.block_size}
 
-    def _codec(self, fmt: formats.Format) -> dict[str, Any]:
+    def _codec(self, fmt: Format) -> dict[str, Any]:
         d = {"FMT": fmt.name, "ROW_BYTES": fmt.row_bytes(self.spec.head_dim), **self._shape_defines()}
         return self.dev.build(("codec", *d.values()), ("formats.cl", "codec.cl"), d)
 
@@ -235,12 +236,20 @@ class OpenCLBackend(Backend):
         s = self.spec
         budget = QT_BUDGET[self.dev.is_cpu] // s.head_dim
         qt = max([t for t in range(1, group + 1) if group % t == 0 and t <= budget] or [1])
-        d = {"K_FMT": s.k_format, "V_FMT": s.v_format, "K_ROW_BYTES": s.k_row_bytes, "V_ROW_BYTES": s.v_row_bytes,
-             "GROUP": group, "QT": qt, "TILE": min(TILE, s.block_size), **self._shape_defines()}
+        d = {
+            "K_FMT": s.k_format,
+            "V_FMT": s.v_format,
+            "K_ROW_BYTES": s.k_row_bytes,
+            "V_ROW_BYTES": s.v_row_bytes,
+            "GROUP": group,
+            "QT": qt,
+            "TILE": min(TILE, s.block_size),
+            **self._shape_defines(),
+        }
         return self.dev.build(("attention", *d.values()), ("formats.cl", "attention.cl"), d), qt
 
     @staticmethod
-    def _units_per_row(fmt: formats.Format, head_dim: int) -> int:
+    def _units_per_row(fmt: Format, head_dim: int) -> int:
         return 1 if fmt.name in FLOAT_FORMATS else head_dim // fmt.block_len
 
     # -- arrays ------------------------------------------------------------------------------------
@@ -303,16 +312,13 @@ class OpenCLBackend(Backend):
 
     def load(self, pools: LayerPools, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
         s = self.spec
-        out = []
-        ids = self._ints(block_ids) if n else None
-        for pool, fmt in ((pools.k, s.k_fmt), (pools.v, s.v_fmt)):
-            y = self._empty((n, s.n_kv_heads, s.head_dim))
-            if n:
-                knl = self._codec(fmt)["load_rows"]
-                self.dev.launch(knl, n * s.n_kv_heads * self._units_per_row(fmt, s.head_dim), [pool.data, ids.data],
-                                [y.data])
-            out.append(y)
-        return out[0], out[1]
+        k, v = (self._empty((n, s.n_kv_heads, s.head_dim)) for _ in range(2))
+        if n:
+            ids = self._ints(block_ids)
+            for pool, fmt, y in ((pools.k, s.k_fmt, k), (pools.v, s.v_fmt, v)):
+                n_units = n * s.n_kv_heads * self._units_per_row(fmt, s.head_dim)
+                self.dev.launch(self._codec(fmt)["load_rows"], n_units, [pool.data, ids.data], [y.data])
+        return k, v
 
     def copy_slots(self, pools: LayerPools, src: np.ndarray, dst: np.ndarray) -> None:
         s = self.spec
@@ -322,8 +328,9 @@ class OpenCLBackend(Backend):
         n_rows = len(src) * s.n_kv_heads
         for pool, fmt in ((pools.k, s.k_fmt), (pools.v, s.v_fmt)):
             kernels = self._codec(fmt)
-            rows = self.cl_array.empty(self.dev.queue, n_rows * fmt.row_bytes(s.head_dim), np.uint8,
-                                       allocator=self.dev.alloc)
+            rows = self.cl_array.empty(
+                self.dev.queue, n_rows * fmt.row_bytes(s.head_dim), np.uint8, allocator=self.dev.alloc
+            )
             self.dev.launch(kernels["gather_rows"], n_rows, [pool.data, src_d.data], [rows.data])
             self.dev.launch(kernels["scatter_rows"], n_rows, [rows.data, dst_d.data], [pool.data])
 
@@ -372,8 +379,16 @@ class OpenCLBackend(Backend):
             merge = kernels["attention_merge"]
             n = n_rows * n_heads
             local = 1 if dev.is_cpu else dev.local_size(merge)
-            merge(dev.queue, (-(-n // local) * local,), (local,), part_acc.data, part_ml.data, np.int32(n_rows),
-                  np.int32(splits), out.data)
+            merge(
+                dev.queue,
+                (-(-n // local) * local,),
+                (local,),
+                part_acc.data,
+                part_ml.data,
+                np.int32(n_rows),
+                np.int32(splits),
+                out.data,
+            )
         return out
 
     def synchronize(self) -> None:

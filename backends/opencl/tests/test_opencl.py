@@ -10,15 +10,15 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import kvhal_opencl
 import numpy as np
 import pytest
+from kvhal_opencl import ENV_DEVICE, OpenCLBackend
 
 import kvhal
-import kvhal_opencl
 from kvhal import formats
 from kvhal.formats.ggml import _inverse
 from kvhal.reference import ReferenceBackend
-from kvhal_opencl import ENV_DEVICE, OpenCLBackend
 from tests.oracle import attention_f64
 
 if OpenCLBackend.probe() is None:
@@ -55,9 +55,15 @@ def adversarial_blocks(rng: np.random.Generator, fmt: str) -> np.ndarray:
     x[0], x[1], x[2], x[3] = 127, 0.49999997, -0.49999997, -127
     b.append(x)
     # q4_0 / q5_0 with d = 1 (max = -8 / -16): x*id + 8.5 (+16.5) lands on integers
-    b += [np.concatenate([[-8.0], ar[:31] / 2 - 7.5]).astype(F32), np.concatenate([[-16.0], ar[:31] - 15.5]).astype(F32)]
+    b += [
+        np.concatenate([[-8.0], ar[:31] / 2 - 7.5]).astype(F32),
+        np.concatenate([[-16.0], ar[:31] - 15.5]).astype(F32),
+    ]
     # q4_1 / q5_1 with d = 1 (min 0, max 15 / 31): (x - min)*id + 0.5 lands on integers
-    b += [np.concatenate([[0.0, 15.0], ar[:30] / 2]).astype(F32), np.concatenate([[0.0, 31.0], ar[:30] + 0.5]).astype(F32)]
+    b += [
+        np.concatenate([[0.0, 15.0], ar[:30] / 2]).astype(F32),
+        np.concatenate([[0.0, 31.0], ar[:30] + 0.5]).astype(F32),
+    ]
     # equal magnitudes of both signs: the first one sets q4_0/q5_0's sign
     b += [np.resize(np.array([3, -3], F32), 32), np.resize(np.array([-3, 3], F32), 32)]
     # scales near the bottom of float32: subnormal d with finite and with overflowing inverse, subnormal inputs
@@ -155,12 +161,12 @@ def test_kernel_bytes_on_adversarial_data(fmt: str, division: str) -> None:
     cl_pools, got = pools_of(ocl, spec, k, v, slots, nb)
     ref = ReferenceBackend()
     ref_pools, want = pools_of(ref, spec, k, v, slots, nb)
-    for g, w, which in zip(got, want, "KV"):
+    for g, w, which in zip(got, want, "KV", strict=True):
         bad = np.flatnonzero((g != w).reshape(-1, g.shape[-1]).any(axis=1))
         assert bad.size == 0, f"{fmt} {which}: {bad.size} rows differ from the reference, first row {bad[:1]}"
     # load: every page, bit for bit equal to the reference's dequantization
     ids = np.arange(nb)
-    for x, y in zip(ocl.load(cl_pools, ids, nb * bs), ref.load(ref_pools, ids, nb * bs)):
+    for x, y in zip(ocl.load(cl_pools, ids, nb * bs), ref.load(ref_pools, ids, nb * bs), strict=True):
         np.testing.assert_array_equal(bits(kvhal.to_numpy(x)), bits(y))
 
 
@@ -220,7 +226,7 @@ def test_copy_slots_overlapping_ranges() -> None:
         b.copy_slots(pools, src, dst)
         b.copy_slots(pools, dst[::-1], src[::-1] + 4)
         results.append([np.asarray(b.to_numpy(p)) for p in (pools.k, pools.v)])
-    for x, y in zip(*results):
+    for x, y in zip(*results, strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -337,4 +343,6 @@ def test_reason_without_icd(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     probe, reason = out.strip().splitlines()
     assert probe == "None"
-    assert reason.startswith("no OpenCL platform found") and "apt-get install pocl-opencl-icd ocl-icd-libopencl1" in reason
+    assert (
+        reason.startswith("no OpenCL platform found") and "apt-get install pocl-opencl-icd ocl-icd-libopencl1" in reason
+    )
