@@ -346,3 +346,52 @@ def test_reason_without_icd(tmp_path) -> None:
     assert (
         reason.startswith("no OpenCL platform found") and "apt-get install pocl-opencl-icd ocl-icd-libopencl1" in reason
     )
+
+
+def test_gpu_launch_path_on_this_device() -> None:
+    """The GPU launch logic (one unit per work item, queried work-group sizes, many KV splits) run on
+    whatever device is here, against the reference and float64."""
+    b = OpenCLBackend()
+    d = kvhal_opencl._Device(b.dev.cl, b.dev.device, b.dev.index)
+    d.is_cpu = False
+    b.dev = d
+    rng = np.random.default_rng(5)
+    spec = kvhal.CacheSpec(1, 2, 64, "q4_0", "q5_1", 16)
+    c, r = kvhal.KVCache(spec, 1400, backend=b), kvhal.KVCache(spec, 1400, backend="reference")
+    k, v = rng.standard_normal((2, 1000, 2, 64), dtype=F32)
+    q = rng.standard_normal((3, 8, 64), dtype=F32)
+    for cache in (c, r):
+        s = cache.new_seq()
+        cache.store(s, 0, k, v)
+        cache.seq_cp(s, 5, 300)
+    for x, y in ((c.pools[0].k.get(), r.pools[0].k), (c.pools[0].v.get(), r.pools[0].v)):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(1, 0)[1]), r.load(1, 0)[1])
+    kd, vd = (f.dequantize(f.quantize(x)) for f, x in ((spec.k_fmt, k), (spec.v_fmt, v)))
+    out = kvhal.to_numpy(c.attention(0, q, [0], [3]))
+    assert np.abs(out - attention_f64(q, [kd], [vd], [3])).max() <= OpenCLBackend.attention_tolerance
+    assert d.local and all(size >= 1 for size in d.local.values())
+
+
+def test_attention_half_reader_is_exact_for_every_finite_half() -> None:
+    """formats.cl's halves16 / half1 (the attention-side f16 reader) against numpy on all 63488 finite halves."""
+    import pyopencl as cl
+    import pyopencl.array as cl_array
+
+    dev = OpenCLBackend().dev
+    src = kvhal_opencl._source("formats.cl") + (
+        "kernel void one(global const ushort* h, global float* a) {"
+        " a[get_global_id(0)] = half1((global const uchar*)(h + get_global_id(0))); }"
+        "kernel void sixteen(global const ushort* h, global float* b) {"
+        " vstore16(halves16(h + 16 * get_global_id(0)), get_global_id(0), b); }"
+    )
+    prog = cl.Program(dev.ctx, src).build(options=["-DHEAD_DIM=32", *dev.ftz])
+    bits_ = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits_ = bits_[np.isfinite(bits_.view(np.float16))]  # 63488 = 16 * 3968
+    h = cl_array.to_device(dev.queue, bits_)
+    a, b = (cl_array.zeros(dev.queue, len(bits_), np.float32) for _ in range(2))
+    prog.one(dev.queue, (len(bits_),), None, h.data, a.data)
+    prog.sixteen(dev.queue, (len(bits_) // 16,), None, h.data, b.data)
+    want = bits_.view(np.float16).astype(F32)
+    np.testing.assert_array_equal(bits(b.get()), bits(want))
+    np.testing.assert_array_equal(bits(a.get()), bits(want))

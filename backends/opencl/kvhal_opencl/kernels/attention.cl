@@ -28,17 +28,20 @@ float hsum16(float16 a) {
 void tile_scores(global const uchar* krow, int n, const float* qv, float* s) {
     for (int k = 0; k < n; k++) {
         global const uchar* row = krow + (ulong)k * K_ROW_BYTES;
-        for (int t = 0; t < QT; t++) s[t * TILE + k] = 0.0f;
 #if HEAD_DIM % QK == 0
+        float16 dot[QT];  // lane sums, reduced once per row
+        for (int t = 0; t < QT; t++) dot[t] = 0.0f;
         for (int c = 0; c < HEAD_DIM / QK; c++) {
             float16 lo, hi;
             K_DQ32(row, c, &lo, &hi);
             for (int t = 0; t < QT; t++) {
                 const float* qt = qv + t * HEAD_DIM;
-                s[t * TILE + k] += hsum16(lo * vload16(2 * c, qt) + hi * vload16(2 * c + 1, qt));
+                dot[t] += lo * vload16(2 * c, qt) + hi * vload16(2 * c + 1, qt);
             }
         }
+        for (int t = 0; t < QT; t++) s[t * TILE + k] = hsum16(dot[t]);
 #else
+        for (int t = 0; t < QT; t++) s[t * TILE + k] = 0.0f;
         for (int i = 0; i < HEAD_DIM; i++) {
             const float x = K_DQ1(row, i);
             for (int t = 0; t < QT; t++) s[t * TILE + k] += x * qv[t * HEAD_DIM + i];

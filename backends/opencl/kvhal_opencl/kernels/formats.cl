@@ -81,6 +81,24 @@ uint read_u32(global const uchar* p) {
 
 float half_at(global const uchar* p) { return vload_half(0, (global const half*)p); }
 
+// Attention reads halves through this instead: exact for every finite half (subnormals too) and
+// vectorizable, where PoCL's vload_half is a scalar software routine. It needs float32 denormals
+// (a half subnormal passes through a float32 subnormal), so FTZ devices build with KVHAL_FTZ.
+#ifdef KVHAL_FTZ
+float16 halves16(global const ushort* p) { return vload_half16(0, (global const half*)p); }
+float half1(global const uchar* p) { return half_at(p); }
+#else
+float16 halves16(global const ushort* p) {
+    const uint16 u = convert_uint16(vload16(0, p));
+    const float16 mag = as_float16((u & (uint16)0x7fff) << (uint16)13) * 0x1p112f;
+    return as_float16(as_uint16(mag) | ((u & (uint16)0x8000) << (uint16)16));
+}
+float half1(global const uchar* p) {
+    const uint u = (uint)p[0] | ((uint)p[1] << 8);
+    return as_float(as_uint(as_float((u & 0x7fff) << 13) * 0x1p112f) | ((u & 0x8000) << 16));
+}
+#endif
+
 float16 nib_lo(uchar16 qs) { return convert_float16(qs & (uchar16)15); }
 float16 nib_hi(uchar16 qs) { return convert_float16(qs >> (uchar16)4); }
 
@@ -112,10 +130,10 @@ void store_unit_f16(global const float* x, global uchar* dst, int u) {
 void load_unit_f16(global const uchar* src, global float* y, int u) {
     for (int i = 0; i < HEAD_DIM; i++) y[i] = vload_half(i, (global const half*)src);
 }
-float dq1_f16(global const uchar* row, int i) { return vload_half(i, (global const half*)row); }
+float dq1_f16(global const uchar* row, int i) { return half1(row + 2 * i); }
 void dq32_f16(global const uchar* row, int c, float16* lo, float16* hi) {
-    *lo = vload_half16(2 * c, (global const half*)row);
-    *hi = vload_half16(2 * c + 1, (global const half*)row);
+    *lo = halves16((global const ushort*)row + 32 * c);
+    *hi = halves16((global const ushort*)row + 32 * c + 16);
 }
 
 // ---- bf16: round to nearest even on the upper 16 bits, in integers ---------------------------------
@@ -156,7 +174,7 @@ void load_unit_q8_0(global const uchar* src, global float* y, int u) {
 }
 void dq32_q8_0(global const uchar* row, int c, float16* lo, float16* hi) {
     global const uchar* b = row + c * 34;
-    const float d = half_at(b);
+    const float d = half1(b);
     *lo = d * convert_float16(vload16(0, (global const char*)(b + 2)));
     *hi = d * convert_float16(vload16(1, (global const char*)(b + 2)));
 }
@@ -185,7 +203,7 @@ void load_unit_q4_0(global const uchar* src, global float* y, int u) {
 }
 void dq32_q4_0(global const uchar* row, int c, float16* lo, float16* hi) {
     global const uchar* b = row + c * 18;
-    const float d = half_at(b);
+    const float d = half1(b);
     const uchar16 qs = vload16(0, b + 2);
     *lo = d * (nib_lo(qs) - 8.0f);
     *hi = d * (nib_hi(qs) - 8.0f);
@@ -217,7 +235,7 @@ void load_unit_q4_1(global const uchar* src, global float* y, int u) {
 }
 void dq32_q4_1(global const uchar* row, int c, float16* lo, float16* hi) {
     global const uchar* b = row + c * 20;
-    const float d = half_at(b), m = half_at(b + 2);
+    const float d = half1(b), m = half1(b + 2);
     const uchar16 qs = vload16(0, b + 4);
     *lo = d * nib_lo(qs) + m;
     *hi = d * nib_hi(qs) + m;
@@ -251,7 +269,7 @@ void load_unit_q5_0(global const uchar* src, global float* y, int u) {
 }
 void dq32_q5_0(global const uchar* row, int c, float16* lo, float16* hi) {
     global const uchar* b = row + c * 22;
-    const float d = half_at(b);
+    const float d = half1(b);
     const uint qh = read_u32(b + 2);
     const uchar16 qs = vload16(0, b + 6);
     *lo = d * (convert_float16(convert_uint16(qs & (uchar16)15) | high_bits(qh, 0)) - 16.0f);
@@ -288,7 +306,7 @@ void load_unit_q5_1(global const uchar* src, global float* y, int u) {
 }
 void dq32_q5_1(global const uchar* row, int c, float16* lo, float16* hi) {
     global const uchar* b = row + c * 24;
-    const float d = half_at(b), m = half_at(b + 2);
+    const float d = half1(b), m = half1(b + 2);
     const uint qh = read_u32(b + 4);
     const uchar16 qs = vload16(0, b + 8);
     *lo = d * convert_float16(convert_uint16(qs & (uchar16)15) | high_bits(qh, 0)) + m;
