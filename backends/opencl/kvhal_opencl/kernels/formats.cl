@@ -39,10 +39,11 @@ void read_block(global const float* x, float* v) {
     for (int j = 0; j < QK; j++) v[j] = x[j];
 }
 
-// value of largest magnitude with its sign, first occurrence (numpy argmax over |x|)
+// ggml's loop: the value of largest magnitude with its sign, first occurrence; starting from +0.0,
+// so an all-zero block keeps +0.0 even when it holds -0.0
 float signed_absmax(const float* v) {
-    float best = v[0], amax = fabs(v[0]);
-    for (int j = 1; j < QK; j++) {
+    float best = 0.0f, amax = 0.0f;
+    for (int j = 0; j < QK; j++) {
         if (fabs(v[j]) > amax) {
             amax = fabs(v[j]);
             best = v[j];
@@ -51,8 +52,8 @@ float signed_absmax(const float* v) {
     return best;
 }
 
-// first occurrence of the min / max under < and >, as ggml's loop (numpy leaves the sign of a
-// zero min/max to its SIMD reduction order; see docs/backends/opencl.md)
+// ggml's loop: first occurrence of the min / max under < and >, which decides the sign of a zero
+// min/max in blocks holding both 0.0 and -0.0
 void min_max(const float* v, float* lo, float* hi) {
     float a = v[0], b = v[0];
     for (int j = 1; j < QK; j++) {
