@@ -145,6 +145,17 @@ def test_probe_cpu_and_bad_value(probe_env):
         AscendBackend(device="gpu")
 
 
+def test_probe_cuda_check_path(probe_env):
+    """cuda is a device-agnosticism check only: it never outranks a real backend."""
+    probe_env.setenv(kvhal_ascend.ENV_DEVICE, "cuda")
+    probe_env.setattr(torch.cuda, "device_count", lambda: 0)
+    probe, reason = state()
+    assert probe is None and "sees 0 CUDA device(s)" in reason
+    probe_env.setattr(torch.cuda, "device_count", lambda: 1)
+    probe, _ = state()
+    assert probe is not None and probe.device == "cuda:0" and probe.score == kvhal_ascend.HOST_SCORE
+
+
 def test_npu_requested_without_torch_npu_is_an_error(probe_env):
     hide(probe_env, "torch_npu")
     with pytest.raises(kvhal.BackendUnavailableError, match="torch_npu is not installed"):
