@@ -10,7 +10,8 @@ Exactness rules mirrored from the numpy spec (the reasons are in kvhal/formats/g
 * ``id`` is ``1/d`` by true division (``torch.div``, not ``reciprocal``, which devices may approximate),
   and 0 when ``d`` is 0 or its inverse overflows (subnormal ``d``);
 * q8_0 rounds half away from zero (``torch.round`` is half-to-even): ``sign(v) * floor(|v| + 0.5)``;
-* q4/q5 truncate toward zero; the signed absmax is the first occurrence on ties;
+* q4/q5 truncate toward zero; the signed absmax and the min/max are the first occurrence on ties
+  (the sign of a zero depends on it), and a zero absmax is +0.0;
 * fp16 scales and f16 rows use the device's round-to-nearest-even cast.
 """
 
@@ -42,17 +43,29 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where((d == 0) | ~torch.isfinite(inv), torch.zeros_like(inv), inv)
 
 
-def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
-    """The value of largest magnitude with its sign, first occurrence on ties.
+def _first(blocks: torch.Tensor, key: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the value of ``blocks`` at the first position where ``key == target``.
 
-    argmax's tie rule is not a promise every device keeps, so ties are broken by weight: each
-    position holding the max gets ``QK - j``, unique per row.
+    ggml's scalar loops keep the first of equal candidates, which decides the sign of a zero; argmax's
+    tie rule is not a promise every device keeps, so ties are broken by weight (``QK - j``, unique).
     """
-    mag = blocks.abs()
-    hit = (mag == mag.amax(dim=1, keepdim=True)).to(torch.float32)
+    hit = (key == target).to(torch.float32)
     weight = torch.arange(QK, 0, -1, dtype=torch.float32, device=blocks.device)
-    idx = torch.argmax(hit * weight, dim=1, keepdim=True)
-    return torch.gather(blocks, 1, idx)
+    return torch.gather(blocks, 1, torch.argmax(hit * weight, dim=1, keepdim=True))
+
+
+def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude with its sign; +0.0 for a zero block (ggml starts from max = 0.0f)."""
+    mag = blocks.abs()
+    m = _first(blocks, mag, mag.amax(dim=1, keepdim=True))
+    return torch.where(m == 0, torch.zeros_like(m), m)
+
+
+def _first_min_max(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's ``if (v < min) min = v; if (v > max) max = v``: first occurrence, so a zero keeps its sign."""
+    lo = _first(blocks, blocks, blocks.amin(dim=1, keepdim=True))
+    hi = _first(blocks, blocks, blocks.amax(dim=1, keepdim=True))
+    return lo, hi
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -148,8 +161,8 @@ def _q4_0_dq(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_1_q(b: torch.Tensor) -> torch.Tensor:
-    lo = b.amin(dim=1, keepdim=True)
-    d = (b.amax(dim=1, keepdim=True) - lo) / 15.0
+    lo, hi = _first_min_max(b)
+    d = (hi - lo) / 15.0
     q = torch.clamp(torch.trunc((b - lo) * _inverse(d) + 0.5), max=15)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], dim=1)
 
@@ -170,8 +183,8 @@ def _q5_0_dq(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_1_q(b: torch.Tensor) -> torch.Tensor:
-    lo = b.amin(dim=1, keepdim=True)
-    d = (b.amax(dim=1, keepdim=True) - lo) / 31.0
+    lo, hi = _first_min_max(b)
+    d = (hi - lo) / 31.0
     q = torch.clamp(torch.trunc((b - lo) * _inverse(d) + 0.5), max=31)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(_low4(q))], dim=1)
 

@@ -302,6 +302,8 @@ def edge_rows() -> np.ndarray:
     rows = [
         np.zeros(32),
         np.full(32, -0.0),
+        np.r_[-0.0, 0.0, rng.uniform(0.1, 1, 30)],  # zero signs: the first of equal min/max candidates
+        np.r_[0.0, -0.0, rng.uniform(-1, -0.1, 30)],
         np.full(32, 1e-40),
         np.full(32, -3.0),
         np.r_[7.0, -7.0, np.zeros(30)],
