@@ -72,7 +72,8 @@ def _import_torch_npu() -> tuple[ModuleType | None, str]:
 
 
 def _cann_missing(error: str) -> bool:
-    return "cannot open shared object" in error or ".so" in error
+    """The import failed on a shared library (libhccl.so, libascendcl.so, ...): CANN is not on the path."""
+    return "cannot open shared object" in error or re.search(r"\blib[\w+-]+\.so\b", error) is not None
 
 
 def _probe_state(raw: str | None = None) -> tuple[Probe | None, str]:
