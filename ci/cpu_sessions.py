@@ -10,6 +10,8 @@ root = Path(__file__).resolve().parent.parent
 sessions = ["lint", "test-reference"]
 for pp in sorted(root.glob("backends/*/pyproject.toml")):
     table = tomllib.loads(pp.read_text()).get("tool", {}).get("kvhal", {})
-    if "cpu" in table.get("tags", ["cpu"]):
-        sessions += [f"test-{v}" for v in (table.get("variants") or {pp.parent.name: []})]
+    for variant, spec in (table.get("variants") or {pp.parent.name: []}).items():
+        tags = spec.get("tags", table.get("tags", ["cpu"])) if isinstance(spec, dict) else table.get("tags", ["cpu"])
+        if "cpu" in tags:
+            sessions.append(f"test-{variant}")
 sys.stdout.write(" ".join(sessions) + "\n")

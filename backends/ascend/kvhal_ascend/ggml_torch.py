@@ -9,7 +9,7 @@ Exactness rules mirrored from the numpy spec (the reasons are in kvhal/formats/g
 * one rounding per operation, in the reference's order (``x*id + 8.5`` is a mul and an add, never an FMA);
 * ``id`` is ``1/d`` by true division (``torch.div``, not ``reciprocal``, which devices may approximate),
   and 0 when ``d`` is 0 or its inverse overflows (subnormal ``d``);
-* q8_0 rounds half away from zero (``torch.round`` is half-to-even): ``sign(v) * floor(|v| + 0.5)``;
+* q8_0 rounds half away from zero (``torch.round`` is half-to-even): ``trunc(|v|) + (frac(|v|) >= 0.5)``;
 * q4/q5 truncate toward zero; the signed absmax and the min/max are the first occurrence on ties
   (the sign of a zero depends on it), and a zero absmax is +0.0;
 * fp16 scales and f16 rows use the device's round-to-nearest-even cast.
@@ -140,9 +140,12 @@ def _bf16_dq(b: torch.Tensor) -> torch.Tensor:
 
 def _q8_0_q(b: torch.Tensor) -> torch.Tensor:
     d = b.abs().amax(dim=1, keepdim=True) / 127.0
-    v = b * _inverse(d)
-    r = torch.floor(v.abs() + 0.5)
-    q = torch.where(v < 0, -r, r).to(torch.int8).view(torch.uint8)
+    v = (b * _inverse(d)).abs()
+    # C roundf in float32 without floor(|v| + 0.5), whose sum rounds 0.49999997 up to 1: the
+    # fractional part v - trunc(v) is exact, so compare it with 0.5 instead
+    t = torch.trunc(v)
+    r = t + (v - t >= 0.5).to(torch.float32)
+    q = torch.where(b < 0, -r, r).to(torch.int8).view(torch.uint8)
     return torch.cat([_f16_bytes(d), q], dim=1)
 
 

@@ -31,9 +31,12 @@ float inverse(float d) {
     return (d == 0.0f || isinf(inv)) ? 0.0f : inv;
 }
 
-// formats/ggml.py::_roundf is floor(|x| + 0.5) with the sign of x, in float32 (it differs from C
-// roundf at |x| = 0.5 - 2^-25, where the sum rounds up to 1): match the reference, not libm.
-float round_ref(float x) { return copysign(floor(fabs(x) + 0.5f), x); }
+// C roundf (half away from zero). Not floor(|x| + 0.5f): that sum rounds 0.5 - 2^-25 up to 1. The
+// fractional part |x| - trunc(|x|) is exact, so compare it with 0.5 instead.
+float round_ref(float x) {
+    float a = fabs(x), t = trunc(a);
+    return copysign(t + (a - t >= 0.5f ? 1.0f : 0.0f), x);
+}
 
 void read_block(global const float* x, float* v) {
     for (int j = 0; j < QK; j++) v[j] = x[j];
