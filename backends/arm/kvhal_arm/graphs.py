@@ -11,7 +11,8 @@ even). ONNX has no Trunc and its Round is half-to-even, so:
 
 * q8_0's ``roundf`` (half away from zero) is ``sign(v) * floor(|v| + 0.5)``;
 * q4/q5's ``trunc(y)`` is ``clip(floor(y), 0, max)``: ``y`` is ``x*id + 8.5`` (or ``+16.5``/``+0.5``)
-  with ``|x*id|`` at most the half range, so ``y > -1`` and floor and trunc agree once clipped at 0.
+  with ``|x*id|`` at most the half range, so ``y > -1`` and floor and trunc agree once clipped at 0;
+* block min/max/absmax are the element at the first Arg{Min,Max} index, as ggml's loops choose it.
 
 Dims named ``n``/``nb``/``s``/``mb``/``t``/``mq`` are dynamic: one graph (one session) serves every
 token count, batch and context length of its shape class.
@@ -200,9 +201,13 @@ def _pack_high_bits(g: _Builder, q: str) -> str:
     return g.cast(byte, np.uint8)
 
 
-def _signed_absmax(g: _Builder, x: str) -> str:
-    """The value of largest magnitude with its sign; ArgMax keeps the first occurrence of a tie, as ggml."""
-    idx = g.op("ArgMax", g.op("Abs", x), axis=-1, keepdims=1, select_last_index=0)
+def _first_extreme(g: _Builder, x: str, of: str, op: str) -> str:
+    """``x`` at the first index where ``of`` takes its max (ArgMax) or min (ArgMin), as ggml's loops pick it.
+
+    Reduce{Max,Min} would leave the sign of a zero result to the SIMD lane order (+0 and -0 compare
+    equal): ggml's ``if (v < min) min = v`` keeps the first one, and so does Arg{Max,Min}.
+    """
+    idx = g.op(op, of, axis=-1, keepdims=1, select_last_index=0)
     return g.op("GatherElements", x, idx, axis=-1)
 
 
@@ -227,14 +232,14 @@ def quantize(g: _Builder, x: str, fmt: str, head_dim: int) -> str:
         parts = [_f16_bytes(g, d), g.bitcast(g.cast(r, np.int8), np.uint8)]
     elif fmt in ("q4_0", "q5_0"):
         half = 8 if fmt == "q4_0" else 16
-        d = g.op("Div", _signed_absmax(g, b), g.const(-half, np.float32))
+        d = g.op("Div", _first_extreme(g, b, g.op("Abs", b), "ArgMax"), g.const(-half, np.float32))
         y = g.op("Add", g.op("Mul", b, _inverse(g, d)), g.const(half + 0.5, np.float32))
         q = _trunc_clip(g, y, 2 * half - 1)
         parts = [_f16_bytes(g, d)] + ([_pack_high_bits(g, q)] if fmt == "q5_0" else []) + [_pack_nibbles(g, q)]
     else:  # q4_1, q5_1
         top = 15 if fmt == "q4_1" else 31
-        lo = g.op("ReduceMin", b, k, keepdims=1)
-        d = g.op("Div", g.op("Sub", g.op("ReduceMax", b, k, keepdims=1), lo), g.const(top, np.float32))
+        lo = _first_extreme(g, b, b, "ArgMin")
+        d = g.op("Div", g.op("Sub", _first_extreme(g, b, b, "ArgMax"), lo), g.const(top, np.float32))
         y = g.op("Add", g.op("Mul", g.op("Sub", b, lo), _inverse(g, d)), g.const(0.5, np.float32))
         q = _trunc_clip(g, y, top)
         parts = [_f16_bytes(g, d), _f16_bytes(g, lo)]
