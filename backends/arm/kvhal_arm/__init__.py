@@ -205,7 +205,7 @@ class ArmBackend(Backend):
                 except Exception as e:
                     raise BackendUnavailableError(
                         f"onnxruntime {self._ort.__version__} could not build the arm {op} graph ({type(e).__name__}: "
-                        f"{e}); kvhal-arm needs onnxruntime >= 1.24 (ONNX opset {graphs.OPSET}, BitCast)"
+                        f"{e}); kvhal-arm needs onnxruntime >= 1.25 (ONNX opset {graphs.OPSET}, BitCast)"
                     ) from e
                 _SESSIONS[full] = sess
         self.sessions[full] = sess

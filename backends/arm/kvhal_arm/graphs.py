@@ -27,7 +27,11 @@ import numpy as np
 OPSET = 26  # BitCast arrived in opset 26
 IR_VERSION = 13  # the IR of opset 26 (onnx 1.21); pinned so a newer onnx does not outrun onnxruntime
 QK = 32
-FLOAT_VIEW = {"f32": np.dtype(np.uint32), "f16": np.dtype(np.uint16), "bf16": np.dtype(np.uint16)}
+FLOAT_VIEW: dict[str, np.dtype[Any]] = {
+    "f32": np.dtype(np.uint32),
+    "f16": np.dtype(np.uint16),
+    "bf16": np.dtype(np.uint16),
+}
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 FORMATS = (*FLOAT_VIEW, *BLOCK_FORMATS)
 
@@ -113,9 +117,10 @@ class _Builder:
 
 def _f16_field(g: _Builder, blocks: str, at: int) -> str:
     """The little-endian fp16 at byte ``at`` of each block, as f32 ``[..., nblk, 1]``."""
-    lo = g.cast(g.last(blocks, at, at + 1), np.uint16)
-    hi = g.shl(g.cast(g.last(blocks, at + 1, at + 2), np.uint16), 8, np.uint16)
-    return g.cast(g.bitcast(g.op("BitwiseOr", lo, hi), np.float16), np.float32)
+    # assembled in uint32: onnxruntime's BitShift has no uint16 kernel before 1.32
+    lo = g.cast(g.last(blocks, at, at + 1), np.uint32)
+    hi = g.shl(g.cast(g.last(blocks, at + 1, at + 2), np.uint32), 8, np.uint32)
+    return g.cast(g.bitcast(g.cast(g.op("BitwiseOr", lo, hi), np.uint16), np.float16), np.float32)
 
 
 def _nibbles(g: _Builder, qs: str) -> str:
@@ -175,9 +180,9 @@ def _inverse(g: _Builder, d: str) -> str:
 
 def _f16_bytes(g: _Builder, x: str) -> str:
     """f32 ``[..., 1]`` -> its fp16 (round to nearest even) as 2 little-endian bytes ``[..., 2]``."""
-    u = g.bitcast(g.cast(x, np.float16), np.uint16)
-    lo = g.cast(g.op("BitwiseAnd", u, g.const(255, np.uint16)), np.uint8)
-    return g.op("Concat", lo, g.cast(g.shr(u, 8, np.uint16), np.uint8), axis=-1)
+    u = g.cast(g.bitcast(g.cast(x, np.float16), np.uint16), np.uint32)
+    lo = g.cast(g.op("BitwiseAnd", u, g.const(255, np.uint32)), np.uint8)
+    return g.op("Concat", lo, g.cast(g.shr(u, 8, np.uint32), np.uint8), axis=-1)
 
 
 def _trunc_clip(g: _Builder, y: str, top: int) -> str:
