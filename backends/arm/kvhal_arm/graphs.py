@@ -12,7 +12,8 @@ even). ONNX has no Trunc and its Round is half-to-even, so:
 * q8_0's ``roundf`` (half away from zero) is ``sign(v) * floor(|v| + 0.5)``;
 * q4/q5's ``trunc(y)`` is ``clip(floor(y), 0, max)``: ``y`` is ``x*id + 8.5`` (or ``+16.5``/``+0.5``)
   with ``|x*id|`` at most the half range, so ``y > -1`` and floor and trunc agree once clipped at 0;
-* block min/max/absmax are the element at the first Arg{Min,Max} index, as ggml's loops choose it.
+* block min/max/absmax are the element at the first Arg{Min,Max} index, as ggml's loops choose it
+  (which fixes the sign of a zero min/max; an all-zero block's absmax is +0, ggml's starting value).
 
 Dims named ``n``/``nb``/``s``/``mb``/``t``/``mq`` are dynamic: one graph (one session) serves every
 token count, batch and context length of its shape class.
@@ -237,7 +238,10 @@ def quantize(g: _Builder, x: str, fmt: str, head_dim: int) -> str:
         parts = [_f16_bytes(g, d), g.bitcast(g.cast(r, np.int8), np.uint8)]
     elif fmt in ("q4_0", "q5_0"):
         half = 8 if fmt == "q4_0" else 16
-        d = g.op("Div", _first_extreme(g, b, g.op("Abs", b), "ArgMax"), g.const(-half, np.float32))
+        m = _first_extreme(g, b, g.op("Abs", b), "ArgMax")
+        # ggml starts from max = 0.0f and replaces it only on a larger |v|: an all-zero block keeps +0
+        m = g.op("Where", g.op("Equal", m, g.const(0, np.float32)), g.const(0, np.float32), m)
+        d = g.op("Div", m, g.const(-half, np.float32))
         y = g.op("Add", g.op("Mul", b, _inverse(g, d)), g.const(half + 0.5, np.float32))
         q = _trunc_clip(g, y, 2 * half - 1)
         parts = [_f16_bytes(g, d)] + ([_pack_high_bits(g, q)] if fmt == "q5_0" else []) + [_pack_nibbles(g, q)]
