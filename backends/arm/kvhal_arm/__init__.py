@@ -14,6 +14,8 @@ Settings (backend option, else environment, else default):
 * ``kleidiai=True/False`` or ``KVHAL_KLEIDIAI=1/0`` -> session config ``mlas.disable_kleidiai`` "0"/"1";
   default on (onnxruntime's own default). It acts only on arm64; elsewhere it is accepted and inert.
 * ``providers=[...]`` or ``KVHAL_ORT_PROVIDERS=a,b`` -> the session providers; default CPU only.
+* ``threads=N`` or ``KVHAL_ORT_THREADS=N`` -> intra-op threads per session; 0 (default) is onnxruntime's
+  choice (one per physical core). An engine with its own thread pool sets it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ __all__ = ["ArmBackend", "kleidiai_can_apply"]
 
 KLEIDIAI_KEY = "mlas.disable_kleidiai"
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
-OPTIONS = ("kleidiai", "providers")
+OPTIONS = ("kleidiai", "providers", "threads")
 NO_WINDOW = 1 << 62
 
 
@@ -52,6 +54,7 @@ class Settings:
     kleidiai_source: str
     providers: tuple[str, ...]
     providers_source: str
+    threads: int = 0
 
     @property
     def disable_kleidiai(self) -> str:
@@ -86,7 +89,17 @@ def _parse_providers(value: Any, what: str) -> tuple[str, ...]:
     return out
 
 
-def resolve_settings(kleidiai: Any = None, providers: Any = None) -> Settings:
+def _parse_threads(value: Any, what: str) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if isinstance(value, bool) or n < 0 or str(value).strip() != str(n):
+        raise SpecError(f"{what}={value!r}: give a thread count >= 0 (0 lets onnxruntime choose)")
+    return n
+
+
+def resolve_settings(kleidiai: Any = None, providers: Any = None, threads: Any = None) -> Settings:
     """Option beats environment beats default; invalid values raise SpecError naming the fix."""
     env_k = os.environ.get("KVHAL_KLEIDIAI", "").strip()
     if kleidiai is not None:
@@ -102,7 +115,12 @@ def resolve_settings(kleidiai: Any = None, providers: Any = None) -> Settings:
         p, p_src = _parse_providers(env_p, "KVHAL_ORT_PROVIDERS"), "KVHAL_ORT_PROVIDERS"
     else:
         p, p_src = DEFAULT_PROVIDERS, "default"
-    return Settings(k, k_src, p, p_src)
+    env_t = os.environ.get("KVHAL_ORT_THREADS", "").strip()
+    if threads is not None:
+        t = _parse_threads(threads, "threads")
+    else:
+        t = _parse_threads(env_t, "KVHAL_ORT_THREADS") if env_t else 0
+    return Settings(k, k_src, p, p_src, t)
 
 
 def _missing_packages() -> str | None:
@@ -154,7 +172,7 @@ class ArmBackend(Backend):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise SpecError(f"backend 'arm' has no option(s) {unknown}; it takes {list(OPTIONS)}")
-        self.settings = resolve_settings(options.get("kleidiai"), options.get("providers"))
+        self.settings = resolve_settings(options.get("kleidiai"), options.get("providers"), options.get("threads"))
         missing = _missing_packages()
         if missing:
             raise BackendUnavailableError(f"backend 'arm' is unavailable: {missing}")
@@ -176,13 +194,14 @@ class ArmBackend(Backend):
         s = self.settings
         return (
             f"arm: onnxruntime {self._ort.__version__}, providers {','.join(s.providers)} ({s.providers_source}); "
-            f"{s.kleidiai_text()}; {len(self.sessions)} session(s) built"
+            f"{s.kleidiai_text()}; {s.threads or 'default'} intra-op threads; {len(self.sessions)} session(s) built"
         )
 
     def session_options(self, exact: bool) -> Any:
         so = self._ort.SessionOptions()
         so.add_session_config_entry(KLEIDIAI_KEY, self.settings.disable_kleidiai)
         so.log_severity_level = 3
+        so.intra_op_num_threads = self.settings.threads
         # the quantize/dequantize graphs must reproduce the spec bit for bit: only the basic,
         # semantics-preserving rewrites there; attention may take the fused MatMul rewrites
         level = self._ort.GraphOptimizationLevel
@@ -190,7 +209,7 @@ class ArmBackend(Backend):
         return so
 
     def _session(self, op: str, *key: Any) -> Any:
-        full = (op, *key, self.settings.providers, self.settings.kleidiai)
+        full = (op, *key, self.settings.providers, self.settings.kleidiai, self.settings.threads)
         sess = self.sessions.get(full)
         if sess is not None:
             return sess

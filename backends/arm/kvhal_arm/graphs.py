@@ -1,8 +1,9 @@
 """ONNX graphs for the arm backend: quantize (store), gather + dequantize (load), paged attention.
 
 Every graph takes the pool as an integer tensor holding the stored bytes: uint8 for the block
-formats, and a zero-copy uint16/uint32 view of the same bytes for f16/bf16/f32 (their elements are
-whole IEEE words, so the graph reinterprets them with BitCast instead of reassembling bytes).
+formats (int8 for q8_0, whose quants are int8 and whose 2 scale bytes are reinterpreted in-graph),
+and a zero-copy uint16/uint32 view of the same bytes for f16/bf16/f32 (their elements are whole IEEE
+words, so the graph reinterprets them with BitCast instead of reassembling bytes).
 Dequantization is bit ops, Cast and Mul inside the graph; no float copy of a pool ever exists.
 
 Quantization reproduces ``kvhal/formats/ggml.py`` bit for bit with ops whose results IEEE fixes
@@ -39,7 +40,7 @@ FORMATS = (*FLOAT_VIEW, *BLOCK_FORMATS)
 
 def view_dtype(fmt: str) -> np.dtype[Any]:
     """The element type a pool of ``fmt`` is handed to (and written by) the graphs as."""
-    return FLOAT_VIEW.get(fmt, np.dtype(np.uint8))
+    return FLOAT_VIEW.get(fmt, np.dtype(np.int8 if fmt == "q8_0" else np.uint8))
 
 
 class _Builder:
@@ -116,12 +117,15 @@ class _Builder:
 # ---- dequantization: stored elements [lead..., E] -> f32 [lead..., D] ---------------------------------
 
 
-def _f16_field(g: _Builder, blocks: str, at: int) -> str:
+def _f16_field(g: _Builder, blocks: str, at: int, signed: bool = False) -> str:
     """The little-endian fp16 at byte ``at`` of each block, as f32 ``[..., nblk, 1]``."""
-    # assembled in uint32: onnxruntime's BitShift has no uint16 kernel before 1.32
-    lo = g.cast(g.last(blocks, at, at + 1), np.uint32)
-    hi = g.shl(g.cast(g.last(blocks, at + 1, at + 2), np.uint32), 8, np.uint32)
-    return g.cast(g.bitcast(g.cast(g.op("BitwiseOr", lo, hi), np.uint16), np.float16), np.float32)
+    lo, hi = g.last(blocks, at, at + 1), g.last(blocks, at + 1, at + 2)
+    if signed:
+        lo, hi = g.bitcast(lo, np.uint8), g.bitcast(hi, np.uint8)
+    # int32 arithmetic, not BitShift/BitwiseOr: onnxruntime's bitwise kernels are scalar loops
+    # (several times slower than its vectorized Mul/Add), and BitShift has no uint16 kernel before 1.32
+    word = g.op("Add", g.cast(lo, np.int32), g.op("Mul", g.cast(hi, np.int32), g.const(256, np.int32)))
+    return g.cast(g.bitcast(g.cast(word, np.uint16), np.float16), np.float32)
 
 
 def _nibbles(g: _Builder, qs: str) -> str:
@@ -150,10 +154,9 @@ def dequantize(g: _Builder, x: str, fmt: str, lead: int, head_dim: int) -> str:
     nblk = head_dim // QK
     bb = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}[fmt]
     b = g.reshape(x, [0] * lead + [nblk, bb])
-    d = _f16_field(g, b, 0)
+    d = _f16_field(g, b, 0, signed=fmt == "q8_0")
     if fmt == "q8_0":
-        vals = g.cast(g.bitcast(g.last(b, 2, 34), np.int8), np.float32)
-        out = g.op("Mul", d, vals)
+        out = g.op("Mul", d, g.cast(g.last(b, 2, 34), np.float32))
     elif fmt == "q4_0":
         q = g.op("Sub", g.cast(_nibbles(g, g.last(b, 2, 18)), np.float32), g.const(8, np.float32))
         out = g.op("Mul", d, q)
@@ -235,7 +238,7 @@ def quantize(g: _Builder, x: str, fmt: str, head_dim: int) -> str:
         d = g.op("Div", g.op("ReduceMax", g.op("Abs", b), k, keepdims=1), g.const(127, np.float32))
         v = g.op("Mul", b, _inverse(g, d))
         r = g.op("Mul", g.op("Sign", v), g.op("Floor", g.op("Add", g.op("Abs", v), g.const(0.5, np.float32))))
-        parts = [_f16_bytes(g, d), g.bitcast(g.cast(r, np.int8), np.uint8)]
+        parts = [g.bitcast(_f16_bytes(g, d), np.int8), g.cast(r, np.int8)]
     elif fmt in ("q4_0", "q5_0"):
         half = 8 if fmt == "q4_0" else 16
         m = _first_extreme(g, b, g.op("Abs", b), "ArgMax")

@@ -37,6 +37,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # tests pick their settings explicitly; the outer run's KVHAL_KLEIDIAI must not leak into them
     monkeypatch.delenv("KVHAL_KLEIDIAI", raising=False)
     monkeypatch.delenv("KVHAL_ORT_PROVIDERS", raising=False)
+    monkeypatch.delenv("KVHAL_ORT_THREADS", raising=False)
 
 
 def cache(
@@ -211,6 +212,15 @@ def test_sessions_receive_the_kleidiai_entry(
     assert f"mlas.disable_kleidiai={expect}" in backend.describe()
 
 
+def test_threads_reach_the_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ArmBackend(threads=1).session_options(exact=True).intra_op_num_threads == 1
+    monkeypatch.setenv("KVHAL_ORT_THREADS", "2")
+    b = ArmBackend()
+    assert b._session("store", "q8_0", "q8_0", 2, 64).get_session_options().intra_op_num_threads == 2
+    assert "2 intra-op threads" in b.describe()
+    assert ArmBackend(threads=0).settings.threads == 0  # the option beats the environment
+
+
 def test_no_session_per_decode_step() -> None:
     rng = np.random.default_rng(5)
     c = cache("q5_1", cap=1024)
@@ -235,7 +245,9 @@ def test_no_session_per_decode_step() -> None:
 def test_graphs_read_the_stored_integers(fmt: str) -> None:
     """The load/attention graphs take the pools as integer tensors: dequantization happens in the graph."""
     b = ArmBackend()
-    want = "tensor(" + {"uint32": "uint32", "uint16": "uint16"}.get(graphs.view_dtype(fmt).name, "uint8") + ")"
+    dt = graphs.view_dtype(fmt)
+    assert np.issubdtype(dt, np.integer)
+    want = f"tensor({dt.name})"
     for op, key in (("load", (fmt, fmt, 2, 16, 64)), ("attention", (fmt, fmt, 4, 2, 16, 64))):
         inputs = {i.name: i.type for i in b._session(op, *key).get_inputs()}
         assert inputs["k_pool"] == inputs["v_pool"] == want
@@ -260,7 +272,10 @@ def test_providers_option_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_bad_settings_are_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(kvhal.SpecError, match="no option"):
-        ArmBackend(threads=4)
+        ArmBackend(thread_count=4)
+    for bad in (-1, "two", True, 1.5):
+        with pytest.raises(kvhal.SpecError, match="thread count"):
+            ArmBackend(threads=bad)
     with pytest.raises(kvhal.SpecError, match="kleidiai"):
         ArmBackend(kleidiai="maybe")
     with pytest.raises(kvhal.SpecError, match="names no provider"):
