@@ -123,7 +123,7 @@ def _f16_field(g: _Builder, blocks: str, at: int, signed: bool = False) -> str:
     if signed:
         lo, hi = g.bitcast(lo, np.uint8), g.bitcast(hi, np.uint8)
     # int32 arithmetic, not BitShift/BitwiseOr: onnxruntime's bitwise kernels are scalar loops
-    # (several times slower than its vectorized Mul/Add), and BitShift has no uint16 kernel before 1.32
+    # (several times slower than its vectorized Mul/Add), and BitShift has no uint16 kernel in 1.25
     word = g.op("Add", g.cast(lo, np.int32), g.op("Mul", g.cast(hi, np.int32), g.const(256, np.int32)))
     return g.cast(g.bitcast(g.cast(word, np.uint16), np.float16), np.float32)
 
