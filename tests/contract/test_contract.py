@@ -86,6 +86,7 @@ def adversarial_rows(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
         tile(np.r_[-0.0, 0.0, rng.uniform(0.1, 1, 30)]), tile(np.r_[rng.uniform(-1, -0.1, 30), 0.0, -0.0]),
         tile(np.r_[2.0, -2.0, rng.uniform(-1, 1, 30)]), tile(np.r_[-2.0, 2.0, rng.uniform(-1, 1, 30)]),  # ties
         tile((np.arange(32) - 15.5) / 4), tile(np.arange(32) * 0.5 - 8),  # grid points and exact halves
+        tile(np.r_[127.0, 0.49999997, -0.49999997, 0.5, -0.5, 1.5, -2.5, 126.5, np.zeros(24)]),  # roundf edges
         tile(np.r_[rng.standard_normal(31) * 1e-3, 600.0]), tile(rng.uniform(-65000, 65000, 32)),  # range
         tile(np.r_[np.full(16, 1e-41), np.full(16, -1e-42)]), tile(rng.standard_normal(32) * 1e-30),  # tiny
         tile(np.full(32, 3.0)), tile(np.full(32, -3.0)),  # constant blocks

@@ -10,7 +10,7 @@ Quantization reproduces ``kvhal/formats/ggml.py`` bit for bit with ops whose res
 exactly (Abs, Max/Min, Div, Mul, Add, Floor, Cast f32->f16 which onnxruntime rounds to nearest
 even). ONNX has no Trunc and its Round is half-to-even, so:
 
-* q8_0's ``roundf`` (half away from zero) is ``sign(v) * floor(|v| + 0.5)``;
+* q8_0's ``roundf`` (half away from zero) is ``sign(v) * (floor(|v|) + (frac(|v|) >= 0.5))``;
 * q4/q5's ``trunc(y)`` is ``clip(floor(y), 0, max)``: ``y`` is ``x*id + 8.5`` (or ``+16.5``/``+0.5``)
   with ``|x*id|`` at most the half range, so ``y > -1`` and floor and trunc agree once clipped at 0;
 * block min/max/absmax are the element at the first Arg{Min,Max} index, as ggml's loops choose it
@@ -237,7 +237,12 @@ def quantize(g: _Builder, x: str, fmt: str, head_dim: int) -> str:
     if fmt == "q8_0":
         d = g.op("Div", g.op("ReduceMax", g.op("Abs", b), k, keepdims=1), g.const(127, np.float32))
         v = g.op("Mul", b, _inverse(g, d))
-        r = g.op("Mul", g.op("Sign", v), g.op("Floor", g.op("Add", g.op("Abs", v), g.const(0.5, np.float32))))
+        # roundf without floor(|v| + 0.5), whose float32 sum rounds 0.49999997 up to 1: the fractional
+        # part |v| - floor(|v|) is exact, so compare it with 0.5
+        a = g.op("Abs", v)
+        t = g.op("Floor", a)
+        up = g.cast(g.op("GreaterOrEqual", g.op("Sub", a, t), g.const(0.5, np.float32)), np.float32)
+        r = g.op("Mul", g.op("Sign", v), g.op("Add", t, up))
         parts = [g.bitcast(_f16_bytes(g, d), np.int8), g.cast(r, np.int8)]
     elif fmt in ("q4_0", "q5_0"):
         half = 8 if fmt == "q4_0" else 16
