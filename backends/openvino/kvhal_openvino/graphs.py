@@ -1,0 +1,364 @@
+"""The OpenVINO graphs of the openvino backend: quantize (store), dequantize (load) and paged attention.
+
+Imported only when the backend is instantiated (``import openvino`` costs ~0.3 s). OpenVINO has no
+bitcast, so the graphs read and write a pool through *typed views of the same bytes* (numpy ``.view``
+of the host pool, zero copy): q8_0's quants as ``i8``, everything else as ``u8``, f32 rows as ``f32``.
+(Only u8, i8 and f32 inputs are read in place: the CPU plugin converts a whole f16/u16/i16 input to
+f32/i32 before the first node, which costs a pass over the pool per call.) fp16 fields are decoded by
+a lookup in a table of all 65536 values. Every arithmetic step is exact in f32 (integer-valued
+quants, power-of-two factors), so the graphs reproduce ``kvhal/formats/ggml.py`` bit for bit.
+
+Every dimension that changes between calls (tokens, blocks, sequences, queries) is dynamic, so a
+graph is compiled once per (formats, heads, head_dim, block_size) and never per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from kvhal import formats
+
+QK = 32  # values per quantized block
+I64 = np.int64
+
+# the typed views of a pool row each format's dequantizer reads, and the dtype its quantizer takes
+VIEWS: dict[str, tuple[str, ...]] = {
+    "f32": ("f32",),
+    "f16": ("u8",),
+    "bf16": ("u8",),
+    "q8_0": ("u8", "i8"),
+    "q4_0": ("u8",),
+    "q4_1": ("u8",),
+    "q5_0": ("u8",),
+    "q5_1": ("u8",),
+}
+DTYPES: dict[str, Any] = {"f32": np.float32, "u8": np.uint8, "i8": np.int8}
+ITEMSIZE = {"f32": 4, "u8": 1, "i8": 1}
+# every 16-bit float as f32, indexed [low byte, high byte]: fp16 scales and f16/bf16 values are decoded by
+# one exact GatherND over the byte pairs (an OpenVINO graph has no bitcast)
+_BITS16 = np.arange(1 << 16, dtype=np.uint32)
+F16_TABLE = _BITS16.astype(np.uint16).view(np.float16).astype(np.float32).reshape(256, 256).T.copy()
+BF16_TABLE = (_BITS16 << 16).view(np.float32).reshape(256, 256).T.copy()
+# bf16 is quantized from the input's bytes (round to nearest even on the upper 16 bits)
+STORE_INPUT = {"bf16": "u8"}
+# fp16 scales (and mins) that head each block; the rest of the block is the u8/i8 body
+N_SCALES = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2}
+
+
+def const(v: Any, dtype: Any = np.float32) -> ov.Node:
+    return ops.constant(np.asarray(v, dtype))
+
+
+def _last(x: ov.Node, a: int, b: int) -> ov.Node:
+    """``x[..., a:b]``."""
+    return ops.slice(x, const([a], I64), const([b], I64), const([1], I64), const([-1], I64))
+
+
+def _split_last(x: ov.Node, lead: int, *shape: int) -> ov.Node:
+    """Reshape the last axis into ``shape``, keeping ``lead`` leading (dynamic) axes."""
+    return ops.reshape(x, const([0] * lead + list(shape), I64), special_zero=True)
+
+
+def _f32(x: ov.Node) -> ov.Node:
+    return ops.convert(x, "f32")
+
+
+def _nibbles(qs: ov.Node) -> ov.Node:
+    """u8 ``[..., 16]`` -> f32 ``[..., 32]``: value j in the low nibble, j+16 in the high nibble of byte j."""
+    idx = ops.convert(qs, "i32")
+    lo, hi = (ops.gather(const(t.astype(np.float32)), idx, const(0, I64)) for t in (np.arange(256) & 15, np.arange(256) >> 4))
+    return ops.concat([lo, hi], -1)
+
+
+def _half(raw: ov.Node, lead: int, n: int, table: np.ndarray = F16_TABLE) -> ov.Node:
+    """u8 ``[*lead, 2n]`` (little-endian 16-bit floats) -> their f32 values ``[*lead, n]``."""
+    pairs = ops.convert(_split_last(raw, lead, n, 2), "i32")
+    return ops.gather_nd(const(table), pairs)
+
+
+# value j's fifth bit (times 16) for each qh byte: bit i of byte b is value 8b + i
+HIGH_BITS_TABLE = (((np.arange(256)[:, None] >> np.arange(8)) & 1) * 16).astype(np.float32)
+
+
+def _high_bits(qh: ov.Node, lead: int) -> ov.Node:
+    """u8 ``[*lead, 4]`` (a little-endian u32, bit j = value j) -> f32 ``[*lead, 32]`` of 0 or 16."""
+    bits = ops.gather(const(HIGH_BITS_TABLE), ops.convert(qh, "i32"), const(0, I64))  # [*lead, 4, 8]
+    return ops.reshape(bits, const([0] * lead + [QK], I64), special_zero=True)
+
+
+# ---- dequantize: typed views [*lead, row] -> f32 [*lead, head_dim] ------------------------------------
+
+
+def dequantize(fmt: str, views: dict[str, ov.Node], lead: int, dim: int) -> ov.Node:
+    if fmt == "f32":
+        return views["f32"]
+    if fmt == "f16":
+        return _half(views["u8"], lead, dim)
+    if fmt == "bf16":
+        return _half(views["u8"], lead, dim, BF16_TABLE)
+    f = formats.get(fmt)
+    nb, bb = dim // QK, f.block_bytes
+    body = _split_last(views["u8"], lead, nb, bb)
+    scales = _half(_last(body, 0, 2 * N_SCALES[fmt]), lead + 1, N_SCALES[fmt])  # [*lead, nb, 1 or 2]
+    d = _last(scales, 0, 1)
+    if fmt == "q8_0":
+        q = _f32(_last(_split_last(views["i8"], lead, nb, bb), 2, bb))
+        x = ops.multiply(d, q)
+    else:
+        if fmt == "q4_0":
+            x = ops.multiply(d, ops.subtract(_nibbles(_last(body, 2, bb)), const(8.0)))
+        elif fmt == "q4_1":
+            x = ops.add(ops.multiply(d, _nibbles(_last(body, 4, bb))), _last(scales, 1, 2))
+        elif fmt == "q5_0":
+            q = ops.add(_nibbles(_last(body, 6, bb)), _high_bits(_last(body, 2, 6), lead + 1))
+            x = ops.multiply(d, ops.subtract(q, const(16.0)))
+        elif fmt == "q5_1":
+            q = ops.add(_nibbles(_last(body, 8, bb)), _high_bits(_last(body, 4, 8), lead + 1))
+            x = ops.add(ops.multiply(d, q), _last(scales, 1, 2))
+        else:  # pragma: no cover - guarded by OpenVINOBackend.formats
+            raise ValueError(fmt)
+    return _split_last(x, lead, dim)
+
+
+# ---- quantize: f32 [n, H, D] -> the parts of each row ------------------------------------------------
+
+
+def _inverse(d: ov.Node) -> ov.Node:
+    """ggml's ``id = d ? 1/d : 0``, and 0 where a subnormal d's inverse overflows (as the reference)."""
+    inv = ops.divide(const(1.0), d)
+    ok = ops.logical_and(ops.not_equal(d, const(0.0)), ops.is_finite(inv))
+    return ops.select(ok, inv, const(0.0))
+
+
+def _div_const(a: ov.Node, c: int) -> ov.Node:
+    """Correctly rounded ``a / c`` for a small positive integer ``c``.
+
+    OpenVINO's CPU plugin computes ``Divide`` as ``a * (1/c)``, one ulp off for a third of inputs.
+    Take that quotient, get its residual ``a - q*c`` exactly (Veltkamp split: every partial product
+    of a 12-bit half of q and a small integer c is exact, and the residual is representable, so this
+    holds with or without fused multiply-adds), then correct by ``r / c``: a/c lies at least
+    ulp/(2c) from any rounding midpoint, far more than the correction's own error.
+    """
+    inv = const(np.float32(1) / np.float32(c))
+    q = ops.multiply(a, inv)
+    t = ops.multiply(q, const(4097.0))
+    q_hi = ops.subtract(t, ops.subtract(t, q))
+    q_lo = ops.subtract(q, q_hi)
+    r = ops.subtract(ops.subtract(a, ops.multiply(q_hi, const(float(c)))), ops.multiply(q_lo, const(float(c))))
+    return ops.add(q, ops.multiply(r, inv))
+
+
+def _neg_div_pow2(a: ov.Node, c: float) -> ov.Node:
+    """``a / -c`` for a power of two ``c``, with IEEE's sign of zero (``+0 / -c = -0``).
+
+    The CPU plugin turns a multiply by a scalar constant into ``x*s + 0``, which makes every zero
+    +0; the reference's zero block stores d = -0 (bytes 00 80), so zeros are picked explicitly. The
+    sign of a zero input is read from its reciprocal (1/-0 = -inf).
+    """
+    d = ops.multiply(a, const(-1.0 / c))
+    neg_zero = ops.less(ops.divide(const(1.0), a), const(0.0))
+    zero = ops.select(neg_zero, const(0.0), const(-0.0))
+    return ops.select(ops.equal(a, const(0.0)), zero, d)
+
+
+def _signed_absmax(b: ov.Node) -> ov.Node:
+    """The value of largest magnitude, with its sign, first occurrence on ties."""
+    mag = ops.abs(b)
+    top = ops.reduce_max(mag, const([-1], I64), keep_dims=True)
+    j = const(np.arange(QK, dtype=np.float32))
+    first = ops.reduce_min(ops.select(ops.equal(mag, top), j, const(float(QK))), const([-1], I64), keep_dims=True)
+    return ops.gather_elements(b, ops.convert(first, "i32"), -1)
+
+
+def _pack_nibbles(q: ov.Node) -> ov.Node:
+    """f32 quants ``[..., 32]`` in 0..15 -> u8 ``[..., 16]``."""
+    return ops.convert(ops.add(_last(q, 0, QK // 2), ops.multiply(_last(q, QK // 2, QK), const(16.0))), "u8")
+
+
+def _pack_high_bits(q: ov.Node, lead: int) -> tuple[ov.Node, ov.Node]:
+    """f32 quants 0..31 -> (u8 ``[..., 4]`` little-endian bit j = fifth bit of value j, low nibbles 0..15)."""
+    h = _f32(ops.greater_equal(q, const(16.0)))
+    weights = const(2.0 ** (np.arange(QK) % 8))
+    qh = ops.reduce_sum(_split_last(ops.multiply(h, weights), lead, 4, 8), const([-1], I64), keep_dims=False)
+    return ops.convert(qh, "u8"), ops.subtract(q, ops.multiply(h, const(16.0)))
+
+
+def quantize(fmt: str, x: ov.Node, dim: int) -> list[ov.Node]:
+    """The parts of the stored rows, in row order: for quantized formats (f16 scales, u8/i8 body)."""
+    lead = 2
+    if fmt == "f32":
+        # stored as is: the caller copies the input's bytes (a pass-through Parameter->Result graph
+        # makes the CPU plugin alias a stale input buffer)
+        return []
+    if fmt == "f16":
+        return [ops.convert(x, "f16")]  # IEEE round to nearest even
+    if fmt == "bf16":
+        return [_bf16_quantize(x, lead, dim)]
+    b = _split_last(x, lead, dim // QK, QK)
+    blead = lead + 1
+    if fmt == "q8_0":
+        d = _div_const(ops.reduce_max(ops.abs(b), const([-1], I64), keep_dims=True), 127)
+        y = ops.multiply(b, _inverse(d))
+        # the reference's roundf: copysign(floor(|y| + 0.5), y)
+        q = ops.multiply(ops.sign(y), ops.floor(ops.add(ops.abs(y), const(0.5))))
+        return [ops.convert(d, "f16"), ops.convert(q, "i8")]
+    if fmt in ("q4_0", "q5_0"):
+        half = 8.0 if fmt == "q4_0" else 16.0
+        d = _neg_div_pow2(_signed_absmax(b), half)
+        # x*id + half + 0.5 >= 0 here, so floor is the reference's trunc
+        y = ops.floor(ops.add(ops.multiply(b, _inverse(d)), const(half + 0.5)))
+        q = ops.minimum(y, const(2 * half - 1))
+        scales = [ops.convert(d, "f16")]
+    else:
+        top = 15.0 if fmt == "q4_1" else 31.0
+        lo = ops.reduce_min(b, const([-1], I64), keep_dims=True)
+        d = _div_const(ops.subtract(ops.reduce_max(b, const([-1], I64), keep_dims=True), lo), int(top))
+        y = ops.floor(ops.add(ops.multiply(ops.subtract(b, lo), _inverse(d)), const(0.5)))
+        q = ops.minimum(y, const(top))
+        scales = [ops.convert(ops.concat([d, lo], -1), "f16")]
+    if fmt in ("q4_0", "q4_1"):
+        return [*scales, _pack_nibbles(q)]
+    qh, low = _pack_high_bits(q, blead)
+    return [*scales, ops.concat([qh, _pack_nibbles(low)], -1)]
+
+
+def _bf16_quantize(raw: ov.Node, lead: int, dim: int) -> ov.Node:
+    """f32 bytes -> bf16 bytes, ggml's round to nearest even on the upper 16 bits (finite inputs)."""
+    b = _f32(_split_last(raw, lead, dim, 4))  # little-endian bytes b0..b3
+    b0, b1, b2, b3 = (_last(b, i, i + 1) for i in range(4))
+    low = ops.add(b0, ops.multiply(b1, const(256.0)))
+    odd = ops.subtract(b2, ops.multiply(ops.floor(ops.multiply(b2, const(0.5))), const(2.0)))
+    up = _f32(ops.greater(ops.add(low, odd), const(32768.0)))
+    r = ops.add(ops.add(b2, ops.multiply(b3, const(256.0))), up)
+    r_hi = ops.floor(ops.multiply(r, const(1 / 256)))
+    r_lo = ops.subtract(r, ops.multiply(r_hi, const(256.0)))
+    return ops.convert(_split_last(ops.concat([r_lo, r_hi], -1), lead, 2 * dim), "u8")
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+
+def _pool_params(fmt: str, heads: int, block_size: int, dim: int, which: str) -> dict[str, ov.Node]:
+    """One Parameter per typed view of a pool ``[n_blocks, heads, block_size, row]`` (n_blocks dynamic)."""
+    row = formats.get(fmt).row_bytes(dim)
+    return {
+        view: ops.parameter([-1, heads, block_size, row // ITEMSIZE[view]], DTYPES[view], name=f"{which}_{view}")
+        for view in VIEWS[fmt]
+    }
+
+
+def store_model(k_fmt: str, v_fmt: str, heads: int, dim: int) -> ov.Model:
+    """k, v ``[n, heads, dim]`` (f32, or their bytes for bf16) -> the parts of their stored rows."""
+    params, results = [], []
+    for fmt, which in ((k_fmt, "k"), (v_fmt, "v")):
+        if fmt == "f32":
+            continue
+        kind = STORE_INPUT.get(fmt, "f32")
+        p = ops.parameter([-1, heads, dim * ITEMSIZE["f32"] // ITEMSIZE[kind]], DTYPES[kind], name=which)
+        params.append(p)
+        results += [ops.result(part) for part in quantize(fmt, p, dim)]
+    return ov.Model(results, params, "kvhal_store")
+
+
+def load_model(k_fmt: str, v_fmt: str, heads: int, block_size: int, dim: int) -> ov.Model:
+    """(K views, V views, block_ids [nb]) -> K, V ``[nb * block_size, heads, dim]`` f32."""
+    ids = ops.parameter([-1], np.int32, name="block_ids")
+    params, results = [], []
+    for fmt, which in ((k_fmt, "k"), (v_fmt, "v")):
+        views = _pool_params(fmt, heads, block_size, dim, which)
+        params += list(views.values())
+        pages = {name: ops.gather(p, ids, const(0, I64)) for name, p in views.items()}  # [nb, H, bs, row]
+        x = dequantize(fmt, pages, 3, dim)  # [nb, H, bs, D]
+        x = ops.transpose(x, const([0, 2, 1, 3], I64))
+        results.append(ops.result(ops.reshape(x, const([-1, heads, dim], I64), special_zero=False)))
+    return ov.Model(results, [*params, ids], "kvhal_load")
+
+
+def attention_model(k_fmt: str, v_fmt: str, n_heads: int, kv_heads: int, block_size: int, dim: int) -> ov.Model:
+    """Paged attention over the quantized pools, sequences batched and padded to the longest.
+
+    Inputs besides q and the pool views (all small host int arrays): ``table [S, MB]`` page ids,
+    ``rows [S, Qc]`` the q row of each padded query slot, and ``hi``/``lo`` ``[S, Qc*G]``: a query
+    sees KV position j iff ``lo < j <= hi``. Output: ``[S, Qc, n_heads, dim]`` f32 (padded slots
+    repeat a real query; the caller drops them).
+    """
+    g = n_heads // kv_heads
+    q = ops.parameter([-1, n_heads, dim], np.float32, name="q")
+    table = ops.parameter([-1, -1], np.int32, name="table")
+    rows = ops.parameter([-1, -1], np.int32, name="rows")
+    hi = ops.parameter([-1, -1], np.int32, name="hi")
+    lo = ops.parameter([-1, -1], np.int32, name="lo")
+    scale = ops.parameter([], np.float32, name="scale")
+    params: list[ov.Node] = [q]
+    kv = []
+    for fmt, which in ((k_fmt, "k"), (v_fmt, "v")):
+        views = _pool_params(fmt, kv_heads, block_size, dim, which)
+        params += list(views.values())
+        pages = {name: ops.gather(p, table, const(0, I64)) for name, p in views.items()}  # [S, MB, Hkv, bs, row]
+        x = dequantize(fmt, pages, 4, dim)  # [S, MB, Hkv, bs, D]
+        x = ops.transpose(x, const([0, 2, 1, 3, 4], I64))
+        kv.append(ops.reshape(x, const([0, 0, -1, dim], I64), special_zero=True))  # [S, Hkv, L, D]
+    k, v = kv
+    # queries grouped by the KV head they read: [S, Hkv, Qc*G, D], row r = (query r // G, head r % G)
+    qs = ops.gather(ops.multiply(q, scale), rows, const(0, I64))  # [S, Qc, Hq, D]
+    qs = ops.reshape(qs, const([0, 0, kv_heads, g, dim], I64), special_zero=True)
+    qs = ops.transpose(qs, const([0, 2, 1, 3, 4], I64))
+    qs = ops.reshape(qs, const([0, 0, -1, dim], I64), special_zero=True)
+    scores = ops.matmul(qs, k, False, True)  # [S, Hkv, Qc*G, L]
+    j = ops.range(const(0, np.int32), ops.gather(ops.shape_of(k, "i32"), const(2, I64), const(0, I64)),
+                  const(1, np.int32), "i32")
+    hi4 = ops.unsqueeze(hi, const([1, 3], I64))  # [S, 1, Qc*G, 1]
+    lo4 = ops.unsqueeze(lo, const([1, 3], I64))
+    visible = ops.logical_and(ops.less_equal(j, hi4), ops.greater(j, lo4))
+    p = ops.softmax(ops.select(visible, scores, const(-np.inf)), -1)
+    out = ops.matmul(p, v, False, False)  # [S, Hkv, Qc*G, D]
+    out = ops.reshape(out, const([0, 0, -1, g, dim], I64), special_zero=True)
+    out = ops.transpose(out, const([0, 2, 1, 3, 4], I64))  # [S, Qc, Hkv, G, D]
+    out = ops.reshape(out, const([0, 0, n_heads, dim], I64), special_zero=True)
+    return ov.Model([ops.result(out)], [*params, table, rows, hi, lo, scale], "kvhal_attention")
+
+
+# ---- compile cache -----------------------------------------------------------------------------------
+
+_CORE: ov.Core | None = None
+_COMPILED: dict[tuple[Any, ...], ov.CompiledModel] = {}
+compiles = 0  # compile_model calls made by this process (the compile-cache test watches it)
+
+
+def core() -> ov.Core:
+    global _CORE
+    if _CORE is None:
+        _CORE = ov.Core()
+    return _CORE
+
+
+def config(device: str) -> dict[str, Any]:
+    """f32 inference: the CPU device otherwise runs f32 graphs in bf16 on CPUs that have it."""
+    try:
+        supported = core().get_property(device, "SUPPORTED_PROPERTIES")
+    except RuntimeError:
+        supported = {}
+    cfg: dict[str, Any] = {}
+    if "INFERENCE_PRECISION_HINT" in supported:
+        cfg["INFERENCE_PRECISION_HINT"] = "f32"
+    if "CPU_DENORMALS_OPTIMIZATION" in supported:
+        cfg["CPU_DENORMALS_OPTIMIZATION"] = False  # keep subnormals: tiny scales quantize exactly
+    return cfg
+
+
+def compiled(device: str, key: tuple[Any, ...]) -> ov.CompiledModel:
+    """The compiled graph for ``key = (op, *shape_class)``, built and compiled once per process."""
+    global compiles
+    full = (device, *key)
+    cm = _COMPILED.get(full)
+    if cm is None:
+        op, *args = key
+        build = {"store": store_model, "load": load_model, "attention": attention_model}[op]
+        cm = core().compile_model(build(*args), device, config(device))
+        compiles += 1
+        _COMPILED[full] = cm
+    return cm
