@@ -42,7 +42,12 @@ ITEMSIZE = {"f32": 4, "u8": 1, "i8": 1}
 # one exact GatherND over the byte pairs (an OpenVINO graph has no bitcast)
 _BITS16 = np.arange(1 << 16, dtype=np.uint32)
 F16_TABLE = _BITS16.astype(np.uint16).view(np.float16).astype(np.float32).reshape(256, 256).T.copy()
-BF16_TABLE = (_BITS16 << 16).view(np.float32).reshape(256, 256).T.copy()
+_BF16 = (_BITS16 << 16).view(np.float32)
+# the CPU plugin flushes subnormal constants to zero (runtime arithmetic keeps them): bf16 values that
+# are f32 subnormals are tabled times 2**64 and scaled back by a second lookup
+_BF16_SUB = (np.abs(_BF16) < np.finfo(np.float32).tiny) & (_BF16 != 0)
+BF16_TABLE = np.where(_BF16_SUB, _BF16 * np.float32(2.0**64), _BF16).astype(np.float32).reshape(256, 256).T.copy()
+BF16_SCALE = np.where(_BF16_SUB, np.float32(2.0**-64), np.float32(1)).astype(np.float32).reshape(256, 256).T.copy()
 # bf16 is quantized from the input's bytes (round to nearest even on the upper 16 bits)
 STORE_INPUT = {"bf16": "u8"}
 # fp16 scales (and mins) that head each block; the rest of the block is the u8/i8 body
@@ -74,10 +79,12 @@ def _nibbles(qs: ov.Node) -> ov.Node:
     return ops.concat([lo, hi], -1)
 
 
-def _half(raw: ov.Node, lead: int, n: int, table: np.ndarray = F16_TABLE) -> ov.Node:
-    """u8 ``[*lead, 2n]`` (little-endian 16-bit floats) -> their f32 values ``[*lead, n]``."""
+def _half(raw: ov.Node, lead: int, n: int, bf16: bool = False) -> ov.Node:
+    """u8 ``[*lead, 2n]`` (little-endian fp16, or bf16) -> their f32 values ``[*lead, n]``."""
     pairs = ops.convert(_split_last(raw, lead, n, 2), "i32")
-    return ops.gather_nd(const(table), pairs)
+    if not bf16:
+        return ops.gather_nd(const(F16_TABLE), pairs)
+    return ops.multiply(ops.gather_nd(const(BF16_TABLE), pairs), ops.gather_nd(const(BF16_SCALE), pairs))
 
 
 # value j's fifth bit (times 16) for each qh byte: bit i of byte b is value 8b + i
@@ -99,7 +106,7 @@ def dequantize(fmt: str, views: dict[str, ov.Node], lead: int, dim: int) -> ov.N
     if fmt == "f16":
         return _half(views["u8"], lead, dim)
     if fmt == "bf16":
-        return _half(views["u8"], lead, dim, BF16_TABLE)
+        return _half(views["u8"], lead, dim, bf16=True)
     f = formats.get(fmt)
     nb, bb = dim // QK, f.block_bytes
     body = _split_last(views["u8"], lead, nb, bb)
@@ -153,25 +160,25 @@ def _div_const(a: ov.Node, c: int) -> ov.Node:
 
 
 def _neg_div_pow2(a: ov.Node, c: float) -> ov.Node:
-    """``a / -c`` for a power of two ``c``, with IEEE's sign of zero (``+0 / -c = -0``).
+    """``a / -c`` for a power of two ``c``; a zero ``a`` (an all-zero block, +0 in ggml) gives -0.
 
     The CPU plugin turns a multiply by a scalar constant into ``x*s + 0``, which makes every zero
-    +0; the reference's zero block stores d = -0 (bytes 00 80), so zeros are picked explicitly. The
-    sign of a zero input is read from its reciprocal (1/-0 = -inf).
+    +0, so the reference's d = +0 / -c = -0 (bytes 00 80) is selected explicitly.
     """
-    d = ops.multiply(a, const(-1.0 / c))
-    neg_zero = ops.less(ops.divide(const(1.0), a), const(0.0))
-    zero = ops.select(neg_zero, const(0.0), const(-0.0))
-    return ops.select(ops.equal(a, const(0.0)), zero, d)
+    return ops.select(ops.equal(a, const(0.0)), const(-0.0), ops.multiply(a, const(-1.0 / c)))
+
+
+def _first(b: ov.Node, key: ov.Node, target: ov.Node) -> ov.Node:
+    """Per block, the element of ``b`` at the first position where ``key == target`` (ggml's loop order)."""
+    j = const(np.arange(QK, dtype=np.float32))
+    idx = ops.reduce_min(ops.select(ops.equal(key, target), j, const(float(QK))), const([-1], I64), keep_dims=True)
+    return ops.gather_elements(b, ops.convert(idx, "i32"), -1)
 
 
 def _signed_absmax(b: ov.Node) -> ov.Node:
-    """The value of largest magnitude, with its sign, first occurrence on ties."""
+    """The value of largest magnitude with its sign, first occurrence on ties (q4_0/q5_0)."""
     mag = ops.abs(b)
-    top = ops.reduce_max(mag, const([-1], I64), keep_dims=True)
-    j = const(np.arange(QK, dtype=np.float32))
-    first = ops.reduce_min(ops.select(ops.equal(mag, top), j, const(float(QK))), const([-1], I64), keep_dims=True)
-    return ops.gather_elements(b, ops.convert(first, "i32"), -1)
+    return _first(b, mag, ops.reduce_max(mag, const([-1], I64), keep_dims=True))
 
 
 def _pack_nibbles(q: ov.Node) -> ov.Node:
@@ -215,8 +222,10 @@ def quantize(fmt: str, x: ov.Node, dim: int) -> list[ov.Node]:
         scales = [ops.convert(d, "f16")]
     else:
         top = 15.0 if fmt == "q4_1" else 31.0
-        lo = ops.reduce_min(b, const([-1], I64), keep_dims=True)
-        d = _div_const(ops.subtract(ops.reduce_max(b, const([-1], I64), keep_dims=True), lo), int(top))
+        # ggml's loop keeps the first of equal minima/maxima: that decides the sign of a zero min/max
+        lo = _first(b, b, ops.reduce_min(b, const([-1], I64), keep_dims=True))
+        hi = _first(b, b, ops.reduce_max(b, const([-1], I64), keep_dims=True))
+        d = _div_const(ops.subtract(hi, lo), int(top))
         y = ops.floor(ops.add(ops.multiply(ops.subtract(b, lo), _inverse(d)), const(0.5)))
         q = ops.minimum(y, const(top))
         scales = [ops.convert(ops.concat([d, lo], -1), "f16")]

@@ -1,0 +1,176 @@
+"""The openvino backend's own tests: compile once per shape class, device selection, error text, exactness.
+
+The contract suite (tests/contract) covers byte-identity and attention against float64; these check
+what is particular to this backend. Every comparison is against the numpy reference or the float64
+oracle, never stored numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal import formats
+from tests.oracle import attention_f64
+
+pytest.importorskip("openvino")
+kov = pytest.importorskip("kvhal_openvino")
+from kvhal_openvino import graphs  # noqa: E402
+
+FORMATS = sorted(kov.OpenVINOBackend.formats)
+
+
+def cache(fmt: str = "q8_0", v_fmt: str | None = None, *, heads: int = 2, dim: int = 64, cap: int = 512,
+          backend: str = "openvino", **options: object) -> kvhal.KVCache:
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=v_fmt or fmt,
+                           block_size=16)
+    return kvhal.KVCache(spec, cap, backend=backend, backend_options=options or None)
+
+
+def test_decode_steps_never_recompile():
+    """Store + attention + load over many decode steps (page boundaries, a growing ragged batch): no compiles."""
+    rng = np.random.default_rng(0)
+    c = cache("q4_1", "q8_0", cap=1024)
+    a, b = c.new_seq(), c.new_seq()
+    for s, n in ((a, 37), (b, 5)):
+        for layer in (0, 1):
+            c.store(s, layer, *rng.standard_normal((2, n, 2, 64), dtype=np.float32))
+    c.attention(0, rng.standard_normal((2, 4, 64), dtype=np.float32), [a, b], [1, 1])
+    c.load(a, 0)
+    warm = c.backend.compile_count
+    for step in range(60):
+        seqs = [a, b] if step % 3 else [a]
+        for s in seqs:
+            for layer in (0, 1):
+                c.store(s, layer, *rng.standard_normal((2, 1, 2, 64), dtype=np.float32))
+        q = rng.standard_normal((len(seqs), 4, 64), dtype=np.float32)
+        c.attention(step % 2, q, seqs, [1] * len(seqs), window=None if step % 4 else 9)
+        c.load(a, 1, step % 7)
+    c.store(a, 0, *rng.standard_normal((2, 40, 2, 64), dtype=np.float32))  # a prefill chunk, same graphs
+    c.attention(0, rng.standard_normal((40, 4, 64), dtype=np.float32), [a], [40])
+    assert c.backend.compile_count == warm
+    # a second cache of the same shape class reuses the compiled graphs; another format compiles its own
+    d = cache("q4_1", "q8_0")
+    d.store(d.new_seq(), 0, *rng.standard_normal((2, 3, 2, 64), dtype=np.float32))
+    assert d.backend.compile_count == warm
+    e = cache("q5_0", heads=3, dim=96)  # a shape class no other test uses
+    e.store(e.new_seq(), 0, *rng.standard_normal((2, 3, 3, 96), dtype=np.float32))
+    assert e.backend.compile_count == warm + 1
+
+
+def test_device_from_env(monkeypatch):
+    monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "CPU")
+    assert cache().backend.device == "CPU"
+    info = {i.name: i for i in kvhal.backends()}["openvino"]
+    assert info.available and info.device == "openvino:CPU" and "device CPU" in info.reason
+
+    monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "NOSUCHDEV")
+    info = {i.name: i for i in kvhal.backends()}["openvino"]
+    assert info.device == "openvino:NOSUCHDEV"  # the probe stays cheap: the device is checked at start
+    with pytest.raises(kvhal.BackendUnavailableError) as e:
+        cache()
+    msg = str(e.value)
+    assert "'NOSUCHDEV'" in msg and "KVHAL_OPENVINO_DEVICE" in msg and "CPU" in msg
+    # an explicit option wins over the environment
+    assert cache(device="CPU").backend.device == "CPU"
+
+
+def test_unavailable_reason_when_openvino_missing(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    assert kov.OpenVINOBackend.probe() is None
+    info = {i.name: i for i in kvhal.backends()}["openvino"]
+    assert not info.available
+    assert info.reason == (
+        "the openvino Python package is not installed: pip install kvhal-openvino (or pip install openvino)"
+    )
+    with pytest.raises(kvhal.BackendUnavailableError, match="pip install kvhal-openvino"):
+        kov.OpenVINOBackend()
+    with pytest.raises(kvhal.BackendUnavailableError, match="backend 'openvino' is unavailable: the openvino"):
+        cache()
+
+
+def test_import_kvhal_does_not_import_openvino():
+    code = (
+        "import sys, kvhal, kvhal_openvino; kvhal.backends(); "
+        "assert 'openvino' not in sys.modules, sorted(m for m in sys.modules if 'openvino' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def hard_rows(rng: np.random.Generator, max_abs: float, n: int = 400, dim: int = 64) -> np.ndarray:
+    """Rows that hit the quantizers' division, rounding and tie rules, beyond the contract's adversarial set."""
+    top = np.log10(max_abs) - 1
+    grid = rng.integers(-64, 65, (n, 2, dim)) * np.float32(2.0) ** rng.integers(-8, 3, (n, 2, 1))
+    ratios = rng.integers(-16, 17, (n, 2, dim)) / rng.integers(1, 40, (n, 2, 1)).astype(np.float32)
+    wide = rng.standard_normal((n, 2, dim)) * 10.0 ** rng.uniform(-44, top, (n, 2, 1))
+    sparse = rng.standard_normal((n, 2, dim)) * (rng.random((n, 2, dim)) < 0.3)
+    bits = rng.integers(0, 2**32, (n, 2, dim), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    bits = np.where(np.isfinite(bits) & (np.abs(bits) < max_abs / 2), bits, np.float32(0))
+    return np.concatenate([grid, ratios, wide, sparse, bits]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_graph_is_the_reference(fmt):
+    """The store graph reproduces kvhal/formats/ggml.py bit for bit (1/x, x/127 and x/15 included)."""
+    x = hard_rows(np.random.default_rng(1), formats.get(fmt).max_abs)
+    caches = [cache(fmt, cap=len(x)), cache(fmt, cap=len(x), backend="reference")]
+    for c in caches:
+        c.store(c.new_seq(), 0, x, x[::-1].copy())
+    for got, want in zip((caches[0].pools[0].k, caches[0].pools[0].v), (caches[1].pools[0].k, caches[1].pools[0].v)):
+        bad = np.argwhere((got != want).any(-1))
+        assert bad.size == 0, f"{len(bad)} rows differ, first [block, head, slot] {bad[:3].tolist()}"
+    k, _ = caches[0].load(0, 0)
+    np.testing.assert_array_equal(kvhal.to_numpy(k), formats.get(fmt).dequantize(formats.get(fmt).quantize(x)))
+
+
+def test_long_prefill_runs_in_query_chunks(monkeypatch):
+    """Past the score budget the same graph runs over query chunks; results match float64."""
+    monkeypatch.setattr(kov, "SCORE_BUDGET_BYTES", 64 << 10)
+    rng = np.random.default_rng(2)
+    c = cache("q8_0")
+    f = formats.get("q8_0")
+    ks, vs, seqs = [], [], []
+    for n in (70, 33):
+        k, v = rng.standard_normal((2, n, 2, 64), dtype=np.float32)
+        s = c.new_seq()
+        c.store(s, 0, k, v)
+        seqs.append(s)
+        ks.append(f.dequantize(f.quantize(k)))
+        vs.append(f.dequantize(f.quantize(v)))
+    q = rng.standard_normal((70 + 5, 8, 64), dtype=np.float32)
+    out = kvhal.to_numpy(c.attention(0, q, seqs, [70, 5], window=20))
+    want = attention_f64(q, ks, vs, [70, 5], window=20)
+    assert float(np.abs(out - want).max()) <= kov.OpenVINOBackend.attention_tolerance
+
+
+def test_off_cpu_page_upload_path_matches():
+    """Devices that cannot read host memory get only the used pages, renumbered: same results as in place."""
+    rng = np.random.default_rng(3)
+    c = cache("q5_1", "f16")
+    seqs = []
+    for n in (20, 45, 3):
+        s = c.new_seq()
+        c.store(s, 0, *rng.standard_normal((2, n, 2, 64), dtype=np.float32))
+        seqs.append(s)
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    in_place = kvhal.to_numpy(c.attention(0, q, seqs, [1, 1, 1]))
+    loaded = kvhal.to_numpy(c.load(seqs[1], 0)[1])
+    c.backend._in_place = False
+    np.testing.assert_array_equal(kvhal.to_numpy(c.attention(0, q, seqs, [1, 1, 1])), in_place)
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(seqs[1], 0)[1]), loaded)
+
+
+def test_graphs_read_pools_in_place():
+    """Attention feeds the pools as u8/i8/f32 views of the same memory: no f16 input the plugin would convert."""
+    for fmt in FORMATS:
+        assert set(graphs.VIEWS[fmt]) <= {"u8", "i8", "f32"}
+    c = cache("q8_0")
+    p = c.pools[0].k
+    views = c.backend._views(p, "q8_0")
+    assert all(np.shares_memory(v, p) for v in views)
