@@ -14,6 +14,7 @@ graph is compiled once per (formats, heads, head_dim, block_size) and never per 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -46,8 +47,13 @@ _BF16 = (_BITS16 << 16).view(np.float32)
 # the CPU plugin flushes subnormal constants to zero (runtime arithmetic keeps them): bf16 values that
 # are f32 subnormals are tabled times 2**64 and scaled back by a second lookup
 _BF16_SUB = (np.abs(_BF16) < np.finfo(np.float32).tiny) & (_BF16 != 0)
-BF16_TABLE = np.where(_BF16_SUB, _BF16 * np.float32(2.0**64), _BF16).astype(np.float32).reshape(256, 256).T.copy()
-BF16_SCALE = np.where(_BF16_SUB, np.float32(2.0**-64), np.float32(1)).astype(np.float32).reshape(256, 256).T.copy()
+BF16_TABLE = (
+    np.where(_BF16_SUB, np.ldexp(np.where(_BF16_SUB, _BF16, 0), 64), _BF16)
+    .astype(np.float32)
+    .reshape(256, 256)
+    .T.copy()
+)
+BF16_SCALE = np.where(_BF16_SUB, np.float32(2.0**-64), np.float32(1)).reshape(256, 256).T.copy()
 # bf16 is quantized from the input's bytes (round to nearest even on the upper 16 bits)
 STORE_INPUT = {"bf16": "u8"}
 # fp16 scales (and mins) that head each block; the rest of the block is the u8/i8 body
@@ -72,13 +78,6 @@ def _f32(x: ov.Node) -> ov.Node:
     return ops.convert(x, "f32")
 
 
-def _nibbles(qs: ov.Node) -> ov.Node:
-    """u8 ``[..., 16]`` -> f32 ``[..., 32]``: value j in the low nibble, j+16 in the high nibble of byte j."""
-    idx = ops.convert(qs, "i32")
-    lo, hi = (ops.gather(const(t.astype(np.float32)), idx, const(0, I64)) for t in (np.arange(256) & 15, np.arange(256) >> 4))
-    return ops.concat([lo, hi], -1)
-
-
 def _half(raw: ov.Node, lead: int, n: int, bf16: bool = False) -> ov.Node:
     """u8 ``[*lead, 2n]`` (little-endian fp16, or bf16) -> their f32 values ``[*lead, n]``."""
     pairs = ops.convert(_split_last(raw, lead, n, 2), "i32")
@@ -87,20 +86,43 @@ def _half(raw: ov.Node, lead: int, n: int, bf16: bool = False) -> ov.Node:
     return ops.multiply(ops.gather_nd(const(BF16_TABLE), pairs), ops.gather_nd(const(BF16_SCALE), pairs))
 
 
-# value j's fifth bit (times 16) for each qh byte: bit i of byte b is value 8b + i
-HIGH_BITS_TABLE = (((np.arange(256)[:, None] >> np.arange(8)) & 1) * 16).astype(np.float32)
+# Bit fields are unpacked by lookup: each value's byte is gathered to the value's position, offset into
+# a table of 256 entries per field (scalar gathers run as JIT kernels on the CPU plugin, row gathers
+# and concats do not). Values come out in value order.
+_J = np.arange(QK)
+NIBBLE_BYTE = _J % 16  # value j lives in byte j % 16 ...
+NIBBLE_FIELD = (_J // 16) * 256  # ... low nibble for j < 16, high nibble above
 
 
-def _high_bits(qh: ov.Node, lead: int) -> ov.Node:
-    """u8 ``[*lead, 4]`` (a little-endian u32, bit j = value j) -> f32 ``[*lead, 32]`` of 0 or 16."""
-    bits = ops.gather(const(HIGH_BITS_TABLE), ops.convert(qh, "i32"), const(0, I64))  # [*lead, 4, 8]
-    return ops.reshape(bits, const([0] * lead + [QK], I64), special_zero=True)
+# entry field*256 + byte: the nibble minus the format's offset (q4_0: 8; q5_0: 16, its high bit added later)
+def _nibble_table(offset: float) -> np.ndarray:
+    return (np.r_[np.arange(256) & 15, np.arange(256) >> 4] - offset).astype(np.float32)
+
+
+HIGH_BYTE = _J // 8  # the fifth bit of value j is bit j % 8 of qh byte j // 8
+HIGH_FIELD = (_J % 8) * 256
+HIGH_TABLE = (((np.arange(256)[None, :] >> np.arange(8)[:, None]) & 1) * 16).astype(np.float32).reshape(-1)
+
+
+def _lookup(packed: ov.Node, byte: np.ndarray, field: np.ndarray, table: np.ndarray) -> ov.Node:
+    """u8 ``[..., n]`` -> f32 ``[..., 32]``: ``table[field[j] + packed[..., byte[j]]]``."""
+    idx = ops.add(ops.gather(ops.convert(packed, "i32"), const(byte, np.int32), const(-1, I64)), const(field, np.int32))
+    return ops.gather(const(table), idx, const(0, I64))
+
+
+def _nibbles(qs: ov.Node, offset: float) -> ov.Node:
+    return _lookup(qs, NIBBLE_BYTE, NIBBLE_FIELD, _nibble_table(offset))
+
+
+def _high_bits(qh: ov.Node) -> ov.Node:
+    return _lookup(qh, HIGH_BYTE, HIGH_FIELD, HIGH_TABLE)
 
 
 # ---- dequantize: typed views [*lead, row] -> f32 [*lead, head_dim] ------------------------------------
 
 
 def dequantize(fmt: str, views: dict[str, ov.Node], lead: int, dim: int) -> ov.Node:
+    """The f32 values of rows ``[*lead, row]`` -> ``[*lead, dim]``."""
     if fmt == "f32":
         return views["f32"]
     if fmt == "f16":
@@ -108,26 +130,23 @@ def dequantize(fmt: str, views: dict[str, ov.Node], lead: int, dim: int) -> ov.N
     if fmt == "bf16":
         return _half(views["u8"], lead, dim, bf16=True)
     f = formats.get(fmt)
-    nb, bb = dim // QK, f.block_bytes
+    nb, bb, blead = dim // QK, f.block_bytes, lead + 1
     body = _split_last(views["u8"], lead, nb, bb)
-    scales = _half(_last(body, 0, 2 * N_SCALES[fmt]), lead + 1, N_SCALES[fmt])  # [*lead, nb, 1 or 2]
+    scales = _half(_last(body, 0, 2 * N_SCALES[fmt]), blead, N_SCALES[fmt])  # [*lead, nb, 1 or 2]
     d = _last(scales, 0, 1)
     if fmt == "q8_0":
-        q = _f32(_last(_split_last(views["i8"], lead, nb, bb), 2, bb))
-        x = ops.multiply(d, q)
-    else:
-        if fmt == "q4_0":
-            x = ops.multiply(d, ops.subtract(_nibbles(_last(body, 2, bb)), const(8.0)))
-        elif fmt == "q4_1":
-            x = ops.add(ops.multiply(d, _nibbles(_last(body, 4, bb))), _last(scales, 1, 2))
-        elif fmt == "q5_0":
-            q = ops.add(_nibbles(_last(body, 6, bb)), _high_bits(_last(body, 2, 6), lead + 1))
-            x = ops.multiply(d, ops.subtract(q, const(16.0)))
-        elif fmt == "q5_1":
-            q = ops.add(_nibbles(_last(body, 8, bb)), _high_bits(_last(body, 4, 8), lead + 1))
-            x = ops.add(ops.multiply(d, q), _last(scales, 1, 2))
-        else:  # pragma: no cover - guarded by OpenVINOBackend.formats
-            raise ValueError(fmt)
+        x = ops.multiply(d, _f32(_last(_split_last(views["i8"], lead, nb, bb), 2, bb)))
+    elif fmt == "q4_0":
+        x = ops.multiply(d, _nibbles(_last(body, 2, bb), 8.0))
+    elif fmt == "q4_1":
+        x = ops.add(ops.multiply(d, _nibbles(_last(body, 4, bb), 0.0)), _last(scales, 1, 2))
+    elif fmt == "q5_0":
+        x = ops.multiply(d, ops.add(_nibbles(_last(body, 6, bb), 16.0), _high_bits(_last(body, 2, 6))))
+    elif fmt == "q5_1":
+        q = ops.add(_nibbles(_last(body, 8, bb), 0.0), _high_bits(_last(body, 4, 8)))
+        x = ops.add(ops.multiply(d, q), _last(scales, 1, 2))
+    else:  # pragma: no cover - guarded by OpenVINOBackend.formats
+        raise ValueError(fmt)
     return _split_last(x, lead, dim)
 
 
@@ -294,6 +313,10 @@ def attention_model(k_fmt: str, v_fmt: str, n_heads: int, kv_heads: int, block_s
     ``rows [S, Qc]`` the q row of each padded query slot, and ``hi``/``lo`` ``[S, Qc*G]``: a query
     sees KV position j iff ``lo < j <= hi``. Output: ``[S, Qc, n_heads, dim]`` f32 (padded slots
     repeat a real query; the caller drops them).
+
+    The gathered pages stay page-major, ``[S, MB, Hkv, bs, D]``: scores are batched matmuls per page
+    (q broadcast over pages) and P·V sums the per-page products, so no K/V-sized transpose is made;
+    only scores and probabilities (G·Qc/D the size of K in decode) change layout for the softmax.
     """
     g = n_heads // kv_heads
     q = ops.parameter([-1, n_heads, dim], np.float32, name="q")
@@ -308,23 +331,25 @@ def attention_model(k_fmt: str, v_fmt: str, n_heads: int, kv_heads: int, block_s
         views = _pool_params(fmt, kv_heads, block_size, dim, which)
         params += list(views.values())
         pages = {name: ops.gather(p, table, const(0, I64)) for name, p in views.items()}  # [S, MB, Hkv, bs, row]
-        x = dequantize(fmt, pages, 4, dim)  # [S, MB, Hkv, bs, D]
-        x = ops.transpose(x, const([0, 2, 1, 3, 4], I64))
-        kv.append(ops.reshape(x, const([0, 0, -1, dim], I64), special_zero=True))  # [S, Hkv, L, D]
+        kv.append(dequantize(fmt, pages, 4, dim))  # [S, MB, Hkv, bs, D]
     k, v = kv
-    # queries grouped by the KV head they read: [S, Hkv, Qc*G, D], row r = (query r // G, head r % G)
+    # queries grouped by the KV head they read: [S, 1, Hkv, Qc*G, D], row r = (query r // G, head r % G)
     qs = ops.gather(ops.multiply(q, scale), rows, const(0, I64))  # [S, Qc, Hq, D]
     qs = ops.reshape(qs, const([0, 0, kv_heads, g, dim], I64), special_zero=True)
     qs = ops.transpose(qs, const([0, 2, 1, 3, 4], I64))
-    qs = ops.reshape(qs, const([0, 0, -1, dim], I64), special_zero=True)
-    scores = ops.matmul(qs, k, False, True)  # [S, Hkv, Qc*G, L]
-    j = ops.range(const(0, np.int32), ops.gather(ops.shape_of(k, "i32"), const(2, I64), const(0, I64)),
-                  const(1, np.int32), "i32")
+    qs = ops.unsqueeze(ops.reshape(qs, const([0, 0, -1, dim], I64), special_zero=True), const([1], I64))
+    scores = ops.matmul(qs, k, False, True)  # [S, MB, Hkv, Qc*G, bs]
+    scores = ops.transpose(scores, const([0, 2, 3, 1, 4], I64))
+    scores = ops.reshape(scores, const([0, 0, 0, -1], I64), special_zero=True)  # [S, Hkv, Qc*G, L]
+    n_ctx = ops.gather(ops.shape_of(scores, "i32"), const(3, I64), const(0, I64))
+    j = ops.range(const(0, np.int32), n_ctx, const(1, np.int32), "i32")
     hi4 = ops.unsqueeze(hi, const([1, 3], I64))  # [S, 1, Qc*G, 1]
     lo4 = ops.unsqueeze(lo, const([1, 3], I64))
     visible = ops.logical_and(ops.less_equal(j, hi4), ops.greater(j, lo4))
     p = ops.softmax(ops.select(visible, scores, const(-np.inf)), -1)
-    out = ops.matmul(p, v, False, False)  # [S, Hkv, Qc*G, D]
+    p = ops.reshape(p, const([0, 0, 0, -1, block_size], I64), special_zero=True)
+    p = ops.transpose(p, const([0, 3, 1, 2, 4], I64))  # [S, MB, Hkv, Qc*G, bs]
+    out = ops.reduce_sum(ops.matmul(p, v, False, False), const([1], I64), keep_dims=False)  # [S, Hkv, Qc*G, D]
     out = ops.reshape(out, const([0, 0, -1, g, dim], I64), special_zero=True)
     out = ops.transpose(out, const([0, 2, 1, 3, 4], I64))  # [S, Qc, Hkv, G, D]
     out = ops.reshape(out, const([0, 0, n_heads, dim], I64), special_zero=True)
@@ -345,8 +370,19 @@ def core() -> ov.Core:
     return _CORE
 
 
+@functools.lru_cache(maxsize=1)
+def available_devices() -> tuple[str, ...]:
+    """Devices OpenVINO sees (cached: enumerating GPUs loads their driver)."""
+    return tuple(core().available_devices)
+
+
+VIRTUAL_DEVICES = ("AUTO", "HETERO", "MULTI", "BATCH")
+
+
 def config(device: str) -> dict[str, Any]:
-    """f32 inference: the CPU device otherwise runs f32 graphs in bf16 on CPUs that have it."""
+    """f32 inference: the CPU device otherwise runs f32 graphs in bf16 on CPUs that have it (GPU: f16)."""
+    if device.split(":")[0] in VIRTUAL_DEVICES:
+        return {"INFERENCE_PRECISION_HINT": "f32"}  # not in their SUPPORTED_PROPERTIES, but passed on
     try:
         supported = core().get_property(device, "SUPPORTED_PROPERTIES")
     except RuntimeError:

@@ -8,6 +8,7 @@ oracle, never stored numbers.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -25,10 +26,19 @@ from kvhal_openvino import graphs  # noqa: E402
 FORMATS = sorted(kov.OpenVINOBackend.formats)
 
 
-def cache(fmt: str = "q8_0", v_fmt: str | None = None, *, heads: int = 2, dim: int = 64, cap: int = 512,
-          backend: str = "openvino", **options: object) -> kvhal.KVCache:
-    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=v_fmt or fmt,
-                           block_size=16)
+def cache(
+    fmt: str = "q8_0",
+    v_fmt: str | None = None,
+    *,
+    heads: int = 2,
+    dim: int = 64,
+    cap: int = 512,
+    backend: str = "openvino",
+    **options: object,
+) -> kvhal.KVCache:
+    spec = kvhal.CacheSpec(
+        n_layers=2, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=v_fmt or fmt, block_size=16
+    )
     return kvhal.KVCache(spec, cap, backend=backend, backend_options=options or None)
 
 
@@ -70,14 +80,50 @@ def test_device_from_env(monkeypatch):
     assert info.available and info.device == "openvino:CPU" and "device CPU" in info.reason
 
     monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "NOSUCHDEV")
+    # openvino is imported in this process, so the probe can (cheaply) see the device is absent
     info = {i.name: i for i in kvhal.backends()}["openvino"]
-    assert info.device == "openvino:NOSUCHDEV"  # the probe stays cheap: the device is checked at start
-    with pytest.raises(kvhal.BackendUnavailableError) as e:
+    assert not info.available
+    assert info.reason.startswith("OpenVINO device 'NOSUCHDEV' is not on this machine; OpenVINO sees: CPU")
+    assert "Set KVHAL_OPENVINO_DEVICE to one of them" in info.reason
+    with pytest.raises(kvhal.BackendUnavailableError, match="'openvino' is unavailable: OpenVINO device 'NOSUCHDEV'"):
         cache()
-    msg = str(e.value)
-    assert "'NOSUCHDEV'" in msg and "KVHAL_OPENVINO_DEVICE" in msg and "CPU" in msg
+    with pytest.raises(kvhal.BackendUnavailableError, match=r"'NOSUCHDEV' \(from backend_options\['device'\]\)"):
+        kov.OpenVINOBackend(device="NOSUCHDEV")
     # an explicit option wins over the environment
-    assert cache(device="CPU").backend.device == "CPU"
+    monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "CPU")
+    assert cache(device="AUTO:CPU").backend.device == "AUTO:CPU"
+
+
+def test_env_device_without_openvino_imported():
+    """In a fresh process the probe only finds the package; the device is checked at start, with the same text."""
+    code = (
+        "import sys, kvhal; i = {b.name: b for b in kvhal.backends()}['openvino']; "
+        "assert i.available and 'checked when the backend starts' in i.reason, i.reason; "
+        "assert 'openvino' not in sys.modules\n"
+        "try:\n    kvhal.KVCache(kvhal.CacheSpec(1, 2, 64), 64, backend='openvino')\n"
+        "except kvhal.BackendUnavailableError as e:\n    print(e)"
+    )
+    env = {**os.environ, "KVHAL_OPENVINO_DEVICE": "GPU.7"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+    assert "OpenVINO device 'GPU.7' (from KVHAL_OPENVINO_DEVICE) is not on this machine; OpenVINO sees:" in out
+
+
+@pytest.mark.parametrize("device", ["CPU", "AUTO:CPU"])
+def test_graphs_compile_with_f32_precision(device):
+    """INFERENCE_PRECISION_HINT=f32 reaches the plugin (CPU defaults to bf16), virtual devices included."""
+    rng = np.random.default_rng(4)
+    c = cache("q8_0", device=device)
+    k, v = rng.standard_normal((2, 30, 2, 64), dtype=np.float32)
+    s = c.new_seq()
+    c.store(s, 0, k, v)
+    q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    out = kvhal.to_numpy(c.attention(0, q, [s], [2]))
+    f = formats.get("q8_0")
+    want = attention_f64(q, [f.dequantize(f.quantize(k))], [f.dequantize(f.quantize(v))], [2])
+    assert float(np.abs(out - want).max()) <= kov.OpenVINOBackend.attention_tolerance  # bf16 would be ~4e-3
+    if device == "CPU":  # AUTO does not answer the query
+        key = next(k for k in graphs._COMPILED if k[0] == device and k[1] == "attention")
+        assert str(graphs._COMPILED[key].get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
 
 
 def test_unavailable_reason_when_openvino_missing(monkeypatch):
@@ -89,6 +135,7 @@ def test_unavailable_reason_when_openvino_missing(monkeypatch):
     assert info.reason == (
         "the openvino Python package is not installed: pip install kvhal-openvino (or pip install openvino)"
     )
+    assert kov.OpenVINOBackend.unavailable_reason() == info.reason
     with pytest.raises(kvhal.BackendUnavailableError, match="pip install kvhal-openvino"):
         kov.OpenVINOBackend()
     with pytest.raises(kvhal.BackendUnavailableError, match="backend 'openvino' is unavailable: the openvino"):
