@@ -67,10 +67,11 @@ class OpenVINOBackend(Backend):
         device = _device_from_env()
         if _missing_device(device):
             return None
-        checked = "" if "openvino" in sys.modules else "; the device is checked when the backend starts"
+        src = ENV_DEVICE if os.environ.get(ENV_DEVICE, "").strip() else f"the default; set {ENV_DEVICE} for GPU or NPU"
+        checked = "" if "openvino" in sys.modules else "; checked when the backend starts"
         return Probe(
             score=SCORES.get(device.split(".")[0].split(":")[0], 20),
-            reason=f"OpenVINO {importlib.metadata.version('openvino')}, device {device} ({ENV_DEVICE}{checked})",
+            reason=f"OpenVINO {importlib.metadata.version('openvino')} graphs on device {device} ({src}{checked})",
             device=f"openvino:{device}",
         )
 
@@ -93,6 +94,7 @@ class OpenVINOBackend(Backend):
             raise BackendUnavailableError(missing.replace(f"{self.device!r}", f"{self.device!r} (from {src})", 1))
         # the CPU plugin reads host arrays in place; a discrete device would upload a whole pool per call
         self._in_place = self.device.split(".")[0] == "CPU"
+        self._copied = False
         self._requests: dict[tuple[Any, ...], Any] = {}
 
     # -- graphs -------------------------------------------------------------------------------------------
@@ -111,12 +113,22 @@ class OpenVINOBackend(Backend):
         res = req.infer(inputs, share_inputs=True, share_outputs=share_outputs)
         return [res[i] for i in range(len(res))]
 
-    def _views(self, pool: np.ndarray, fmt: str) -> list[np.ndarray]:
-        return [pool.view(self._g.DTYPES[v]) for v in self._g.VIEWS[fmt]]
+    def _views(self, pool: np.ndarray, fmt: str) -> list[Any]:
+        """Typed views of a pool's bytes (no copy); numpy has no bf16, so that one is an ov.Tensor."""
+        g = self._g
+        out: list[Any] = []
+        for v in g.VIEWS[fmt]:
+            view = pool.view(g.NP_TYPES[v])
+            out.append(g.ov.Tensor(view, view.shape, g.ov.Type.bf16) if v == "bf16" else view)
+        return out
 
-    def _pages(self, pools: LayerPools, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """The pool views a graph reads and the page ids into them (only the pages used, off CPU)."""
-        if not self._in_place:
+    def _pages(self, pools: LayerPools, ids: np.ndarray) -> tuple[list[Any], np.ndarray]:
+        """The pool views a graph reads and the page ids into them.
+
+        Pools are read in place on CPU, except f16/bf16 ones, which the plugin would convert whole:
+        those (and devices off the host) get only the pages used, renumbered.
+        """
+        if not self._in_place or self._copied:
             used, inverse = np.unique(ids, return_inverse=True)
             pools = LayerPools(pools.k[used], pools.v[used], 0)
             ids = inverse.reshape(ids.shape)
@@ -127,6 +139,7 @@ class OpenVINOBackend(Backend):
 
     def allocate(self, spec: CacheSpec, n_blocks: int) -> list[LayerPools]:
         self.spec = spec
+        self._copied = any(v in self._g.COPIED_VIEWS for f in (spec.k_format, spec.v_format) for v in self._g.VIEWS[f])
         out = []
         for _ in range(spec.n_layers):
             k = np.zeros(spec.pool_shape(n_blocks, "k"), np.uint8)
@@ -135,8 +148,8 @@ class OpenVINOBackend(Backend):
         return out
 
     def _store_input(self, x: Any, fmt: str) -> np.ndarray:
-        x = np.ascontiguousarray(x, np.float32)
-        return x.view(np.uint8) if self._g.STORE_INPUT.get(fmt) == "u8" else x
+        a: np.ndarray = np.ascontiguousarray(x, np.float32)
+        return a.view(np.uint8) if fmt == "bf16" else a  # bf16 rounds the input's bits
 
     def store(self, pools: LayerPools, k: Any, v: Any, slots: np.ndarray) -> None:
         spec, g = self.spec, self._g
@@ -204,7 +217,7 @@ class OpenVINOBackend(Backend):
             b = min(q_max, a + chunk)
             hi_c, lo_c = (np.repeat(x[:, a:b], g, axis=1).astype(np.int32) for x in (hi, lo))
             (res,) = self._run(
-                key, [q, *views, table, rows[:, a:b].astype(np.int32), hi_c, lo_c, np.float32(scale)], True
+                key, [q, *views, table, rows[:, a:b].astype(np.int32), hi_c, lo_c, np.asarray(scale, np.float32)], True
             )
             valid = i[None, a:b] < qn[:, None]
             out[(starts[:, None] + i[None, a:b])[valid]] = res[valid]

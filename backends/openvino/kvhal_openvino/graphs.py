@@ -2,11 +2,10 @@
 
 Imported only when the backend is instantiated (``import openvino`` costs ~0.3 s). OpenVINO has no
 bitcast, so the graphs read and write a pool through *typed views of the same bytes* (numpy ``.view``
-of the host pool, zero copy): q8_0's quants as ``i8``, everything else as ``u8``, f32 rows as ``f32``.
-(Only u8, i8 and f32 inputs are read in place: the CPU plugin converts a whole f16/u16/i16 input to
-f32/i32 before the first node, which costs a pass over the pool per call.) fp16 fields are decoded by
-a lookup in a table of all 65536 values. Every arithmetic step is exact in f32 (integer-valued
-quants, power-of-two factors), so the graphs reproduce ``kvhal/formats/ggml.py`` bit for bit.
+of the host pool): f32/f16/bf16 rows as their own type, q8_0's quants as ``i8``, other quantized
+bytes as ``u8``; fp16 scales are decoded by lookup in a table of all 65536 fp16 values, bit fields
+by lookup tables. Every arithmetic step is exact in f32 (integer-valued quants, power-of-two factors),
+so the graphs reproduce ``kvhal/formats/ggml.py`` bit for bit.
 
 Every dimension that changes between calls (tokens, blocks, sequences, queries) is dynamic, so a
 graph is compiled once per (formats, heads, head_dim, block_size) and never per step.
@@ -26,36 +25,34 @@ from kvhal import formats
 QK = 32  # values per quantized block
 I64 = np.int64
 
-# the typed views of a pool row each format's dequantizer reads, and the dtype its quantizer takes
+# the typed views of a pool row each format's dequantizer reads
 VIEWS: dict[str, tuple[str, ...]] = {
     "f32": ("f32",),
-    "f16": ("u8",),
-    "bf16": ("u8",),
+    "f16": ("f16",),
+    "bf16": ("bf16",),
     "q8_0": ("u8", "i8"),
     "q4_0": ("u8",),
     "q4_1": ("u8",),
     "q5_0": ("u8",),
     "q5_1": ("u8",),
 }
-DTYPES: dict[str, Any] = {"f32": np.float32, "u8": np.uint8, "i8": np.int8}
-ITEMSIZE = {"f32": 4, "u8": 1, "i8": 1}
-# every 16-bit float as f32, indexed [low byte, high byte]: fp16 scales and f16/bf16 values are decoded by
-# one exact GatherND over the byte pairs (an OpenVINO graph has no bitcast)
-_BITS16 = np.arange(1 << 16, dtype=np.uint32)
-F16_TABLE = _BITS16.astype(np.uint16).view(np.float16).astype(np.float32).reshape(256, 256).T.copy()
-_BF16 = (_BITS16 << 16).view(np.float32)
-# the CPU plugin flushes subnormal constants to zero (runtime arithmetic keeps them): bf16 values that
-# are f32 subnormals are tabled times 2**64 and scaled back by a second lookup
-_BF16_SUB = (np.abs(_BF16) < np.finfo(np.float32).tiny) & (_BF16 != 0)
-BF16_TABLE = (
-    np.where(_BF16_SUB, np.ldexp(np.where(_BF16_SUB, _BF16, 0), 64), _BF16)
-    .astype(np.float32)
-    .reshape(256, 256)
-    .T.copy()
-)
-BF16_SCALE = np.where(_BF16_SUB, np.float32(2.0**-64), np.float32(1)).reshape(256, 256).T.copy()
-# bf16 is quantized from the input's bytes (round to nearest even on the upper 16 bits)
-STORE_INPUT = {"bf16": "u8"}
+OV_TYPES: dict[str, Any] = {
+    "f32": ov.Type.f32,
+    "f16": ov.Type.f16,
+    "bf16": ov.Type.bf16,
+    "u8": ov.Type.u8,
+    "i8": ov.Type.i8,
+}
+NP_TYPES: dict[str, Any] = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "u8": np.uint8, "i8": np.int8}
+ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}
+# The CPU plugin converts a whole f16/bf16 input to f32 before the first node (exactly: subnormals and
+# signed zeros kept), a pass over the pool per call: such pools are fed only the pages a call reads.
+# u8, i8 and f32 inputs are read in place.
+COPIED_VIEWS = frozenset({"f16", "bf16"})
+# every fp16 value as f32, indexed [low byte, high byte]: the fp16 scales of quantized blocks are
+# decoded by one exact GatherND over their byte pairs (an OpenVINO graph has no bitcast)
+F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+F16_TABLE = F16_TABLE.reshape(256, 256).T.copy()
 # fp16 scales (and mins) that head each block; the rest of the block is the u8/i8 body
 N_SCALES = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2}
 
@@ -78,12 +75,9 @@ def _f32(x: ov.Node) -> ov.Node:
     return ops.convert(x, "f32")
 
 
-def _half(raw: ov.Node, lead: int, n: int, bf16: bool = False) -> ov.Node:
-    """u8 ``[*lead, 2n]`` (little-endian fp16, or bf16) -> their f32 values ``[*lead, n]``."""
-    pairs = ops.convert(_split_last(raw, lead, n, 2), "i32")
-    if not bf16:
-        return ops.gather_nd(const(F16_TABLE), pairs)
-    return ops.multiply(ops.gather_nd(const(BF16_TABLE), pairs), ops.gather_nd(const(BF16_SCALE), pairs))
+def _half(raw: ov.Node, lead: int, n: int) -> ov.Node:
+    """u8 ``[*lead, 2n]`` (little-endian fp16 fields) -> their f32 values ``[*lead, n]``."""
+    return ops.gather_nd(const(F16_TABLE), ops.convert(_split_last(raw, lead, n, 2), "i32"))
 
 
 # Bit fields are unpacked by lookup: each value's byte is gathered to the value's position, offset into
@@ -96,7 +90,8 @@ NIBBLE_FIELD = (_J // 16) * 256  # ... low nibble for j < 16, high nibble above
 
 # entry field*256 + byte: the nibble minus the format's offset (q4_0: 8; q5_0: 16, its high bit added later)
 def _nibble_table(offset: float) -> np.ndarray:
-    return (np.r_[np.arange(256) & 15, np.arange(256) >> 4] - offset).astype(np.float32)
+    table: np.ndarray = (np.r_[np.arange(256) & 15, np.arange(256) >> 4] - offset).astype(np.float32)
+    return table
 
 
 HIGH_BYTE = _J // 8  # the fifth bit of value j is bit j % 8 of qh byte j // 8
@@ -125,10 +120,8 @@ def dequantize(fmt: str, views: dict[str, ov.Node], lead: int, dim: int) -> ov.N
     """The f32 values of rows ``[*lead, row]`` -> ``[*lead, dim]``."""
     if fmt == "f32":
         return views["f32"]
-    if fmt == "f16":
-        return _half(views["u8"], lead, dim)
-    if fmt == "bf16":
-        return _half(views["u8"], lead, dim, bf16=True)
+    if fmt in ("f16", "bf16"):
+        return _f32(views[fmt])
     f = formats.get(fmt)
     nb, bb, blead = dim // QK, f.block_bytes, lead + 1
     body = _split_last(views["u8"], lead, nb, bb)
@@ -255,16 +248,17 @@ def quantize(fmt: str, x: ov.Node, dim: int) -> list[ov.Node]:
 
 
 def _bf16_quantize(raw: ov.Node, lead: int, dim: int) -> ov.Node:
-    """f32 bytes -> bf16 bytes, ggml's round to nearest even on the upper 16 bits (finite inputs)."""
+    """f32 bytes -> bf16 bits (u16), ggml's round to nearest even on the upper 16 bits (finite inputs).
+
+    The byte pairs are combined by matmuls with [1, 256] weights (integers below 2**17: exact in any
+    summation order), which keeps every tensor [..., dim] wide.
+    """
     b = _f32(_split_last(raw, lead, dim, 4))  # little-endian bytes b0..b3
-    b0, b1, b2, b3 = (_last(b, i, i + 1) for i in range(4))
-    low = ops.add(b0, ops.multiply(b1, const(256.0)))
-    odd = ops.subtract(b2, ops.multiply(ops.floor(ops.multiply(b2, const(0.5))), const(2.0)))
+    low = ops.matmul(b, const([1.0, 256.0, 0.0, 0.0]), False, False)
+    high = ops.matmul(b, const([0.0, 0.0, 1.0, 256.0]), False, False)
+    odd = ops.subtract(high, ops.multiply(ops.floor(ops.multiply(high, const(0.5))), const(2.0)))
     up = _f32(ops.greater(ops.add(low, odd), const(32768.0)))
-    r = ops.add(ops.add(b2, ops.multiply(b3, const(256.0))), up)
-    r_hi = ops.floor(ops.multiply(r, const(1 / 256)))
-    r_lo = ops.subtract(r, ops.multiply(r_hi, const(256.0)))
-    return ops.convert(_split_last(ops.concat([r_lo, r_hi], -1), lead, 2 * dim), "u8")
+    return ops.convert(ops.add(high, up), "u16")
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -274,7 +268,7 @@ def _pool_params(fmt: str, heads: int, block_size: int, dim: int, which: str) ->
     """One Parameter per typed view of a pool ``[n_blocks, heads, block_size, row]`` (n_blocks dynamic)."""
     row = formats.get(fmt).row_bytes(dim)
     return {
-        view: ops.parameter([-1, heads, block_size, row // ITEMSIZE[view]], DTYPES[view], name=f"{which}_{view}")
+        view: ops.parameter([-1, heads, block_size, row // ITEMSIZE[view]], OV_TYPES[view], name=f"{which}_{view}")
         for view in VIEWS[fmt]
     }
 
@@ -285,8 +279,8 @@ def store_model(k_fmt: str, v_fmt: str, heads: int, dim: int) -> ov.Model:
     for fmt, which in ((k_fmt, "k"), (v_fmt, "v")):
         if fmt == "f32":
             continue
-        kind = STORE_INPUT.get(fmt, "f32")
-        p = ops.parameter([-1, heads, dim * ITEMSIZE["f32"] // ITEMSIZE[kind]], DTYPES[kind], name=which)
+        kind = "u8" if fmt == "bf16" else "f32"  # bf16 rounds the input's bits
+        p = ops.parameter([-1, heads, dim * 4 // ITEMSIZE[kind]], OV_TYPES[kind], name=which)
         params.append(p)
         results += [ops.result(part) for part in quantize(fmt, p, dim)]
     return ov.Model(results, params, "kvhal_store")
@@ -402,7 +396,7 @@ def compiled(device: str, key: tuple[Any, ...]) -> ov.CompiledModel:
     cm = _COMPILED.get(full)
     if cm is None:
         op, *args = key
-        build = {"store": store_model, "load": load_model, "attention": attention_model}[op]
+        build: Any = {"store": store_model, "load": load_model, "attention": attention_model}[op]
         cm = core().compile_model(build(*args), device, config(device))
         compiles += 1
         _COMPILED[full] = cm

@@ -77,7 +77,7 @@ def test_device_from_env(monkeypatch):
     monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "CPU")
     assert cache().backend.device == "CPU"
     info = {i.name: i for i in kvhal.backends()}["openvino"]
-    assert info.available and info.device == "openvino:CPU" and "device CPU" in info.reason
+    assert info.available and info.device == "openvino:CPU" and "on device CPU (KVHAL_OPENVINO_DEVICE)" in info.reason
 
     monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "NOSUCHDEV")
     # openvino is imported in this process, so the probe can (cheaply) see the device is absent
@@ -213,11 +213,12 @@ def test_off_cpu_page_upload_path_matches():
     np.testing.assert_array_equal(kvhal.to_numpy(c.load(seqs[1], 0)[1]), loaded)
 
 
-def test_graphs_read_pools_in_place():
-    """Attention feeds the pools as u8/i8/f32 views of the same memory: no f16 input the plugin would convert."""
-    for fmt in FORMATS:
-        assert set(graphs.VIEWS[fmt]) <= {"u8", "i8", "f32"}
-    c = cache("q8_0")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_which_pools_are_read_in_place(fmt):
+    """Quantized and f32 pools go to the graph as views of the pool memory; f16/bf16 ones (which the CPU
+    plugin converts whole) as the pages a call reads."""
+    c = cache(fmt)
     p = c.pools[0].k
-    views = c.backend._views(p, "q8_0")
+    views = [np.asarray(v.data) if hasattr(v, "data") else v for v in c.backend._views(p, fmt)]
     assert all(np.shares_memory(v, p) for v in views)
+    assert c.backend._copied == (fmt in ("f16", "bf16"))
