@@ -51,8 +51,8 @@ ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}
 COPIED_VIEWS = frozenset({"f16", "bf16"})
 # every fp16 value as f32, indexed [low byte, high byte]: the fp16 scales of quantized blocks are
 # decoded by one exact GatherND over their byte pairs (an OpenVINO graph has no bitcast)
-F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-F16_TABLE = F16_TABLE.reshape(256, 256).T.copy()
+_F16_VALUES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+F16_TABLE = _F16_VALUES.reshape(256, 256).T.copy()
 # fp16 scales (and mins) that head each block; the rest of the block is the u8/i8 body
 N_SCALES = {"q8_0": 1, "q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2}
 
