@@ -222,8 +222,12 @@ def quantize(fmt: str, x: ov.Node, dim: int) -> list[ov.Node]:
     if fmt == "q8_0":
         d = _div_const(ops.reduce_max(ops.abs(b), const([-1], I64), keep_dims=True), 127)
         y = ops.multiply(b, _inverse(d))
-        # the reference's roundf: copysign(floor(|y| + 0.5), y)
-        q = ops.multiply(ops.sign(y), ops.floor(ops.add(ops.abs(y), const(0.5))))
+        # C roundf, half away from zero, without the f32 "+ 0.5" (0.49999997 + 0.5 rounds to 1.0):
+        # the fraction |y| - floor(|y|) is exact (Sterbenz), so compare it with 0.5
+        mag = ops.abs(y)
+        whole = ops.floor(mag)
+        up = _f32(ops.greater_equal(ops.subtract(mag, whole), const(0.5)))
+        q = ops.multiply(ops.sign(y), ops.add(whole, up))
         return [ops.convert(d, "f16"), ops.convert(q, "i8")]
     if fmt in ("q4_0", "q5_0"):
         half = 8.0 if fmt == "q4_0" else 16.0
