@@ -152,7 +152,7 @@ def test_attention_matches_float64(backend_info, fmt, case, rng):
     want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
     assert out.shape == q.shape and out.dtype == np.float32
     err = float(np.abs(out - want).max())
-    assert err <= backend_info.cls.attention_tolerance, f"max error {err:.3g} > {backend_info.cls.attention_tolerance}"
+    assert err <= cache.backend.attention_tolerance, f"max error {err:.3g} > {cache.backend.attention_tolerance}"
 
 
 def test_attention_scale_and_long_context(backend_info, rng):
@@ -165,7 +165,7 @@ def test_attention_scale_and_long_context(backend_info, rng):
     q = rng.standard_normal((1, 4, 64), dtype=np.float32)
     out = kvhal.to_numpy(cache.attention(0, q, [s], [1], scale=0.3))
     want = attention_f64(q, [f.dequantize(f.quantize(k))], [f.dequantize(f.quantize(v))], [1], scale=0.3)
-    assert float(np.abs(out - want).max()) <= backend_info.cls.attention_tolerance
+    assert float(np.abs(out - want).max()) <= cache.backend.attention_tolerance
 
 
 def test_sequence_ops_match_reference(backend_info, rng):
