@@ -1,0 +1,19 @@
+//! deq
+fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
+    return bitcast<f32>(${P}_w(c, row + 4u * i));
+}
+//! dot
+fn ${P}_dot(c: u32, row: u32) -> f32 {
+    var acc = 0.0;
+    for (var i = 0u; i < D; i++) {
+        acc += bitcast<f32>(${P}_w(c, row + 4u * i)) * qv[i];
+    }
+    return acc;
+}
+//! quant
+fn quant(lane: u32, nv: u32) {
+    if (lane < nv) {
+        hw[2u * lane] = xb[lane] & 0xffffu;
+        hw[2u * lane + 1u] = xb[lane] >> 16u;
+    }
+}
