@@ -10,6 +10,8 @@ struct Params { nx: u32, n: u32, src_off: u32, tmp_off: u32 }
 @group(0) @binding(1) var<storage, read> tab: array<u32>;
 @group(0) @binding(2) var<storage, read_write> tmp: array<u32>;
 
+${FORMAT}
+
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let e = (wid.x + wid.y * prm.nx) * 64u + lane;
