@@ -73,7 +73,8 @@ def select_adapter(infos: Sequence[Mapping[str, Any]], env: Mapping[str, str]) -
                 return None, f"KVHAL_VULKAN_ADAPTER={want} but there are {len(infos)} Vulkan adapter(s): {listing}"
         else:
             hits = [
-                i for i, a in enumerate(infos)
+                i
+                for i, a in enumerate(infos)
                 if want.lower() in f"{a.get('device', '')} {a.get('vendor', '')} {a.get('description', '')}".lower()
             ]
             if not hits:
@@ -86,8 +87,13 @@ def select_adapter(infos: Sequence[Mapping[str, Any]], env: Mapping[str, str]) -
             )
         return idx, _describe(infos[idx])
     rank = _RANK[pref]
-    order = sorted(range(len(infos)), key=lambda i: (rank.index(infos[i].get("adapter_type", "Unknown"))
-                                                     if infos[i].get("adapter_type") in rank else 2, i))
+    order = sorted(
+        range(len(infos)),
+        key=lambda i: (
+            rank.index(infos[i].get("adapter_type", "Unknown")) if infos[i].get("adapter_type") in rank else 2,
+            i,
+        ),
+    )
     usable = [i for i in order if allow_cpu or infos[i].get("adapter_type") != "CPU"]
     if not usable:
         return None, (
@@ -130,7 +136,7 @@ def _kernel_text(name: str) -> str:
     return resources.files(__package__).joinpath("kernels", name).read_text()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _format_section(fmt: str, section: str, prefix: str) -> str:
     text = _kernel_text(f"formats/{fmt}.wgsl")
     parts: dict[str, list[str]] = {}
@@ -199,8 +205,13 @@ class _Gpu:
         key = source
         if key not in self._pipelines:
             wgpu = self.wgpu
-            entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,
-                        "buffer": {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True}}]
+            entries = [
+                {
+                    "binding": 0,
+                    "visibility": wgpu.ShaderStage.COMPUTE,
+                    "buffer": {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True},
+                }
+            ]
             for i, kind in enumerate(kinds, start=1):
                 t = wgpu.BufferBindingType.read_only_storage if kind == "read" else wgpu.BufferBindingType.storage
                 entries.append({"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": t}})
@@ -214,7 +225,7 @@ class _Gpu:
         return self._pipelines[key]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu(adapter: Any) -> _Gpu:
     return _Gpu(adapter)
 
@@ -330,16 +341,20 @@ class VulkanBackend(Backend):
         group = self._groups.get(key)
         if group is None:
             entries = [{"binding": 0, "resource": {"buffer": self.gpu.params, "offset": 0, "size": _PARAM_STRIDE}}]
-            entries += [{"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
-                        for i, b in enumerate(step.buffers, start=1)]
+            entries += [
+                {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
+                for i, b in enumerate(step.buffers, start=1)
+            ]
             group = self.gpu.device.create_bind_group(layout=step.layout, entries=entries)
             self._groups[key] = group
         return group
 
-    def _submit(self, steps: Sequence[_Step], readback: tuple[Any, int] | None = None) -> np.ndarray | None:
-        """Run the steps in one compute pass; with ``readback`` (buffer, nbytes), return its bytes."""
+    def _encode(self, steps: Sequence[_Step]) -> Any:
+        """A command encoder holding the steps in one compute pass (each its own uniform slot)."""
+        if len(steps) > _PARAM_SLOTS:
+            raise AssertionError(f"internal: {len(steps)} steps in one submit, {_PARAM_SLOTS} uniform slots")
         max_x = self.gpu.limits["max-compute-workgroups-per-dimension"]
-        params = np.zeros((len(steps), _PARAM_STRIDE // 4), np.uint32)
+        params = np.zeros((max(len(steps), 1), _PARAM_STRIDE // 4), np.uint32)
         grids = []
         for i, s in enumerate(steps):
             nx = min(max(s.workgroups, 1), max_x)
@@ -349,33 +364,40 @@ class VulkanBackend(Backend):
             params[i, 0] = nx
             params[i, 1 : 1 + len(s.params)] = s.params
             grids.append((nx, ny))
-        if steps:
-            self.gpu.queue.write_buffer(self.gpu.params, 0, params)
         enc = self.gpu.device.create_command_encoder()
+        if not steps:
+            return enc
+        self.gpu.queue.write_buffer(self.gpu.params, 0, params)
         cp = enc.begin_compute_pass()
-        for i, (s, (nx, ny)) in enumerate(zip(steps, grids)):
-            if s.workgroups == 0:
-                continue
-            cp.set_pipeline(s.pipe)
-            cp.set_bind_group(0, self._group(s), [i * _PARAM_STRIDE])
-            cp.dispatch_workgroups(nx, ny)
+        for i, (s, (nx, ny)) in enumerate(zip(steps, grids, strict=True)):
+            if s.workgroups:
+                cp.set_pipeline(s.pipe)
+                cp.set_bind_group(0, self._group(s), [i * _PARAM_STRIDE])
+                cp.dispatch_workgroups(nx, ny)
         cp.end()
-        stage = None
-        if readback is not None:
-            buf, nbytes = readback
-            stage = self._buffer("stage", nbytes)
-            enc.copy_buffer_to_buffer(buf, 0, stage, 0, -(-nbytes // 4) * 4)
-        self.gpu.queue.submit([enc.finish()])
-        if readback is None:
-            return None
-        nbytes = readback[1]
+        return enc
+
+    def _submit(self, steps: Sequence[_Step]) -> None:
+        self.gpu.queue.submit([self._encode(steps).finish()])
+
+    def _read(self, steps: Sequence[_Step], buf: Any, nbytes: int, reuse: bool = True) -> np.ndarray:
+        """Run the steps, then copy the first ``nbytes`` of ``buf`` back to the host."""
         size = -(-nbytes // 4) * 4
+        if reuse:
+            stage = self._buffer("stage", size)
+        else:  # one-off reads (whole pools) must not leave a pool-sized staging buffer behind
+            usage = self.gpu.wgpu.BufferUsage
+            stage = self.gpu.device.create_buffer(size=size, usage=usage.MAP_READ | usage.COPY_DST)
+        enc = self._encode(steps)
+        enc.copy_buffer_to_buffer(buf, 0, stage, 0, size)
+        self.gpu.queue.submit([enc.finish()])
         stage.map_sync(self.gpu.wgpu.MapMode.READ, 0, size)
         try:
-            data = np.frombuffer(stage.read_mapped(0, size), np.uint8)[:nbytes].copy()
+            return np.frombuffer(stage.read_mapped(0, size), np.uint8)[:nbytes].copy()
         finally:
             stage.unmap()
-        return data
+            if not reuse:
+                stage.destroy()
 
     # -- pipelines ------------------------------------------------------------------------------------
 
@@ -408,15 +430,26 @@ class VulkanBackend(Backend):
         k, v = pools.k, pools.v
         nk, nv = len(k.buffers), len(v.buffers)
         consts = {
-            "D": self.spec.head_dim, "H": self.spec.n_kv_heads, "BS": self.spec.block_size,
-            "KPPC": k.pages_per_chunk, "VPPC": v.pages_per_chunk, "KRB": k.shape[3], "VRB": v.shape[3],
+            "D": self.spec.head_dim,
+            "H": self.spec.n_kv_heads,
+            "BS": self.spec.block_size,
+            "KPPC": k.pages_per_chunk,
+            "VPPC": v.pages_per_chunk,
+            "KRB": k.shape[3],
+            "VRB": v.shape[3],
             "WG": self._wg,
         }
-        body = "\n".join([
-            _pool_access("k", nk, 4, False), _pool_access("v", nv, 4 + nk, False),
-            _format_section(k.fmt.name, "dot", "k"), _format_section(v.fmt.name, "deq", "v"),
-        ])
-        attn = self.gpu.pipeline(_source("attention.wgsl", consts, body), ("read", "read", "rw") + ("read",) * (nk + nv))
+        body = "\n".join(
+            [
+                _pool_access("k", nk, 4, False),
+                _pool_access("v", nv, 4 + nk, False),
+                _format_section(k.fmt.name, "dot", "k"),
+                _format_section(v.fmt.name, "deq", "v"),
+            ]
+        )
+        attn = self.gpu.pipeline(
+            _source("attention.wgsl", consts, body), ("read", "read", "rw") + ("read",) * (nk + nv)
+        )
         comb = self.gpu.pipeline(_source("combine.wgsl", {"D": self.spec.head_dim}, ""), ("read", "rw"))
         return attn, comb
 
@@ -424,8 +457,11 @@ class VulkanBackend(Backend):
 
     def allocate(self, spec: CacheSpec, n_blocks: int) -> list[LayerPools]:
         self.spec = spec
-        self._wg = min(_WG_ATTN, self.gpu.limits["max-compute-invocations-per-workgroup"],
-                       self.gpu.limits["max-compute-workgroup-size-x"])
+        self._wg = min(
+            _WG_ATTN,
+            self.gpu.limits["max-compute-invocations-per-workgroup"],
+            self.gpu.limits["max-compute-workgroup-size-x"],
+        )
         wg_bytes = 4 * (spec.head_dim + 4 * self._wg + 3)
         if wg_bytes > self.gpu.limits["max-compute-workgroup-storage-size"]:
             raise ShapeError(
@@ -460,9 +496,13 @@ class VulkanBackend(Backend):
                 bufs = []
                 for c in range(n):
                     pages = min(ppc, n_blocks - c * ppc)
-                    bufs.append(self.gpu.device.create_buffer(  # WebGPU zero-fills new buffers
-                        label=f"kvhal-{which}-pool", size=-(-pages * page // 4) * 4,
-                        usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST))
+                    bufs.append(
+                        self.gpu.device.create_buffer(  # WebGPU zero-fills new buffers
+                            label=f"kvhal-{which}-pool",
+                            size=-(-pages * page // 4) * 4,
+                            usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST,
+                        )
+                    )
                 pools.append(VulkanPool(bufs, shape, ppc, fmt))
             out.append(LayerPools(pools[0], pools[1], pools[0].nbytes + pools[1].nbytes))
         return out
@@ -494,9 +534,7 @@ class VulkanBackend(Backend):
         for pool, ooff in ((pools.k, 0), (pools.v, size)):
             pipe, layout = self._pipe("load", pool)
             steps.append(_Step(pipe, layout, (meta, out, *pool.buffers), (n, ioff, ooff), -(-size // 64)))
-        data = self._submit(steps, (out, 8 * size))
-        assert data is not None
-        kv = data.view(np.float32)
+        kv = self._read(steps, out, 8 * size).view(np.float32)
         return kv[:size].reshape(shape), kv[size:].reshape(shape)
 
     def attention(
@@ -532,13 +570,16 @@ class VulkanBackend(Backend):
         (apipe, alayout), (cpipe, clayout) = self._attention_pipes(pools)
         scale_bits = int(np.float32(scale).view(np.uint32))
         steps = [
-            _Step(apipe, alayout, (qbuf, meta, part, *pools.k.buffers, *pools.v.buffers),
-                  (rows, hq, hq // spec.n_kv_heads, parts, table.shape[1], toff, scale_bits), rows * hq * parts),
+            _Step(
+                apipe,
+                alayout,
+                (qbuf, meta, part, *pools.k.buffers, *pools.v.buffers),
+                (rows, hq, hq // spec.n_kv_heads, parts, table.shape[1], toff, scale_bits),
+                rows * hq * parts,
+            ),
             _Step(cpipe, clayout, (part, out), (rows * hq, parts), rows * hq),
         ]
-        data = self._submit(steps, (out, rows * hq * d * 4))
-        assert data is not None
-        return data.view(np.float32).reshape(rows, hq, d)
+        return self._read(steps, out, rows * hq * d * 4).view(np.float32).reshape(rows, hq, d)
 
     def copy_slots(self, pools: LayerPools, src: np.ndarray, dst: np.ndarray) -> None:
         n = len(src)
@@ -554,7 +595,9 @@ class VulkanBackend(Backend):
             gathers.append(_Step(pipe, layout, (meta, tmp, *pool.buffers), (n, soff, toff), -(-n * h * words // 64)))
             pipe, layout = self._pipe("scatter", pool)
             for parity in (0, 1):
-                scatters.append(_Step(pipe, layout, (meta, tmp, *pool.buffers), (n, doff, toff, parity), -(-n * h // 64)))
+                scatters.append(
+                    _Step(pipe, layout, (meta, tmp, *pool.buffers), (n, doff, toff, parity), -(-n * h // 64))
+                )
         self._submit(gathers + scatters)
 
     def synchronize(self) -> None:
@@ -568,7 +611,5 @@ class VulkanBackend(Backend):
         n_blocks = x.shape[0]
         for c, buf in enumerate(x.buffers):
             pages = min(x.pages_per_chunk, n_blocks - c * x.pages_per_chunk)
-            data = self._submit([], (buf, pages * page))
-            assert data is not None
-            chunks.append(data)
+            chunks.append(self._read([], buf, pages * page, reuse=False))
         return np.concatenate(chunks).reshape(x.shape)

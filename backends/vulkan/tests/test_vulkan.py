@@ -20,8 +20,15 @@ FMTS = sorted(VulkanBackend.formats)
 
 
 def info(device: str, kind: str, vendor: str = "acme") -> dict[str, object]:
-    return {"device": device, "adapter_type": kind, "vendor": vendor, "vendor_id": 0x10DE, "device_id": 1,
-            "description": "driver 1.0", "backend_type": "Vulkan"}
+    return {
+        "device": device,
+        "adapter_type": kind,
+        "vendor": vendor,
+        "vendor_id": 0x10DE,
+        "device_id": 1,
+        "description": "driver 1.0",
+        "backend_type": "Vulkan",
+    }
 
 
 LAVAPIPE = info("llvmpipe (LLVM 15.0.6, 256 bits)", "CPU", "llvmpipe")
@@ -109,14 +116,17 @@ def available() -> None:
 
 
 def spec(fmt: str, fmt_v: str | None = None, heads: int = 2, dim: int = 64, bs: int = 16, layers: int = 1):
-    return kvhal.CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt,
-                           v_format=fmt_v or fmt, block_size=bs)
+    return kvhal.CacheSpec(
+        n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=fmt_v or fmt, block_size=bs
+    )
 
 
 def pool_bytes(cache: kvhal.KVCache, layer: int = 0) -> list[np.ndarray]:
     p = cache.pools[layer]
-    return [np.asarray(cache.backend.to_numpy(x)).view(np.uint8).reshape(cache.spec.pool_shape(cache.n_blocks, w))
-            for x, w in ((p.k, "k"), (p.v, "v"))]
+    return [
+        np.asarray(cache.backend.to_numpy(x)).view(np.uint8).reshape(cache.spec.pool_shape(cache.n_blocks, w))
+        for x, w in ((p.k, "k"), (p.v, "v"))
+    ]
 
 
 def hard_blocks(rng: np.random.Generator, fmt: str) -> np.ndarray:
@@ -159,7 +169,7 @@ def test_hard_values_byte_identical(available, fmt):
         s = c.new_seq()
         c.store(s, 0, k[:3], v[:3])
         c.store(s, 0, k[3:], v[3:])
-    for got, want in zip(pool_bytes(caches[0]), pool_bytes(caches[1])):
+    for got, want in zip(pool_bytes(caches[0]), pool_bytes(caches[1]), strict=True):
         bad = np.argwhere(got != want)
         assert bad.size == 0, f"{len(bad)} bytes differ, first at {bad[0].tolist()}"
     f = formats.get(fmt)
@@ -183,7 +193,7 @@ def test_head_dims_and_odd_geometry(available, fmt):
         t = c.seq_cp(s, 3, 20)
         c.seq_rm(s, 2, 7)
         c.store(t, 0, k[:4], v[:4])
-    for got, want in zip(pool_bytes(caches[0]), pool_bytes(caches[1])):
+    for got, want in zip(pool_bytes(caches[0]), pool_bytes(caches[1]), strict=True):
         np.testing.assert_array_equal(got, want)
     q = rng.standard_normal((4, 6, dim), dtype=np.float32)
     ref = caches[1]
@@ -224,7 +234,7 @@ def test_pool_split_across_bindings(available, fk, fv):
         for layer in (0, 1):
             c.store(t, layer, k[160:170], v[160:170])
     for layer in (0, 1):
-        for got, want in zip(pool_bytes(caches[0], layer), pool_bytes(caches[1], layer)):
+        for got, want in zip(pool_bytes(caches[0], layer), pool_bytes(caches[1], layer), strict=True):
             np.testing.assert_array_equal(got, want)
     q = rng.standard_normal((3, 4, 64), dtype=np.float32)
     seqs = caches[1].seqs
@@ -232,8 +242,9 @@ def test_pool_split_across_bindings(available, fk, fv):
     want = kvhal.to_numpy(caches[1].attention(1, q, seqs, [1, 1, 1]))
     assert float(np.abs(got - want).max()) <= VulkanBackend.attention_tolerance
     for s in seqs:
-        np.testing.assert_allclose(kvhal.to_numpy(caches[0].load(s, 1)[1]), caches[1].load(s, 1)[1],
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            kvhal.to_numpy(caches[0].load(s, 1)[1]), caches[1].load(s, 1)[1], rtol=1e-6, atol=1e-6
+        )
 
 
 def test_too_many_chunks_is_a_capacity_error(available):
