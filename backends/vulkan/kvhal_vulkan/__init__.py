@@ -13,10 +13,12 @@ Environment: ``KVHAL_VULKAN_ADAPTER`` (index into the Vulkan adapters, or a name
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -106,7 +108,9 @@ def select_adapter(infos: Sequence[Mapping[str, Any]], env: Mapping[str, str]) -
 def _quiet_driver() -> None:
     # Mesa's Vulkan loader complains on stderr when XDG_RUNTIME_DIR is unset (CI, containers)
     if not os.environ.get("XDG_RUNTIME_DIR"):
-        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="kvhal-xdg-")
+        path = tempfile.mkdtemp(prefix="kvhal-xdg-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["XDG_RUNTIME_DIR"] = path
 
 
 @functools.lru_cache(maxsize=1)
@@ -272,7 +276,7 @@ class VulkanBackend(Backend):
         if adapter is None:
             return None
         kind = adapter.info.get("adapter_type", "Unknown")
-        note = " (software rasterizer: correct but slow)" if kind == "CPU" else ""
+        note = " (software driver: correct but slow)" if kind == "CPU" else ""
         return Probe(score=_SCORE.get(kind, 60), reason=f"wgpu on Vulkan{note}", device=reason)
 
     @classmethod
@@ -293,7 +297,8 @@ class VulkanBackend(Backend):
             limit = min(limit, max_binding_bytes)
         self.pool_binding_limit = limit // 4 * 4
         self._scratch: dict[str, Any] = {}
-        self._groups: dict[tuple[int, ...], Any] = {}
+        # (pipeline, buffers) -> (bind group, the buffers): holding them keeps their ids from being reused
+        self._groups: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] = {}
 
     # -- buffers --------------------------------------------------------------------------------------
 
@@ -338,16 +343,18 @@ class VulkanBackend(Backend):
 
     def _group(self, step: _Step) -> Any:
         key = (id(step.pipe), *map(id, step.buffers))
-        group = self._groups.get(key)
-        if group is None:
+        hit = self._groups.get(key)
+        if hit is None:
             entries = [{"binding": 0, "resource": {"buffer": self.gpu.params, "offset": 0, "size": _PARAM_STRIDE}}]
             entries += [
                 {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
                 for i, b in enumerate(step.buffers, start=1)
             ]
-            group = self.gpu.device.create_bind_group(layout=step.layout, entries=entries)
-            self._groups[key] = group
-        return group
+            hit = self._groups[key] = (
+                self.gpu.device.create_bind_group(layout=step.layout, entries=entries),
+                step.buffers,
+            )
+        return hit[0]
 
     def _encode(self, steps: Sequence[_Step]) -> Any:
         """A command encoder holding the steps in one compute pass (each its own uniform slot)."""
@@ -457,6 +464,7 @@ class VulkanBackend(Backend):
 
     def allocate(self, spec: CacheSpec, n_blocks: int) -> list[LayerPools]:
         self.spec = spec
+        self._groups.clear()  # groups of an earlier allocation's pools
         self._wg = min(
             _WG_ATTN,
             self.gpu.limits["max-compute-invocations-per-workgroup"],

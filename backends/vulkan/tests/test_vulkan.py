@@ -141,10 +141,7 @@ def hard_blocks(rng: np.random.Generator, fmt: str) -> np.ndarray:
     b += [np.r_[0.0, 15.0, np.clip(t[2:], 0.5, 14.5)]]  # q4_1: d = 1, (x - 0) + 0.5 on integers
     b += [np.r_[0.0, 31.0, np.clip(t[2:] + 15, 0.5, 30.5)]]  # q5_1
     b += [np.full(32, 0.3), np.zeros(32), -np.zeros(32), np.full(32, -2.5)]
-    if fmt not in ("q4_1", "q5_1"):
-        # numpy's min/max of {-0.0, +0.0} depends on its SIMD reduction order (ggml's scan keeps the
-        # first); the shader follows ggml, so the reference agrees only where it is deterministic
-        b += [np.r_[-0.0, 0.0, np.zeros(30)], np.r_[np.zeros(5), -0.0, np.zeros(26)]]
+    b += [np.r_[-0.0, 0.0, np.zeros(30)], np.r_[np.zeros(5), -0.0, np.zeros(26)], np.r_[-0.0, np.ones(31)]]
     b += [np.r_[np.zeros(31), -1e-3], np.r_[5.0, -5.0, rng.standard_normal(30)], np.r_[-5.0, 5.0, np.ones(30)]]
     b += [rng.standard_normal(32) * 1e-38, np.full(32, 1e-40), np.r_[1.2e-38, rng.uniform(-1e-39, 1e-39, 31)]]
     b += [np.r_[65504.0, -65504.0, rng.uniform(-65504, 65504, 30)], rng.uniform(-6e4, 6e4, 32)]

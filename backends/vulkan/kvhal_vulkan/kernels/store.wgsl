@@ -37,7 +37,8 @@ fn quant_absmax(lane: u32, div: u32, off: f32, qmax: u32) {
                 idx = j;
             }
         }
-        let d = div_rn(xb[idx], div);
+        // ggml starts from max = 0.0f: an all-zero block keeps +0.0 even when its values are -0.0
+        let d = div_rn(select(xb[idx], 0u, best == 0u), div);
         st[0] = d;
         st[1] = inv_bits(d);
     }
