@@ -203,6 +203,24 @@ class _Gpu:
             size=_PARAM_STRIDE * _PARAM_SLOTS, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
         )
         self._pipelines: dict[str, tuple[Any, Any]] = {}
+        usage = wgpu.BufferUsage
+        self._fence = (
+            self.device.create_buffer(size=4, usage=usage.COPY_SRC),
+            self.device.create_buffer(size=4, usage=usage.MAP_READ | usage.COPY_DST),
+        )
+
+    def wait(self) -> None:
+        """Block until all submitted work is done.
+
+        wgpu 0.32's ``queue.on_submitted_work_done_sync`` fails (cffi callback signature), so map a
+        buffer written by a last, tiny submission: a queue finishes its work in submission order.
+        """
+        src, dst = self._fence
+        enc = self.device.create_command_encoder()
+        enc.copy_buffer_to_buffer(src, 0, dst, 0, 4)
+        self.queue.submit([enc.finish()])
+        dst.map_sync(self.wgpu.MapMode.READ, 0, 4)
+        dst.unmap()
 
     def pipeline(self, source: str, kinds: tuple[str, ...]) -> tuple[Any, Any]:
         """(pipeline, bind group layout) for a shader; ``kinds`` are bindings 1.. ("read" or "rw")."""
@@ -609,7 +627,7 @@ class VulkanBackend(Backend):
         self._submit(gathers + scatters)
 
     def synchronize(self) -> None:
-        self.gpu.queue.on_submitted_work_done_sync()
+        self.gpu.wait()
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if not isinstance(x, VulkanPool):
