@@ -153,21 +153,30 @@ def _format_section(fmt: str, section: str, prefix: str) -> str:
     return Template("\n".join(parts[section])).substitute(P=prefix)
 
 
-def _pool_access(prefix: str, n: int, first: int, writable: bool) -> str:
-    """Bindings for a pool split into ``n`` chunks, and word/half/byte readers that pick the chunk."""
-    access = "read_write" if writable else "read"
-    lines = [f"@group(0) @binding({first + i}) var<storage, {access}> {prefix}{i}: array<u32>;" for i in range(n)]
+def _pool_access(prefix: str, n: int, first: int, mode: str) -> str:
+    """Bindings for a pool split into ``n`` chunks, and accessors that pick the chunk ``c``.
 
-    def switch(stmt: str) -> str:
+    ``mode`` "read": word/half/byte readers; "atomic": atomic store/and/or (writers of rows that
+    share their boundary words with rows other invocations write).
+    """
+    elem = "atomic<u32>" if mode == "atomic" else "u32"
+    access = "read_write" if mode == "atomic" else "read"
+    lines = [f"@group(0) @binding({first + i}) var<storage, {access}> {prefix}{i}: array<{elem}>;" for i in range(n)]
+
+    def fn(head: str, stmt: str) -> None:
         if n == 1:
-            return stmt.format(i=0)
-        cases = [f"case {i}u: {{ {stmt.format(i=i)} }}" for i in range(n - 1)]
-        cases.append(f"default: {{ {stmt.format(i=n - 1)} }}")
-        return "switch c { " + " ".join(cases) + " }"
+            body = stmt.format(i=0)
+        else:
+            cases = [f"case {i}u: {{ {stmt.format(i=i)} }}" for i in range(n - 1)]
+            body = "switch c { " + " ".join(cases) + f" default: {{ {stmt.format(i=n - 1)} }} }}"
+        lines.append(f"fn {prefix}_{head} {{ {body} }}")
 
-    lines.append(f"fn {prefix}_rd(c: u32, w: u32) -> u32 {{ {switch(f'return {prefix}{{i}}[w];')} }}")
-    if writable:
-        lines.append(f"fn {prefix}_wr(c: u32, w: u32, x: u32) {{ {switch(f'{prefix}{{i}}[w] = x;')} }}")
+    if mode == "atomic":
+        fn("st(c: u32, w: u32, x: u32)", f"atomicStore(&{prefix}{{i}}[w], x);")
+        fn("and(c: u32, w: u32, x: u32)", f"atomicAnd(&{prefix}{{i}}[w], x);")
+        fn("or(c: u32, w: u32, x: u32)", f"atomicOr(&{prefix}{{i}}[w], x);")
+        return "\n".join(lines)
+    fn("rd(c: u32, w: u32) -> u32", f"return {prefix}{{i}}[w];")
     lines.append(f"""
 fn {prefix}_h(c: u32, byte: u32) -> u32 {{ return ({prefix}_rd(c, byte >> 2u) >> ((byte & 2u) * 8u)) & 0xffffu; }}
 fn {prefix}_b(c: u32, byte: u32) -> u32 {{ return ({prefix}_rd(c, byte >> 2u) >> ((byte & 3u) * 8u)) & 0xffu; }}
@@ -439,19 +448,30 @@ class VulkanBackend(Backend):
             vb = 0 if fmt.block_len > 1 else fmt.block_bytes
             ub = fmt.block_bytes if vb == 0 else 32 * vb
             consts = {**g, "D": spec.head_dim, "UPR": -(-spec.head_dim // 32), "UB": ub, "VB": vb}
-            body = _pool_access("p", n, 3, True) + "\n" + _format_section(fmt.name, "quant", "p")
+            body = _pool_access("p", n, 3, "atomic") + "\n" + _format_section(fmt.name, "quant", "p")
             kinds = ("read", "read") + ("rw",) * n
         elif kernel == "load":
             consts = {**g, "D": spec.head_dim}
-            body = _pool_access("p", n, 3, False) + "\n" + _format_section(fmt.name, "deq", "p")
+            body = _pool_access("p", n, 3, "read") + "\n" + _format_section(fmt.name, "deq", "p")
             kinds = ("read", "rw") + ("read",) * n
         elif kernel == "gather":
-            consts, body, kinds = g, _pool_access("p", n, 3, False), ("read", "rw") + ("read",) * n
+            consts, body, kinds = g, _pool_access("p", n, 3, "read"), ("read", "rw") + ("read",) * n
         else:  # scatter
-            consts, body, kinds = g, _pool_access("p", n, 3, True), ("read", "read") + ("rw",) * n
+            consts, body, kinds = g, _pool_access("p", n, 3, "atomic"), ("read", "read") + ("rw",) * n
         return self.gpu.pipeline(_source(f"{kernel}.wgsl", consts, body), kinds)
 
-    def _attention_pipes(self, pools: LayerPools) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    def _heads_per_group(self, group: int) -> int:
+        """Query heads one attention workgroup serves (a divisor of the GQA group that fits its memory)."""
+        d, wg = self.spec.head_dim, self._wg
+        budget = self.gpu.limits["max-compute-workgroup-storage-size"]
+        for ht in range(min(group, 8), 0, -1):
+            if group % ht == 0 and 4 * (ht * (d + -(-d // 32) + 2 * wg) + 2 * wg + 3) <= budget:
+                return ht
+        raise ShapeError(
+            f"vulkan: head_dim {d} needs more workgroup memory than this adapter's {budget} bytes; use a smaller head_dim"
+        )
+
+    def _attention_pipes(self, pools: LayerPools, ht: int) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
         k, v = pools.k, pools.v
         nk, nv = len(k.buffers), len(v.buffers)
         consts = {
@@ -463,11 +483,12 @@ class VulkanBackend(Backend):
             "KRB": k.shape[3],
             "VRB": v.shape[3],
             "WG": self._wg,
+            "HT": ht,
         }
         body = "\n".join(
             [
-                _pool_access("k", nk, 4, False),
-                _pool_access("v", nv, 4 + nk, False),
+                _pool_access("k", nk, 4, "read"),
+                _pool_access("v", nv, 4 + nk, "read"),
                 _format_section(k.fmt.name, "dot", "k"),
                 _format_section(v.fmt.name, "deq", "v"),
             ]
@@ -488,7 +509,7 @@ class VulkanBackend(Backend):
             self.gpu.limits["max-compute-invocations-per-workgroup"],
             self.gpu.limits["max-compute-workgroup-size-x"],
         )
-        wg_bytes = 4 * (spec.head_dim + 4 * self._wg + 3)
+        wg_bytes = 4 * (spec.head_dim + -(-spec.head_dim // 32) + 4 * self._wg + 3)  # attention, one head per group
         if wg_bytes > self.gpu.limits["max-compute-workgroup-storage-size"]:
             raise ShapeError(
                 f"vulkan: head_dim {spec.head_dim} needs {wg_bytes} bytes of workgroup memory, above this "
@@ -498,7 +519,8 @@ class VulkanBackend(Backend):
         for which in ("k", "v"):
             shape = spec.pool_shape(n_blocks, which)
             page = shape[1] * shape[2] * shape[3]
-            ppc = min(n_blocks, self.pool_binding_limit // page)
+            # pages per chunk depends on the limit only, not on n_blocks: caches of any size share pipelines
+            ppc = self.pool_binding_limit // page
             if ppc < 1:
                 raise CapacityError(
                     f"vulkan: one page of the {which.upper()} pool is {page} bytes, above the "
@@ -544,8 +566,7 @@ class VulkanBackend(Backend):
         steps = []
         for pool, off in ((pools.k, koff), (pools.v, voff)):
             pipe, layout = self._pipe("store", pool)
-            for parity in (0, 1):
-                steps.append(_Step(pipe, layout, (x, meta, *pool.buffers), (n, off, soff, parity), units))
+            steps.append(_Step(pipe, layout, (x, meta, *pool.buffers), (n, off, soff), -(-units // 64)))
         self._submit(steps)
 
     def load(self, pools: LayerPools, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -585,23 +606,26 @@ class VulkanBackend(Backend):
         hi = pos + 1 if causal else seq_lens[seq]
         lo = np.maximum(pos - window + 1, 0) if window is not None else np.zeros(rows, np.int64)
         info = np.stack([seq, lo, hi, np.zeros(rows, np.int64)], axis=1).astype(np.uint32)
+        group = hq // spec.n_kv_heads
+        ht = self._heads_per_group(group)
+        tiles = rows * spec.n_kv_heads * (group // ht)
         # split long contexts into partitions of >= 256 keys until there are enough workgroups
-        parts = max(1, min(-(-512 // (rows * hq)), -(-int((hi - lo).max()) // 256)))
+        parts = max(1, min(-(-512 // tiles), -(-int((hi - lo).max()) // 256)))
         table = np.asarray(block_table, np.int64).astype(np.uint32)  # -1 padding is never read
         qbuf, _ = self._upload("q", [qx.reshape(-1)])
         meta, (_, toff) = self._upload("meta", [info.reshape(-1), table.reshape(-1)])
-        # rows * hq * parts < rows * hq + 512: sized so a growing context never regrows it
-        part = self._buffer("part", (rows * hq + 512) * (d + 2) * 4)
+        # tiles * parts < tiles + 512: sized so a growing context never regrows it
+        part = self._buffer("part", (tiles + 512) * ht * (d + 2) * 4)
         out = self._buffer("out", rows * hq * d * 4)
-        (apipe, alayout), (cpipe, clayout) = self._attention_pipes(pools)
+        (apipe, alayout), (cpipe, clayout) = self._attention_pipes(pools, ht)
         scale_bits = int(np.float32(scale).view(np.uint32))
         steps = [
             _Step(
                 apipe,
                 alayout,
                 (qbuf, meta, part, *pools.k.buffers, *pools.v.buffers),
-                (rows, hq, hq // spec.n_kv_heads, parts, table.shape[1], toff, scale_bits),
-                rows * hq * parts,
+                (rows, hq, group, parts, table.shape[1], toff, scale_bits),
+                tiles * parts,
             ),
             _Step(cpipe, clayout, (part, out), (rows * hq, parts), rows * hq),
         ]
@@ -620,10 +644,7 @@ class VulkanBackend(Backend):
             pipe, layout = self._pipe("gather", pool)
             gathers.append(_Step(pipe, layout, (meta, tmp, *pool.buffers), (n, soff, toff), -(-n * h * words // 64)))
             pipe, layout = self._pipe("scatter", pool)
-            for parity in (0, 1):
-                scatters.append(
-                    _Step(pipe, layout, (meta, tmp, *pool.buffers), (n, doff, toff, parity), -(-n * h // 64))
-                )
+            scatters.append(_Step(pipe, layout, (meta, tmp, *pool.buffers), (n, doff, toff), -(-n * h // 64)))
         self._submit(gathers + scatters)
 
     def synchronize(self) -> None:

@@ -1,6 +1,7 @@
-// Fused paged attention, one workgroup per (query row, query head, KV partition): online softmax
-// over tiles of WG keys read straight from the quantized pages. Long contexts with few query rows
-// are split into partitions (flash-decoding); combine.wgsl merges the partial results.
+// Fused paged attention. One workgroup per (query row, KV head, tile of HT query heads of that KV
+// head's group, KV partition): each K/V row is dequantized once for the HT heads that read it, with
+// an online softmax over tiles of WG keys. Long contexts with few query rows are split into
+// partitions (flash-decoding); combine.wgsl merges the partial results.
 const D: u32 = ${D}u;
 const H: u32 = ${H}u;      // KV heads
 const BS: u32 = ${BS}u;
@@ -9,17 +10,20 @@ const VPPC: u32 = ${VPPC}u;
 const KRB: u32 = ${KRB}u;
 const VRB: u32 = ${VRB}u;
 const WG: u32 = ${WG}u;
+const HT: u32 = ${HT}u;
+const NB: u32 = (D + 31u) / 32u;      // 32-value blocks per row
 const DPL: u32 = (D + WG - 1u) / WG;  // output dims per lane
 
 struct Params { nx: u32, rows: u32, hq: u32, group: u32, parts: u32, maxb: u32, table_off: u32, scale: f32 }
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;      // [rows, hq, D]
-@group(0) @binding(2) var<storage, read> tab: array<u32>;   // [rows] x (seq, lo, hi, 0), then the block table
+@group(0) @binding(2) var<storage, read> tab: array<u32>;    // [rows] x (seq, lo, hi, 0), then the block table
 @group(0) @binding(3) var<storage, read_write> part: array<f32>;  // [rows, hq, parts] x (acc[D], m, l)
 
-var<workgroup> qv: array<f32, D>;
-var<workgroup> sc: array<f32, WG>;
-var<workgroup> pw: array<f32, WG>;
+var<workgroup> qv: array<f32, HT * D>;
+var<workgroup> qbs: array<f32, HT * NB>;  // per-block sums of q (the min term of q4_1/q5_1)
+var<workgroup> sc: array<f32, HT * WG>;
+var<workgroup> pw: array<f32, HT * WG>;
 var<workgroup> vc: array<u32, WG>;
 var<workgroup> vr: array<u32, WG>;
 var<workgroup> wg_a: u32;
@@ -31,15 +35,17 @@ ${FORMAT}
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let id = wid.x + wid.y * prm.nx;
-    if (id >= prm.rows * prm.hq * prm.parts) {
+    let nt = prm.group / HT;
+    if (id >= prm.rows * H * nt * prm.parts) {
         return;
     }
     let p = id % prm.parts;
-    let rh = id / prm.parts;  // row * hq + head
-    let row = rh / prm.hq;
-    let kvh = (rh % prm.hq) / prm.group;
-    for (var d = lane; d < D; d += WG) {
-        qv[d] = q[rh * D + d];
+    let rt = id / prm.parts;
+    let kvh = (rt / nt) % H;
+    let row = rt / (nt * H);
+    let h0 = kvh * prm.group + (rt % nt) * HT;  // first query head of this tile
+    for (var e = lane; e < HT * D; e += WG) {
+        qv[e] = q[(row * prm.hq + h0) * D + e];
     }
     if (lane == 0u) {
         let lo = tab[row * 4u + 1u];
@@ -50,58 +56,88 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         wg_b = min(hi, a + chunk);
         wg_t = prm.table_off + tab[row * 4u] * prm.maxb;
     }
-    let a = workgroupUniformLoad(&wg_a);
+    let a = workgroupUniformLoad(&wg_a);  // also a barrier: qv is complete
     let b = workgroupUniformLoad(&wg_b);
     let tb = wg_t;
-    var m = NEG;
-    var l = 0.0;
-    var acc: array<f32, DPL>;
+    for (var e = lane; e < HT * NB; e += WG) {
+        let g = e / NB;
+        let blk = e % NB;
+        var sum = 0.0;
+        for (var j = blk * 32u; j < min(D, blk * 32u + 32u); j++) {
+            sum += qv[g * D + j];
+        }
+        qbs[e] = sum;
+    }
+    workgroupBarrier();
+    var m = array<f32, HT>();
+    var l = array<f32, HT>();
+    var acc = array<f32, HT * DPL>();
+    for (var g = 0u; g < HT; g++) {
+        m[g] = NEG;
+    }
     for (var t0 = a; t0 < b; t0 += WG) {
         let t = t0 + lane;
-        var s = NEG;
         if (t < b) {
             let page = tab[tb + t / BS];
             let off = t % BS;
-            s = k_dot(page / KPPC, (((page % KPPC) * H + kvh) * BS + off) * KRB) * prm.scale;
+            let s = k_dot(page / KPPC, (((page % KPPC) * H + kvh) * BS + off) * KRB);
+            for (var g = 0u; g < HT; g++) {
+                sc[g * WG + lane] = s[g] * prm.scale;
+            }
             vc[lane] = page / VPPC;
             vr[lane] = (((page % VPPC) * H + kvh) * BS + off) * VRB;
+        } else {
+            for (var g = 0u; g < HT; g++) {
+                sc[g * WG + lane] = NEG;
+            }
         }
-        sc[lane] = s;
         workgroupBarrier();
-        let nt = min(WG, b - t0);
-        var mt = m;
-        for (var j = 0u; j < nt; j++) {
-            mt = max(mt, sc[j]);
+        let n = min(WG, b - t0);
+        var mt = array<f32, HT>();
+        for (var g = 0u; g < HT; g++) {
+            mt[g] = m[g];
+            for (var j = 0u; j < n; j++) {
+                mt[g] = max(mt[g], sc[g * WG + j]);
+            }
+            pw[g * WG + lane] = exp(sc[g * WG + lane] - mt[g]);
         }
-        pw[lane] = exp(sc[lane] - mt);
         workgroupBarrier();
-        let corr = exp(m - mt);
-        l = l * corr;
-        for (var r = 0u; r < DPL; r++) {
-            acc[r] = acc[r] * corr;
+        for (var g = 0u; g < HT; g++) {
+            let corr = exp(m[g] - mt[g]);
+            var sum = 0.0;
+            for (var j = 0u; j < n; j++) {
+                sum += pw[g * WG + j];
+            }
+            l[g] = l[g] * corr + sum;
+            for (var r = 0u; r < DPL; r++) {
+                acc[g * DPL + r] *= corr;
+            }
+            m[g] = mt[g];
         }
-        for (var j = 0u; j < nt; j++) {
-            let pj = pw[j];
-            l = l + pj;
+        for (var j = 0u; j < n; j++) {
             for (var r = 0u; r < DPL; r++) {
                 let d = lane + r * WG;
                 if (d < D) {
-                    acc[r] += pj * v_deq(vc[j], vr[j], d);
+                    let v = v_deq(vc[j], vr[j], d);
+                    for (var g = 0u; g < HT; g++) {
+                        acc[g * DPL + r] += pw[g * WG + j] * v;
+                    }
                 }
             }
         }
-        m = mt;
         workgroupBarrier();
     }
-    let base = id * (D + 2u);
-    for (var r = 0u; r < DPL; r++) {
-        let d = lane + r * WG;
-        if (d < D) {
-            part[base + d] = acc[r];
+    for (var g = 0u; g < HT; g++) {
+        let base = (((row * prm.hq + h0 + g) * prm.parts) + p) * (D + 2u);
+        for (var r = 0u; r < DPL; r++) {
+            let d = lane + r * WG;
+            if (d < D) {
+                part[base + d] = acc[g * DPL + r];
+            }
         }
-    }
-    if (lane == 0u) {
-        part[base + D] = m;
-        part[base + D + 1u] = l;
+        if (lane == 0u) {
+            part[base + D] = m[g];
+            part[base + D + 1u] = l[g];
+        }
     }
 }

@@ -6,18 +6,13 @@
 
 const NEG: f32 = -3.0e38;  // "minus infinity" for running maxima (WGSL has no inf literal)
 
-// binary16 bits -> f32, subnormals included (m * 2^-24 is exact in f32)
+// binary16 bits -> f32 (finite values), subnormals included: m * 2^-24 is exact in f32
 fn f16_to_f32(h: u32) -> f32 {
     let s = (h & 0x8000u) << 16u;
-    let e = (h >> 10u) & 0x1fu;
-    let m = h & 0x3ffu;
-    if (e == 0u) {
-        return bitcast<f32>(bitcast<u32>(f32(m) * 5.9604644775390625e-8) | s);
-    }
-    if (e == 31u) {
-        return bitcast<f32>(s | 0x7f800000u | (m << 13u));
-    }
-    return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
+    let em = h & 0x7fffu;
+    let normal = s | ((em << 13u) + 0x38000000u);  // rebias the exponent by 127 - 15
+    let sub = bitcast<u32>(f32(em) * 5.9604644775390625e-8) | s;
+    return bitcast<f32>(select(normal, sub, em < 0x400u));
 }
 
 // f32 bits -> binary16 bits, round to nearest even (numpy's astype(float16))
@@ -135,4 +130,52 @@ fn inv_bits(d: u32) -> u32 {
         return 0u;
     }
     return r;
+}
+
+// floor(fl(p + c)) for f32 p (bits) and c = cf * 2^-25, exact in integers: the multiply that made p
+// cannot be fused into this add by any driver. Needs p + c < 128; gives 0 below 0.5 (and below 0).
+fn floor_add(pb: u32, cf: u32) -> u32 {
+    let e = (pb >> 23u) & 0xffu;
+    var m = pb & 0x7fffffu;
+    var ee = i32(e);
+    if (e == 0u) {
+        ee = 1;
+    } else {
+        m = m | 0x800000u;
+    }
+    // |p| in units of 2^-25, truncated; sticky: a nonzero remainder
+    let sh = ee - 125;
+    var big = 0u;
+    var sticky = false;
+    if (sh >= 0) {
+        big = m << u32(sh);
+    } else if (sh > -32) {
+        big = m >> u32(-sh);
+        sticky = (m & ((1u << u32(-sh)) - 1u)) != 0u;
+    } else {
+        sticky = m != 0u;
+    }
+    var a: u32;  // p + c = a + f units, 0 <= f < 1 and f > 0 iff sticky
+    if ((pb >> 31u) == 0u) {
+        a = cf + big;
+    } else {
+        let sub = big + select(0u, 1u, sticky);
+        if (sub > cf) {
+            return 0u;
+        }
+        a = cf - sub;
+    }
+    if (a < (1u << 24u)) {
+        return 0u;
+    }
+    // round a + f to 24 significant bits (ulp >= 2 units here), then floor
+    let top = 31u - countLeadingZeros(a);
+    let ulp = 1u << (top - 23u);
+    let half = ulp >> 1u;
+    let rem = a & (ulp - 1u);
+    var r = a - rem;
+    if (rem > half || (rem == half && (sticky || ((r >> (top - 23u)) & 1u) == 1u))) {
+        r = r + ulp;
+    }
+    return r >> 25u;
 }

@@ -1,12 +1,12 @@
-// copy_slots, pass 2: write the gathered rows into the destination slots. Rows alternate between
-// two dispatches (parity) so no two invocations of one dispatch touch the same u32.
+// copy_slots, pass 2: write the gathered rows into the destination slots; words shared with a
+// neighbouring row are updated with atomicAnd/atomicOr on this row's bytes only.
 const H: u32 = ${H}u;
 const BS: u32 = ${BS}u;
 const PPC: u32 = ${PPC}u;
 const RB: u32 = ${RB}u;
 const RW: u32 = (RB + 3u) / 4u;
 
-struct Params { nx: u32, n: u32, dst_off: u32, tmp_off: u32, parity: u32 }
+struct Params { nx: u32, n: u32, dst_off: u32, tmp_off: u32 }
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> tab: array<u32>;
 @group(0) @binding(2) var<storage, read> tmp: array<u32>;
@@ -22,12 +22,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let h = e % H;
     let slot = tab[prm.dst_off + e / H];
     let blk = slot / BS;
-    let r = ((blk % PPC) * H + h) * BS + slot % BS;
-    if ((r & 1u) != prm.parity) {
-        return;
-    }
     let c = blk / PPC;
-    let s = r * RB;
+    let s = (((blk % PPC) * H + h) * BS + slot % BS) * RB;
     let off = (s >> 1u) & 1u;
     let w0 = s >> 2u;
     let nh = RB / 2u;
@@ -44,9 +40,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 mask = mask | (0xffffu << (16u * k));
             }
         }
-        if (mask != 0xffffffffu) {
-            val = val | (p_rd(c, w0 + w) & ~mask);
+        if (mask == 0xffffffffu) {
+            p_st(c, w0 + w, val);
+        } else {
+            p_and(c, w0 + w, ~mask);
+            p_or(c, w0 + w, val);
         }
-        p_wr(c, w0 + w, val);
     }
 }

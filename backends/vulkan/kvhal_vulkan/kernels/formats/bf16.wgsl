@@ -3,16 +3,19 @@ fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
     return bitcast<f32>(${P}_h(c, row + 2u * i) << 16u);
 }
 //! dot
-fn ${P}_dot(c: u32, row: u32) -> f32 {
-    var acc = 0.0;
+fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
+    var acc = array<f32, HT>();
     for (var i = 0u; i < D; i++) {
-        acc += bitcast<f32>(${P}_h(c, row + 2u * i) << 16u) * qv[i];
+        let x = bitcast<f32>(${P}_h(c, row + 2u * i) << 16u);
+        for (var g = 0u; g < HT; g++) {
+            acc[g] += x * qv[g * D + i];
+        }
     }
     return acc;
 }
 //! quant
-fn quant(lane: u32, nv: u32) {
-    if (lane < nv) {
-        hw[lane] = bf16_bits(xb[lane]);
+fn quant(nv: u32) {
+    for (var j = 0u; j < nv; j++) {
+        put_half(j, bf16_bits(x(j)));
     }
 }

@@ -7,30 +7,35 @@ fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
     return f16_to_f32(${P}_h(c, blk)) * (f32(q) - 8.0);
 }
 //! dot
-fn ${P}_dot(c: u32, row: u32) -> f32 {
-    var acc = 0.0;
+fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
+    var acc = array<f32, HT>();
     for (var b = 0u; b < D / 32u; b++) {
         let blk = row + b * 18u;
-        var s = 0.0;
+        var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
         for (var k = 0u; k < 4u; k++) {
             let w = ${P}_w(c, blk + 2u + 4u * k);
             for (var t = 0u; t < 4u; t++) {
-                let j = b * 32u + 4u * k + t;
-                s += (f32((w >> (8u * t)) & 15u) - 8.0) * qv[j];
-                s += (f32((w >> (8u * t + 4u)) & 15u) - 8.0) * qv[j + 16u];
+                let e = 4u * k + t;
+                let lo = f32((w >> (8u * t)) & 15u) - 8.0;
+                let hi = f32((w >> (8u * t + 4u)) & 15u) - 8.0;
+                for (var g = 0u; g < HT; g++) {
+                    s[g] += lo * qv[g * D + b * 32u + e] + hi * qv[g * D + b * 32u + e + 16u];
+                }
             }
         }
-        acc += f16_to_f32(${P}_h(c, blk)) * s;
+        let d = f16_to_f32(${P}_h(c, blk));
+        for (var g = 0u; g < HT; g++) {
+            acc[g] += d * s[g];
+        }
     }
     return acc;
 }
 //! quant
-fn quant(lane: u32, nv: u32) {
-    quant_absmax(lane, 0xc1000000u, 8.5, 15u);  // d = max / -8
-    if (lane < 8u) {
-        hw[1u + lane] = nibble_half(lane);
-    }
-    if (lane == 8u) {
-        hw[0] = f16_bits(st[0]);
+fn quant(nv: u32) {
+    let d = div_rn(signed_absmax(), 0xc1000000u);  // / -8
+    let id = bitcast<f32>(inv_bits(d));
+    put_half(0u, f16_bits(d));
+    for (var k = 0u; k < 16u; k++) {
+        put_byte(2u + k, q_sym(x(k), id, C8_5, 15u) | (q_sym(x(k + 16u), id, C8_5, 15u) << 4u));
     }
 }

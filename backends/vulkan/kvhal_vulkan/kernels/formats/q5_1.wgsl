@@ -8,39 +8,45 @@ fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
     return f16_to_f32(${P}_h(c, blk)) * f32(lo | (hi << 4u)) + f16_to_f32(${P}_h(c, blk + 2u));
 }
 //! dot
-fn ${P}_dot(c: u32, row: u32) -> f32 {
-    var acc = 0.0;
+fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
+    var acc = array<f32, HT>();
     for (var b = 0u; b < D / 32u; b++) {
         let blk = row + b * 24u;
         let qh = ${P}_w(c, blk + 4u);
-        var s = 0.0;
-        var qsum = 0.0;
+        var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
         for (var k = 0u; k < 4u; k++) {
             let w = ${P}_w(c, blk + 8u + 4u * k);
             for (var t = 0u; t < 4u; t++) {
                 let e = 4u * k + t;
-                let lo = ((w >> (8u * t)) & 15u) | (((qh >> e) & 1u) << 4u);
-                let hi = ((w >> (8u * t + 4u)) & 15u) | (((qh >> (e + 16u)) & 1u) << 4u);
-                let j = b * 32u + e;
-                s += f32(lo) * qv[j] + f32(hi) * qv[j + 16u];
-                qsum += qv[j] + qv[j + 16u];
+                let lo = f32(((w >> (8u * t)) & 15u) | (((qh >> e) & 1u) << 4u));
+                let hi = f32(((w >> (8u * t + 4u)) & 15u) | (((qh >> (e + 16u)) & 1u) << 4u));
+                for (var g = 0u; g < HT; g++) {
+                    s[g] += lo * qv[g * D + b * 32u + e] + hi * qv[g * D + b * 32u + e + 16u];
+                }
             }
         }
-        acc += f16_to_f32(${P}_h(c, blk)) * s + f16_to_f32(${P}_h(c, blk + 2u)) * qsum;
+        let d = f16_to_f32(${P}_h(c, blk));
+        let m = f16_to_f32(${P}_h(c, blk + 2u));
+        for (var g = 0u; g < HT; g++) {
+            acc[g] += d * s[g] + m * qbs[g * NB + b];
+        }
     }
     return acc;
 }
 //! quant
-fn quant(lane: u32, nv: u32) {
-    quant_minmax(lane, 0x41f80000u, 31u);  // d = (max - min) / 31
-    if (lane < 8u) {
-        hw[4u + lane] = nibble_half(lane);
+fn quant(nv: u32) {
+    let mm = min_max();
+    let d = div_rn(bitcast<u32>(mm.y - mm.x), 0x41f80000u);  // / 31
+    let id = bitcast<f32>(inv_bits(d));
+    var qh = 0u;
+    for (var k = 0u; k < 16u; k++) {
+        let a = q_min(x(k), mm.x, id, 31u);
+        let b = q_min(x(k + 16u), mm.x, id, 31u);
+        put_byte(8u + k, (a & 15u) | ((b & 15u) << 4u));
+        qh = qh | ((a >> 4u) << k) | ((b >> 4u) << (k + 16u));
     }
-    if (lane == 8u) {
-        hw[0] = f16_bits(st[0]);
-        hw[1] = f16_bits(st[2]);
-        let qh = high_bits();
-        hw[2] = qh & 0xffffu;
-        hw[3] = qh >> 16u;
-    }
+    put_half(0u, f16_bits(d));
+    put_half(1u, f16_bits(bitcast<u32>(mm.x)));
+    put_half(2u, qh & 0xffffu);
+    put_half(3u, qh >> 16u);
 }

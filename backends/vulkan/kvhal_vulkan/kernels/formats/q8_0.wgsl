@@ -6,51 +6,45 @@ fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
     return f16_to_f32(${P}_h(c, blk)) * f32(q);
 }
 //! dot
-fn ${P}_dot(c: u32, row: u32) -> f32 {
-    var acc = 0.0;
+fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
+    var acc = array<f32, HT>();
     for (var b = 0u; b < D / 32u; b++) {
         let blk = row + b * 34u;
-        var s = 0.0;
+        var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
         for (var k = 0u; k < 8u; k++) {
             let w = ${P}_w(c, blk + 2u + 4u * k);
-            let j = b * 32u + 4u * k;
-            s += f32(bitcast<i32>(w << 24u) >> 24u) * qv[j];
-            s += f32(bitcast<i32>(w << 16u) >> 24u) * qv[j + 1u];
-            s += f32(bitcast<i32>(w << 8u) >> 24u) * qv[j + 2u];
-            s += f32(bitcast<i32>(w) >> 24u) * qv[j + 3u];
+            for (var t = 0u; t < 4u; t++) {
+                let x = f32(bitcast<i32>(w << (24u - 8u * t)) >> 24u);
+                let j = b * 32u + 4u * k + t;
+                for (var g = 0u; g < HT; g++) {
+                    s[g] += x * qv[g * D + j];
+                }
+            }
         }
-        acc += f16_to_f32(${P}_h(c, blk)) * s;
+        let d = f16_to_f32(${P}_h(c, blk));
+        for (var g = 0u; g < HT; g++) {
+            acc[g] += d * s[g];
+        }
     }
     return acc;
 }
 //! quant
-fn quant(lane: u32, nv: u32) {
-    if (lane == 0u) {
-        var amax = 0u;  // |x| compared as bits: monotonic, and immune to denormal flushing
-        for (var j = 0u; j < 32u; j++) {
-            amax = max(amax, xb[j] & 0x7fffffffu);
-        }
-        let d = div_rn(amax, 0x42fe0000u);  // / 127
-        st[0] = d;
-        st[1] = inv_bits(d);
+// roundf as the reference computes it: floor(|p| + 0.5) in f32, with p's sign
+fn q8(p: f32) -> u32 {
+    let b = bitcast<u32>(p);
+    let r = floor_add(b & 0x7fffffffu, C0_5);
+    return select(r, 0u - r, (b >> 31u) != 0u) & 0xffu;
+}
+
+fn quant(nv: u32) {
+    var amax = 0u;  // |x| compared as bits: monotonic, immune to denormal flushing
+    for (var j = 0u; j < 32u; j++) {
+        amax = max(amax, x(j) & 0x7fffffffu);
     }
-    workgroupBarrier();
-    ps[lane] = bitcast<f32>(xb[lane]) * bitcast<f32>(st[1]);
-    workgroupBarrier();
-    // round a neighbour's product: a product written by another invocation cannot be fused into
-    // the add (roundf as the reference computes it: floor(|p| + 0.5) in f32, with p's sign)
-    let j = lane ^ 1u;
-    let p = ps[j];
-    var q = i32(floor(abs(p) + 0.5));
-    if (p < 0.0) {
-        q = -q;
-    }
-    qs[j] = u32(q) & 0xffu;
-    workgroupBarrier();
-    if (lane < 16u) {
-        hw[1u + lane] = qs[2u * lane] | (qs[2u * lane + 1u] << 8u);
-    }
-    if (lane == 16u) {
-        hw[0] = f16_bits(st[0]);
+    let d = div_rn(amax, 0x42fe0000u);  // / 127
+    let id = bitcast<f32>(inv_bits(d));
+    put_half(0u, f16_bits(d));
+    for (var j = 0u; j < 32u; j++) {
+        put_byte(2u + j, q8(bitcast<f32>(x(j)) * id));
     }
 }
