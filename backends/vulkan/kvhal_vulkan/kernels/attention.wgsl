@@ -24,6 +24,9 @@ var<workgroup> qv: array<f32, HT * D>;
 var<workgroup> qbs: array<f32, HT * NB>;  // per-block sums of q (the min term of q4_1/q5_1)
 var<workgroup> sc: array<f32, HT * WG>;
 var<workgroup> pw: array<f32, HT * WG>;
+var<workgroup> ms: array<f32, HT>;  // running max per head
+var<workgroup> ls: array<f32, HT>;  // running sum per head
+var<workgroup> cs: array<f32, HT>;  // this tile's rescale factor per head
 var<workgroup> vc: array<u32, WG>;
 var<workgroup> vr: array<u32, WG>;
 var<workgroup> wg_a: u32;
@@ -69,12 +72,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         qbs[e] = sum;
     }
     workgroupBarrier();
-    var m = array<f32, HT>();
-    var l = array<f32, HT>();
-    var acc = array<f32, HT * DPL>();
-    for (var g = 0u; g < HT; g++) {
-        m[g] = NEG;
+    // running max and sum of each head live in workgroup memory, updated by lane g for head g
+    if (lane < HT) {
+        ms[lane] = NEG;
+        ls[lane] = 0.0;
     }
+    var acc = array<f32, HT * DPL>();
     for (var t0 = a; t0 < b; t0 += WG) {
         let t = t0 + lane;
         if (t < b) {
@@ -93,26 +96,28 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         let n = min(WG, b - t0);
-        var mt = array<f32, HT>();
-        for (var g = 0u; g < HT; g++) {
-            mt[g] = m[g];
+        if (lane < HT) {
+            var mt = ms[lane];
             for (var j = 0u; j < n; j++) {
-                mt[g] = max(mt[g], sc[g * WG + j]);
+                mt = max(mt, sc[lane * WG + j]);
             }
-            pw[g * WG + lane] = exp(sc[g * WG + lane] - mt[g]);
+            cs[lane] = exp(ms[lane] - mt);
+            ms[lane] = mt;
         }
         workgroupBarrier();
         for (var g = 0u; g < HT; g++) {
-            let corr = exp(m[g] - mt[g]);
+            pw[g * WG + lane] = exp(sc[g * WG + lane] - ms[g]);
+            for (var r = 0u; r < DPL; r++) {
+                acc[g * DPL + r] *= cs[g];
+            }
+        }
+        workgroupBarrier();
+        if (lane < HT) {
             var sum = 0.0;
             for (var j = 0u; j < n; j++) {
-                sum += pw[g * WG + j];
+                sum += pw[lane * WG + j];
             }
-            l[g] = l[g] * corr + sum;
-            for (var r = 0u; r < DPL; r++) {
-                acc[g * DPL + r] *= corr;
-            }
-            m[g] = mt[g];
+            ls[lane] = ls[lane] * cs[lane] + sum;
         }
         for (var j = 0u; j < n; j++) {
             for (var r = 0u; r < DPL; r++) {
@@ -136,8 +141,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
         if (lane == 0u) {
-            part[base + D] = m[g];
-            part[base + D + 1u] = l[g];
+            part[base + D] = ms[g];
+            part[base + D + 1u] = ls[g];
         }
     }
 }
