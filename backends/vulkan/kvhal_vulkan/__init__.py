@@ -536,23 +536,30 @@ class VulkanBackend(Backend):
             )
         usage = self.gpu.wgpu.BufferUsage
         out = []
-        for _ in range(spec.n_layers):
-            pools = []
-            for which, fmt in (("k", spec.k_fmt), ("v", spec.v_fmt)):
-                shape, ppc, n = chunks[which]
-                page = shape[1] * shape[2] * shape[3]
-                bufs = []
-                for c in range(n):
-                    pages = min(ppc, n_blocks - c * ppc)
-                    bufs.append(
-                        self.gpu.device.create_buffer(  # WebGPU zero-fills new buffers
-                            label=f"kvhal-{which}-pool",
-                            size=-(-pages * page // 4) * 4,
-                            usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST,
+        try:
+            for _ in range(spec.n_layers):
+                pools = []
+                for which, fmt in (("k", spec.k_fmt), ("v", spec.v_fmt)):
+                    shape, ppc, n = chunks[which]
+                    page = shape[1] * shape[2] * shape[3]
+                    bufs = []
+                    for c in range(n):
+                        pages = min(ppc, n_blocks - c * ppc)
+                        bufs.append(  # WebGPU zero-fills new buffers
+                            self.gpu.device.create_buffer(
+                                label=f"kvhal-{which}-pool",
+                                size=-(-pages * page // 4) * 4,
+                                usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST,
+                            )
                         )
-                    )
-                pools.append(VulkanPool(bufs, shape, ppc, fmt))
-            out.append(LayerPools(pools[0], pools[1], pools[0].nbytes + pools[1].nbytes))
+                    pools.append(VulkanPool(bufs, shape, ppc, fmt))
+                out.append(LayerPools(pools[0], pools[1], pools[0].nbytes + pools[1].nbytes))
+        except self.gpu.wgpu.GPUError as e:
+            total = n_blocks * spec.n_layers * spec.n_kv_heads * spec.block_size * (spec.k_row_bytes + spec.v_row_bytes)
+            raise CapacityError(
+                f"vulkan: could not allocate {total} bytes of pools on {self.gpu.info.get('device')}: {e}; "
+                "allocate fewer blocks or layers"
+            ) from e
         return out
 
     def store(self, pools: LayerPools, k: Any, v: Any, slots: np.ndarray) -> None:
