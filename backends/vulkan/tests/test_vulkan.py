@@ -284,3 +284,90 @@ def test_decode_steps_allocate_nothing(available, monkeypatch):
     be.synchronize()
     assert calls == {}, f"decode steps created GPU objects: {calls}"
     assert out.shape == (3, 8, 64) and np.isfinite(out).all()
+
+
+# ---- the integer helpers every stored bit goes through -----------------------------------------------------
+
+HELPERS = """
+@group(0) @binding(0) var<storage, read> a: array<u32>;
+@group(0) @binding(1) var<storage, read> b: array<u32>;
+@group(0) @binding(2) var<storage, read_write> o: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&a)) { return; }
+    o[6u * i] = div_rn(a[i], b[i]);
+    o[6u * i + 1u] = inv_bits(b[i]);
+    o[6u * i + 2u] = f16_bits(a[i]);
+    o[6u * i + 3u] = bf16_bits(a[i]);
+    o[6u * i + 4u] = bitcast<u32>(f16_to_f32(a[i] & 0xffffu));
+    o[6u * i + 5u] = floor_add(a[i], b[i]);
+}
+"""
+
+
+def run_helpers(be: VulkanBackend, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dev, usage = be.gpu.device, be.gpu.wgpu.BufferUsage
+    mod = dev.create_shader_module(code=kvhal_vulkan._kernel_text("common.wgsl") + HELPERS)
+    pipe = dev.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
+    bufs = [
+        dev.create_buffer_with_data(data=np.ascontiguousarray(x, np.uint32).tobytes(), usage=usage.STORAGE)
+        for x in (a, b)
+    ]
+    out = dev.create_buffer(size=24 * len(a), usage=usage.STORAGE | usage.COPY_SRC)
+    entries = [{"binding": i, "resource": {"buffer": x}} for i, x in enumerate((*bufs, out))]
+    group = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
+    enc = dev.create_command_encoder()
+    cp = enc.begin_compute_pass()
+    cp.set_pipeline(pipe)
+    cp.set_bind_group(0, group)
+    cp.dispatch_workgroups(-(-len(a) // 64))
+    cp.end()
+    dev.queue.submit([enc.finish()])
+    return np.frombuffer(dev.queue.read_buffer(out), np.uint32).reshape(-1, 6)
+
+
+def test_integer_helpers_match_numpy(available):
+    """div_rn, inv_bits, f16/bf16 rounding, f16 decoding and floor_add against numpy's IEEE float32."""
+    rng = np.random.default_rng(5)
+    n = 1 << 15
+    bits = rng.integers(0, 1 << 32, (2, n), dtype=np.uint64).astype(np.uint32)
+    sub = bits & np.uint32(0x807FFFFF)  # f32 subnormals
+    near_f16 = bits & np.uint32(0x80FFFFFF) | np.uint32(0x37000000)  # f16 subnormal and normal range
+    a = np.concatenate([bits[0], sub[0], near_f16[0], bits[0]])
+    b = np.concatenate([bits[1], sub[1], bits[1], np.full(n, 0x42FE0000, np.uint32)])  # and x / 127
+    keep = np.isfinite(a.view(np.float32)) & np.isfinite(b.view(np.float32)) & (b.view(np.float32) != 0)
+    a, b = a[keep], b[keep]
+    be = VulkanBackend()
+    got = run_helpers(be, a, b)
+    af, bf = a.view(np.float32), b.view(np.float32)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(got[:, 0], (af / bf).view(np.uint32), err_msg="div_rn")
+        inv = np.float32(1) / bf
+    inv = np.where(np.isfinite(inv), inv, np.float32(0)).astype(np.float32)  # kvhal's _inverse
+    np.testing.assert_array_equal(got[:, 1], inv.view(np.uint32), err_msg="inv_bits")
+    ok = np.abs(af) <= 65504
+    np.testing.assert_array_equal(got[ok, 2], af[ok].astype(np.float16).view(np.uint16), err_msg="f16_bits")
+    bf16 = ((a.astype(np.uint64) + 0x7FFF + ((a >> 16) & 1)) >> 16).astype(np.uint32)
+    np.testing.assert_array_equal(got[:, 3], bf16, err_msg="bf16_bits")
+    h = (a & 0xFFFF).astype(np.uint16)
+    ok = (h & 0x7C00) != 0x7C00  # finite halves
+    want = h[ok].view(np.float16).astype(np.float32).view(np.uint32)
+    np.testing.assert_array_equal(got[ok, 4], want, err_msg="f16_to_f32")
+
+    # floor_add(p, c * 2^25) = floor(fl(p + c)) (0 below 0), for the constants the shaders use
+    c = rng.choice(np.float32([0.5, 8.5, 16.5]), n)
+    p = np.concatenate(
+        [
+            rng.uniform(-17, 60, n // 4),
+            np.round(rng.uniform(-17, 60, n // 4)) - c[: n // 4],  # p + c exactly an integer
+            np.round(rng.uniform(-17, 60, n // 4)) + 0.5,  # halves
+            rng.standard_normal(n // 4) * 10.0 ** rng.integers(-45, 1, n // 4),  # tiny and subnormal p
+        ]
+    ).astype(np.float32)
+    ulp = np.spacing(p.astype(np.float32))
+    p = np.concatenate([p, p + ulp, p - ulp]).astype(np.float32)  # and their neighbours
+    c = np.resize(c, len(p)).astype(np.float32)
+    got = run_helpers(be, p.view(np.uint32), (c.astype(np.float64) * 2**25).astype(np.uint32))
+    want = np.maximum(np.floor(p + c), 0).astype(np.uint32)  # p + c rounded in float32, as the reference
+    np.testing.assert_array_equal(got[:, 5], want, err_msg="floor_add")
