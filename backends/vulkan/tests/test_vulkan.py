@@ -296,12 +296,13 @@ HELPERS = """
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.x;
     if (i >= arrayLength(&a)) { return; }
-    o[6u * i] = div_rn(a[i], b[i]);
-    o[6u * i + 1u] = inv_bits(b[i]);
-    o[6u * i + 2u] = f16_bits(a[i]);
-    o[6u * i + 3u] = bf16_bits(a[i]);
-    o[6u * i + 4u] = bitcast<u32>(f16_to_f32(a[i] & 0xffffu));
-    o[6u * i + 5u] = floor_add(a[i], b[i]);
+    o[7u * i] = div_rn(a[i], b[i]);
+    o[7u * i + 1u] = inv_bits(b[i]);
+    o[7u * i + 2u] = f16_bits(a[i]);
+    o[7u * i + 3u] = bf16_bits(a[i]);
+    o[7u * i + 4u] = bitcast<u32>(f16_to_f32(a[i] & 0xffffu));
+    o[7u * i + 5u] = floor_add(a[i], b[i], true);
+    o[7u * i + 6u] = floor_add(a[i], b[i], false);
 }
 """
 
@@ -314,7 +315,7 @@ def run_helpers(be: VulkanBackend, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         dev.create_buffer_with_data(data=np.ascontiguousarray(x, np.uint32).tobytes(), usage=usage.STORAGE)
         for x in (a, b)
     ]
-    out = dev.create_buffer(size=24 * len(a), usage=usage.STORAGE | usage.COPY_SRC)
+    out = dev.create_buffer(size=28 * len(a), usage=usage.STORAGE | usage.COPY_SRC)
     entries = [{"binding": i, "resource": {"buffer": x}} for i, x in enumerate((*bufs, out))]
     group = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
     enc = dev.create_command_encoder()
@@ -324,7 +325,7 @@ def run_helpers(be: VulkanBackend, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     cp.dispatch_workgroups(-(-len(a) // 64))
     cp.end()
     dev.queue.submit([enc.finish()])
-    return np.frombuffer(dev.queue.read_buffer(out), np.uint32).reshape(-1, 6)
+    return np.frombuffer(dev.queue.read_buffer(out), np.uint32).reshape(-1, 7)
 
 
 def test_integer_helpers_match_numpy(available):
@@ -355,7 +356,7 @@ def test_integer_helpers_match_numpy(available):
     want = h[ok].view(np.float16).astype(np.float32).view(np.uint32)
     np.testing.assert_array_equal(got[ok, 4], want, err_msg="f16_to_f32")
 
-    # floor_add(p, c * 2^25) = floor(fl(p + c)) (0 below 0), for the constants the shaders use
+    # floor_add(p, c * 2^25) = floor(fl(p + c)) or floor(p + c) (0 below 0), for the shaders' constants
     c = rng.choice(np.float32([0.5, 8.5, 16.5]), n)
     p = np.concatenate(
         [
@@ -370,4 +371,6 @@ def test_integer_helpers_match_numpy(available):
     c = np.resize(c, len(p)).astype(np.float32)
     got = run_helpers(be, p.view(np.uint32), (c.astype(np.float64) * 2**25).astype(np.uint32))
     want = np.maximum(np.floor(p + c), 0).astype(np.uint32)  # p + c rounded in float32, as the reference
-    np.testing.assert_array_equal(got[:, 5], want, err_msg="floor_add")
+    np.testing.assert_array_equal(got[:, 5], want, err_msg="floor_add, rounded")
+    exact = np.maximum(np.floor(p.astype(np.float64) + c), 0).astype(np.uint32)
+    np.testing.assert_array_equal(got[:, 6], exact, err_msg="floor_add, exact")

@@ -132,9 +132,11 @@ fn inv_bits(d: u32) -> u32 {
     return r;
 }
 
-// floor(fl(p + c)) for f32 p (bits) and c = cf * 2^-25, exact in integers: the multiply that made p
-// cannot be fused into this add by any driver. Needs p + c < 128; gives 0 below 0.5 (and below 0).
-fn floor_add(pb: u32, cf: u32) -> u32 {
+// floor(p + c) for f32 p (bits) and c = cf * 2^-25, in integers: the multiply that made p cannot be
+// fused into this add by any driver. With ``rounded`` the sum is first rounded to f32, as numpy's
+// float32 ``x*id + 8.5`` is; without, it is exact (C roundf's half-away rounding of q8_0). Needs
+// p + c < 128; gives 0 below 0.5 (and below 0).
+fn floor_add(pb: u32, cf: u32, rounded: bool) -> u32 {
     let e = (pb >> 23u) & 0xffu;
     var m = pb & 0x7fffffu;
     var ee = i32(e);
@@ -167,6 +169,9 @@ fn floor_add(pb: u32, cf: u32) -> u32 {
     }
     if (a < (1u << 24u)) {
         return 0u;
+    }
+    if (!rounded) {
+        return a >> 25u;  // the remainder f < 1 unit cannot carry
     }
     // round a + f to 24 significant bits (ulp >= 2 units here), then floor
     let top = 31u - countLeadingZeros(a);

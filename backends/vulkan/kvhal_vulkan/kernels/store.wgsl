@@ -58,12 +58,12 @@ fn signed_absmax() -> u32 {
 
 // trunc(x*id + c) of q4_0/q5_0, clamped to qmax
 fn q_sym(xv: u32, id: f32, c: u32, qmax: u32) -> u32 {
-    return min(floor_add(bitcast<u32>(bitcast<f32>(xv) * id), c), qmax);
+    return min(floor_add(bitcast<u32>(bitcast<f32>(xv) * id), c, true), qmax);
 }
 
 // trunc((x - min)*id + 0.5) of q4_1/q5_1, clamped to qmax
 fn q_min(xv: u32, lo: f32, id: f32, qmax: u32) -> u32 {
-    return min(floor_add(bitcast<u32>((bitcast<f32>(xv) - lo) * id), C0_5), qmax);
+    return min(floor_add(bitcast<u32>((bitcast<f32>(xv) - lo) * id), C0_5, true), qmax);
 }
 
 // ggml's scan for q4_1/q5_1: if (v < min) min = v; if (v > max) max = v (first of equal values wins)

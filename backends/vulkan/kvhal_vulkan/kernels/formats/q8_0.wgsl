@@ -29,10 +29,10 @@ fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
     return acc;
 }
 //! quant
-// roundf as the reference computes it: floor(|p| + 0.5) in f32, with p's sign
+// C roundf: floor(|p| + 0.5) with the sum exact (0.49999997 rounds to 0), with p's sign
 fn q8(p: f32) -> u32 {
     let b = bitcast<u32>(p);
-    let r = floor_add(b & 0x7fffffffu, C0_5);
+    let r = floor_add(b & 0x7fffffffu, C0_5, false);
     return select(r, 0u - r, (b >> 31u) != 0u) & 0xffu;
 }
 
