@@ -30,12 +30,12 @@ def host_float_array(x: Any, what: str) -> np.ndarray:
         x, dtype = x.float(), "torch.float32"
     if dtype is not None and str(dtype).replace("torch.", "") not in ("float32", "float16"):
         raise DTypeError(
-            f"{what} has dtype {dtype}; kvhal takes float32, float16 or torch bfloat16 (convert with .float() or .astype('float32'))"
+            f"{what} has dtype {dtype}; kvhal takes float32, float16 or bfloat16 (convert with .float() or .astype('float32'))"
         )
     try:
         arr = to_numpy(x) if dtype is not None else np.asarray(x, dtype=np.float32)
     except (TypeError, BufferError, RuntimeError) as e:
         raise DTypeError(f"{what} could not be read through DLPack ({e}); pass a CPU array") from e
     if arr.dtype not in (np.float32, np.float16):
-        raise DTypeError(f"{what} has dtype {arr.dtype}; kvhal takes float32 or float16")
+        raise DTypeError(f"{what} has dtype {arr.dtype}; kvhal takes float32, float16 or bfloat16")
     return arr

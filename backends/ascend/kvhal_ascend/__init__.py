@@ -336,8 +336,8 @@ class AscendBackend(Backend):
                 ) from e
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise DTypeError(
-                f"{what} has dtype {t.dtype}; kvhal takes float32 or float16 (this backend also bfloat16): "
-                "convert with .float()"
+                f"{what} has dtype {t.dtype}; kvhal takes float32, float16 or bfloat16 "
+                "(convert with .float())"
             )
         if t.device != self.device:
             if t.device.type not in ("cpu", self.device.type) and self.device.type != "cpu":

@@ -247,7 +247,7 @@ def test_inputs_store_like_numpy(cpu, kind):
 )
 def test_other_dtypes_are_rejected(cpu, bad):
     cache = make(cpu)
-    with pytest.raises(kvhal.DTypeError, match="float32 or float16"):
+    with pytest.raises(kvhal.DTypeError, match="float32, float16 or bfloat16"):
         cache.store(cache.new_seq(), 0, bad, np.zeros((2, 2, 64), np.float32))
 
 

@@ -272,7 +272,7 @@ class OpenCLBackend(Backend):
     def asarray(self, x: Any, what: str) -> Any:
         if isinstance(x, self.cl_array.Array):
             if x.dtype not in (np.float32, np.float16):
-                raise DTypeError(f"{what} has dtype {x.dtype}; kvhal takes float32 or float16 (use .astype)")
+                raise DTypeError(f"{what} has dtype {x.dtype}; kvhal takes float32, float16 or bfloat16 (use .astype)")
             return x
         return host_float_array(x, what)
 
