@@ -122,7 +122,10 @@ class CudaBackend(Backend):
                 return out
             ids = self._rt.to_device(np.ascontiguousarray(block_ids, np.int32))
             grid, block = plan.grid_1d(n * sp.n_kv_heads * sp.head_dim)
-            for o, pool, fmt, rb in ((out[0], pools.k, sp.k_fmt, sp.k_row_bytes), (out[1], pools.v, sp.v_fmt, sp.v_row_bytes)):
+            for o, pool, fmt, rb in (
+                (out[0], pools.k, sp.k_fmt, sp.k_row_bytes),
+                (out[1], pools.v, sp.v_fmt, sp.v_row_bytes),
+            ):
                 args = (pool, ids, o, _i32(n), _i32(sp.n_kv_heads), _i32(sp.head_dim), _i32(sp.block_size), _i32(rb),
                         _i32(plan.FORMAT_IDS[fmt.name]))  # fmt: skip
                 self._rt.launch("kvhal_load", grid, block, args)

@@ -41,7 +41,9 @@ def grid_1d(n_threads: int, threads: int = ELEMENTWISE_THREADS) -> tuple[tuple[i
     return (blocks, 1, 1), (threads, 1, 1)
 
 
-def store_launch(fmt: str, n: int, n_heads: int, head_dim: int) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+def store_launch(
+    fmt: str, n: int, n_heads: int, head_dim: int
+) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
     """kvhal_store_quant runs one 32-lane warp per 32-value block; kvhal_store_float one thread per value."""
     if fmt in QUANTIZED:
         grid, block = grid_1d(n * n_heads * (head_dim // 32) * 32)
@@ -87,7 +89,9 @@ def decode_smem_bytes(head_dim: int) -> int:
 
 def check_head_dim(head_dim: int) -> None:
     if not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}, what the CUDA/HIP kernels hold in registers")
+        raise ValueError(
+            f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}, what the CUDA/HIP kernels hold in registers"
+        )
 
 
 def visible_range(pos: np.ndarray | int, n_kv: np.ndarray | int, causal: bool, window: int | None):
@@ -302,4 +306,3 @@ __all__ = [
     "store_launch",
     "visible_range",
 ]
-

@@ -221,7 +221,9 @@ class CupyRuntime:
             ) from e
         return module
 
-    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, smem: int = 0) -> None:
+    def launch(
+        self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, smem: int = 0
+    ) -> None:
         fn = self._fns.get(name)
         if fn is None:
             fn = self._fns[name] = self.module.get_function(name)

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvhal_cuda import CudaBackend, runtime
 
 import kvhal
-from kvhal_cuda import CudaBackend, runtime
 
 HERE = Path(__file__).parent
 GUARD = 64
@@ -97,7 +97,9 @@ class EmuRuntime:
         self.device = contextlib.nullcontext()
         self.launches: list[tuple[str, tuple[int, int, int], tuple[int, int, int], int]] = []
 
-    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, smem: int = 0) -> None:
+    def launch(
+        self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, smem: int = 0
+    ) -> None:
         keep, ptrs = [], []
         for a in args:
             if isinstance(a, np.ndarray):
