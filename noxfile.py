@@ -25,6 +25,7 @@ ROOT = Path(__file__).parent
 nox.options.sessions = ["lint", "test-reference"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
+TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
 
 
 def strict(session: nox.Session) -> bool:
@@ -47,7 +48,7 @@ def backend_table() -> dict[str, dict]:
 @nox.session(name="test-reference", tags=["cpu"])
 def test_reference(session: nox.Session) -> None:
     """Unit tests, the stateful property test and the contract suite on the numpy reference."""
-    session.install("-e", ".[test,bench]")
+    session.install("-e", ".[test,bench]", TORCH)  # torch: DLPack interop tests
     session.run("pytest", "tests/unit", "tests/contract", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference"})
 
@@ -95,7 +96,7 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """kvhal bench over every backend installed here, with PyTorch SDPA as the baseline."""
     present = [t["dir"] for t in backend_table().values()]
-    session.install("-e", ".[bench]", "torch==2.13.0", *[a for d in present for a in ("-e", d)])
+    session.install("-e", ".[bench]", TORCH, *[a for d in present for a in ("-e", d)])
     session.run("kvhal", "bench", *(session.posargs or ["--json", "bench.json"]))
 
 

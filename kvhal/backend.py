@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from . import formats
+from .formats import Format
 from .spec import CacheSpec
 
 Op = Literal["store", "load", "attention"]
@@ -121,6 +121,6 @@ class Backend(ABC):
 
         return to_numpy(x)
 
-    def check_values(self, fmt: formats.Format, x: Any) -> None:
+    def check_values(self, fmt: Format, x: Any) -> None:
         """Raise NonFiniteError when ``x`` holds what ``fmt`` cannot store (before anything is written)."""
         fmt.check_values(self.to_numpy(x))

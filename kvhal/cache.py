@@ -12,8 +12,9 @@ anything, so a call that raises leaves the cache as it was.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -207,7 +208,9 @@ class KVCache:
         L = s.lens[layer]
         hi = L if p1 is None or p1 < 0 else p1
         if not (0 <= p0 <= hi <= L):
-            raise PositionError(f"load range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}")
+            raise PositionError(
+                f"load range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}"
+            )
         bs = self.spec.block_size
         first = p0 // bs
         blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
@@ -247,7 +250,9 @@ class KVCache:
             q_lens = [int(q.shape[0])] if len(seq_objs) == 1 else [1] * len(seq_objs)
         ql = np.asarray(q_lens, np.int32)
         if ql.shape != (len(seq_objs),) or (ql < 1).any():
-            raise ShapeError(f"q_lens must hold one positive count per sequence; got {list(q_lens)} for {len(seq_objs)} seqs")
+            raise ShapeError(
+                f"q_lens must hold one positive count per sequence; got {list(q_lens)} for {len(seq_objs)} seqs"
+            )
         if int(ql.sum()) != q.shape[0]:
             raise ShapeError(f"q has {q.shape[0]} rows but q_lens sums to {int(ql.sum())}")
         lens = np.asarray([s.lens[layer] for s in seq_objs], np.int32)
@@ -298,7 +303,9 @@ class KVCache:
         try:
             return self._seqs[seq]
         except (KeyError, TypeError):
-            raise SequenceError(f"no sequence {seq!r} in this cache (live: {sorted(self._seqs)}); create one with new_seq()") from None
+            raise SequenceError(
+                f"no sequence {seq!r} in this cache (live: {sorted(self._seqs)}); create one with new_seq()"
+            ) from None
 
     def _layer(self, layer: int) -> int:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.n_layers:

@@ -6,6 +6,7 @@ import numpy as np
 
 from . import formats
 from .backend import Backend, LayerPools, Probe
+from .formats import Format
 from .spec import CacheSpec
 
 
@@ -33,7 +34,7 @@ class ReferenceBackend(Backend):
         pools.k[blk, :, off, :] = self.spec.k_fmt.quantize(k)
         pools.v[blk, :, off, :] = self.spec.v_fmt.quantize(v)
 
-    def _gather(self, pool: np.ndarray, fmt: formats.Format, block_ids: np.ndarray, n: int) -> np.ndarray:
+    def _gather(self, pool: np.ndarray, fmt: Format, block_ids: np.ndarray, n: int) -> np.ndarray:
         pages = pool[block_ids]  # [nb, H, bs, rb]
         rows = pages.transpose(0, 2, 1, 3).reshape(-1, pool.shape[1], pool.shape[3])[:n]
         return fmt.dequantize(rows)  # [n, H, D]

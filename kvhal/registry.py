@@ -66,7 +66,9 @@ def backends() -> list[BackendInfo]:
 
 def _capable(formats: list[str]) -> list[str]:
     return [
-        i.name for i in backends() if i.available and all(i.supports(f, op) for f in formats for op in ("store", "load", "attention"))
+        i.name
+        for i in backends()
+        if i.available and all(i.supports(f, op) for f in formats for op in ("store", "load", "attention"))
     ]
 
 

@@ -31,9 +31,7 @@ class CacheSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"CacheSpec.{name} must be a positive int, got {value!r}")
         if self.tail != 0:
-            raise SpecError(
-                f"CacheSpec.tail={self.tail!r}: the f16 precision tail is not implemented yet; pass tail=0"
-            )
+            raise SpecError(f"CacheSpec.tail={self.tail!r}: the f16 precision tail is not implemented yet; pass tail=0")
         for name in ("k_format", "v_format"):
             fmt = formats.get(getattr(self, name))  # raises FormatError for unknown names
             try:

@@ -7,8 +7,8 @@ ggml's ``block_*`` structs, so a kvhal pool row is a valid ggml tensor row of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

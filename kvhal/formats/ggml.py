@@ -45,9 +45,25 @@ def _roundf(x: np.ndarray) -> np.ndarray:
 
 
 def _signed_absmax(blocks: np.ndarray) -> np.ndarray:
-    """The value of largest magnitude with its sign, first occurrence on ties (ggml's q4_0/q5_0)."""
+    """The value of largest magnitude with its sign, first occurrence on ties (ggml's q4_0/q5_0).
+
+    ggml starts from ``max = 0.0f`` and replaces it only on a strictly larger ``|v|``, so an all-zero
+    block keeps +0.0 even when its values are -0.0.
+    """
     idx = np.abs(blocks).argmax(axis=1)[:, None]
-    return np.take_along_axis(blocks, idx, axis=1)
+    m = np.take_along_axis(blocks, idx, axis=1)
+    return np.where(m == 0, np.float32(0), m)
+
+
+def _first_min_max(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``if (v < min) min = v; if (v > max) max = v``: the first occurrence wins ties.
+
+    That decides the sign of a zero min/max (and so the bytes of ``d`` and ``m``) in blocks holding
+    both 0.0 and -0.0, where numpy's ``min``/``max`` may return either.
+    """
+    lo = np.take_along_axis(blocks, blocks.argmin(axis=1)[:, None], axis=1)
+    hi = np.take_along_axis(blocks, blocks.argmax(axis=1)[:, None], axis=1)
+    return lo, hi
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -133,8 +149,8 @@ def _q4_0_dq(b: np.ndarray) -> np.ndarray:
 
 
 def _q4_1_q(b: np.ndarray) -> np.ndarray:
-    lo = b.min(axis=1, keepdims=True)
-    d = (b.max(axis=1, keepdims=True) - lo) / np.float32(15)
+    lo, hi = _first_min_max(b)
+    d = (hi - lo) / np.float32(15)
     q = np.minimum(np.trunc((b - lo) * _inverse(d) + np.float32(0.5)), 15).astype(np.uint8)
     return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=1)
 
@@ -162,8 +178,8 @@ def _q5_0_dq(b: np.ndarray) -> np.ndarray:
 
 
 def _q5_1_q(b: np.ndarray) -> np.ndarray:
-    lo = b.min(axis=1, keepdims=True)
-    d = (b.max(axis=1, keepdims=True) - lo) / np.float32(31)
+    lo, hi = _first_min_max(b)
+    d = (hi - lo) / np.float32(31)
     q = np.minimum(np.trunc((b - lo) * _inverse(d) + np.float32(0.5)), 31).astype(np.uint8)
     return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
 

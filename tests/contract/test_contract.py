@@ -76,6 +76,37 @@ def test_store_load_bytes_match_reference(backend_info, fmt, rng):
     np.testing.assert_allclose(k3, k2[5:21], rtol=0, atol=0)
 
 
+def adversarial_rows(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
+    """Rows [n, 2 heads, dim] that hit every rounding and sign rule of the ggml quantizers."""
+    def tile(values: np.ndarray) -> np.ndarray:
+        return np.resize(np.asarray(values, np.float32), dim)
+
+    rows = [
+        tile(np.r_[-0.0, np.zeros(31)]), tile(np.full(32, -0.0)),  # signed zeros
+        tile(np.r_[-0.0, 0.0, rng.uniform(0.1, 1, 30)]), tile(np.r_[rng.uniform(-1, -0.1, 30), 0.0, -0.0]),
+        tile(np.r_[2.0, -2.0, rng.uniform(-1, 1, 30)]), tile(np.r_[-2.0, 2.0, rng.uniform(-1, 1, 30)]),  # ties
+        tile((np.arange(32) - 15.5) / 4), tile(np.arange(32) * 0.5 - 8),  # grid points and exact halves
+        tile(np.r_[rng.standard_normal(31) * 1e-3, 600.0]), tile(rng.uniform(-65000, 65000, 32)),  # range
+        tile(np.r_[np.full(16, 1e-41), np.full(16, -1e-42)]), tile(rng.standard_normal(32) * 1e-30),  # tiny
+        tile(np.full(32, 3.0)), tile(np.full(32, -3.0)),  # constant blocks
+    ]
+    x = np.stack(rows)
+    return np.stack([x, x[::-1]], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_adversarial_bytes_match_reference(backend_info, fmt, rng):
+    if fmt not in claimed(backend_info):
+        pytest.skip(f"{backend_info.name} does not claim {fmt}")
+    x = adversarial_rows(rng)
+    caches = [make_cache(backend_info.name, fmt), make_cache("reference", fmt)]
+    for c in caches:
+        c.store(c.new_seq(), 0, x, x[::-1].copy())
+    for got, want, which in zip(pool_bytes(caches[0]), pool_bytes(caches[1]), "KV"):
+        bad = np.argwhere(got != want)
+        assert bad.size == 0, f"{which} pool differs from the reference at [block, head, slot, byte] {bad[:5].tolist()}"
+
+
 def test_mixed_k_v_formats(backend_info, rng):
     fmts = claimed(backend_info)
     fk, fv = fmts[-1], fmts[0]

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test command (README.md): install what the CPU rows of the build matrix need, then run them.
+# Hardware rows (CUDA, ROCm, Intel GPU, Ascend, arm64) run on their own runners: see ci/workflow.yml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_pkgs=$(python3 ci/apt_packages.py)
+if [ -n "$apt_pkgs" ]; then
+  missing=$(for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+  if [ -n "$missing" ]; then
+    echo "ci: installing Debian packages: $missing"
+    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
+fi
+
+python3 -m venv .nox-runner
+.nox-runner/bin/python -m pip install -q --upgrade "nox>=2024.4"
+export KVHAL_STRICT=1  # a CPU row whose backend cannot run here is a failure, not a skip
+sessions=$(.nox-runner/bin/python ci/cpu_sessions.py)
+echo "ci: sessions: $sessions"
+status=0
+for s in $sessions; do
+  echo "::group::nox -s $s"
+  if ! .nox-runner/bin/nox -s "$s"; then status=1; echo "ci: FAILED: $s"; fi
+  echo "::endgroup::"
+done
+exit $status

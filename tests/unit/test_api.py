@@ -1,0 +1,200 @@
+"""The public API: validation, typed errors, interop, registry selection, stats, import weight."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal import formats
+from kvhal.reference import ReferenceBackend
+from tests.oracle import attention_f64
+
+
+def cache(cap: int = 64, **kw) -> kvhal.KVCache:
+    spec = kvhal.CacheSpec(**({"n_layers": 2, "n_kv_heads": 2, "head_dim": 32, "k_format": "q8_0",
+                               "v_format": "q4_0", "block_size": 8} | kw))
+    return kvhal.KVCache(spec, cap, backend="reference")
+
+
+def rows(n: int, heads: int = 2, dim: int = 32, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, heads, dim), dtype=np.float32)
+
+
+def test_import_is_light():
+    # CPU time, not wall time: the budget is kvhal's own work, not other processes on a shared machine
+    code = ("import sys, time; t = time.process_time(); import kvhal; dt = time.process_time() - t; "
+            "heavy = [m for m in ('torch', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu') "
+            "if m in sys.modules]; print(dt, heavy)")
+    times = []
+    for _ in range(5):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+        times.append(float(out[0]))
+        assert out[1] == "[]", f"import kvhal imported {out[1:]}"
+    assert min(times) < 0.3, f"import kvhal took {min(times):.3f}s"
+
+
+def test_spec_validation():
+    with pytest.raises(kvhal.SpecError, match="head_dim"):
+        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=0)
+    with pytest.raises(kvhal.SpecError, match="multiple"):
+        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=48, k_format="q8_0")
+    with pytest.raises(kvhal.FormatError, match="known formats"):
+        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="q9")
+    with pytest.raises(kvhal.SpecError, match="tail"):
+        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, tail=4)
+    with pytest.raises(kvhal.SpecError, match="capacity_tokens"):
+        kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 0, backend="reference")
+
+
+def test_capacity_is_exact_and_reported():
+    c = cache(cap=60)  # 60 tokens -> 8 blocks of 8 = 64 token slots, really allocated
+    st = c.stats()
+    assert (st.n_blocks, st.capacity_tokens) == (8, 64)
+    per_token = 2 * 2 * (34 + 18)  # layers * heads * (q8_0 row + q4_0 row) for head_dim 32
+    assert st.bytes_per_token == per_token
+    assert st.k_bytes + st.v_bytes == st.bytes_allocated == 64 * per_token
+    s = c.new_seq()
+    c.store(s, 0, rows(64), rows(64))
+    with pytest.raises(kvhal.CapacityError, match="free blocks"):
+        c.store(s, 0, rows(1), rows(1))
+    assert c.stats().blocks_free == 0 and c.seq_len(s, 0) == 64
+    c.free_seq(s)
+    assert c.stats().blocks_free == 8
+
+
+def test_validation_errors_change_nothing():
+    c = cache()
+    s = c.new_seq()
+    c.store(s, 0, rows(5), rows(5))
+    snapshot = c.stats(), [p.k.copy() for p in c.pools]
+    bad = [
+        (kvhal.ShapeError, lambda: c.store(s, 0, rows(3, heads=1), rows(3, heads=1))),
+        (kvhal.ShapeError, lambda: c.store(s, 0, rows(3), rows(2))),
+        (kvhal.ShapeError, lambda: c.store(s, 0, rows(3)[0], rows(3)[0])),
+        (kvhal.DTypeError, lambda: c.store(s, 0, rows(3).astype(np.float64), rows(3))),
+        (kvhal.DTypeError, lambda: c.store(s, 0, rows(3).astype(np.int32), rows(3))),
+        (kvhal.NonFiniteError, lambda: c.store(s, 0, rows(3), rows(3) * np.float32(np.inf))),
+        (kvhal.NonFiniteError, lambda: c.store(s, 0, rows(3) * np.float32(1e5), rows(3))),
+        (kvhal.SequenceError, lambda: c.store(99, 0, rows(3), rows(3))),
+        (kvhal.PositionError, lambda: c.store(s, 2, rows(3), rows(3))),
+        (kvhal.PositionError, lambda: c.load(s, 0, 2, 9)),
+        (kvhal.PositionError, lambda: c.seq_rm(s, 4, 2)),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=3), [s])),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(2, heads=4), [s], [1])),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [])),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=0)),
+        (kvhal.PositionError, lambda: c.attention(1, rows(1, heads=4), [s])),  # layer 1 holds nothing yet
+    ]
+    for err, call in bad:
+        with pytest.raises(err) as info:
+            call()
+        assert isinstance(info.value, kvhal.KVHalError) and len(str(info.value)) > 20
+    assert c.stats() == snapshot[0]
+    for p, k in zip(c.pools, snapshot[1]):
+        np.testing.assert_array_equal(p.k, k)
+
+
+def test_float16_and_torch_inputs_through_dlpack():
+    torch = pytest.importorskip("torch")
+    c = cache(k_format="f16", v_format="q8_0")
+    s = c.new_seq()
+    k, v = rows(9), rows(9, seed=1)
+    c.store(s, 0, torch.from_numpy(k), torch.from_numpy(v).half())
+    got_k, got_v = (kvhal.to_numpy(x) for x in c.load(s, 0))
+    np.testing.assert_array_equal(got_k, k.astype(np.float16).astype(np.float32))
+    f = formats.get("q8_0")
+    np.testing.assert_array_equal(got_v, f.dequantize(f.quantize(v.astype(np.float16).astype(np.float32))))
+    q = torch.from_numpy(rows(1, heads=4, seed=2))
+    out = kvhal.to_numpy(c.attention(0, q, [s]))
+    want = attention_f64(q.numpy(), [got_k], [got_v], [1])
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    with pytest.raises(kvhal.DTypeError, match="float32"):
+        c.store(s, 0, torch.from_numpy(k).bfloat16(), torch.from_numpy(v))
+    assert isinstance(kvhal.to_numpy(torch.ones(2)), np.ndarray)
+
+
+def test_seq_ops_semantics():
+    c = cache(cap=128)
+    s = c.new_seq()
+    for layer in (0, 1):
+        c.store(s, layer, rows(20), rows(20))
+    k_all = kvhal.to_numpy(c.load(s, 0)[0])
+    t = c.seq_cp(s, 0, 12)  # shares pages 0 and 1 (page 1 partly)
+    assert c.stats().blocks_shared == 2 and c.seq_len(t) == 12
+    c.store(t, 0, rows(3, seed=5), rows(3, seed=5))  # copy-on-write of page 1
+    assert c.stats().blocks_shared == 1
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(s, 0)[0]), k_all)  # s untouched
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(t, 0, 0, 12)[0]), k_all[:12])
+    c.seq_rm(s, 5, 9)  # middle: later tokens shift down
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(s, 0)[0]), np.concatenate([k_all[:5], k_all[9:]]))
+    c.seq_rm(s, 10, -1)  # truncate
+    assert c.seq_len(s) == 10
+    c.seq_rm(s, -1, -1)  # everything
+    assert c.seq_len(s) == 0
+    u = c.seq_cp(t, 3, -1)  # unaligned: copied rows
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(u, 1)[0]), kvhal.to_numpy(c.load(t, 1)[0])[3:])
+    c.seq_keep(u)
+    assert c.seqs == [u] and c.stats().n_seqs == 1
+    with pytest.raises(kvhal.SequenceError):
+        c.seq_len(t)
+
+
+def test_backend_selection(monkeypatch):
+    assert isinstance(cache().backend, ReferenceBackend)
+    names = [b.name for b in kvhal.backends()]
+    assert "reference" in names
+    monkeypatch.setenv("KVHAL_BACKEND", "no-such-backend")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32)
+    with pytest.raises(kvhal.BackendUnavailableError, match="no backend named"):
+        kvhal.KVCache(spec, 16)
+    monkeypatch.setenv("KVHAL_BACKEND", "reference")
+    assert kvhal.KVCache(spec, 16).backend.name == "reference"
+
+
+def test_unsupported_format_is_an_error_unless_fallback_allowed(monkeypatch):
+    class F16Only(ReferenceBackend):
+        name = "f16only"
+        formats = frozenset({"f16"})
+
+        @classmethod
+        def probe(cls) -> kvhal.Probe:
+            return kvhal.Probe(10, "test backend")
+
+    from kvhal import registry
+
+    monkeypatch.setattr(registry, "_classes", lambda: {"reference": ReferenceBackend, "f16only": F16Only})
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="q4_0", v_format="f16")
+    with pytest.raises(kvhal.UnsupportedError, match="backends that can: reference"):
+        kvhal.KVCache(spec, 16, backend="f16only")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        c = kvhal.KVCache(spec, 16, backend="f16only", allow_fallback=True)
+    assert c.backend.name == "reference" and "falling back" in str(w[0].message)
+    assert kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 16).backend.name == "f16only"
+    assert kvhal.KVCache(spec, 16).backend.name == "reference"  # auto picks the best that can
+
+
+def test_broken_plugin_is_reported_not_raised(monkeypatch):
+    from kvhal import registry
+
+    monkeypatch.setattr(registry, "_classes", lambda: {"reference": ReferenceBackend, "bad": "its module failed"})
+    info = {b.name: b for b in kvhal.backends()}
+    assert not info["bad"].available and "failed" in info["bad"].reason
+
+
+def test_attention_default_scale_gqa_and_q_lens_defaults():
+    c = cache(cap=64, k_format="f32", v_format="f32")
+    a, b = c.new_seq(), c.new_seq()
+    ka, kb = rows(7), rows(11, seed=3)
+    c.store(a, 0, ka, ka)
+    c.store(b, 0, kb, kb)
+    q = rows(2, heads=8, seed=4)  # GQA 8 query heads over 2 KV heads, one decode token per sequence
+    out = kvhal.to_numpy(c.attention(0, q, [a, b]))
+    np.testing.assert_allclose(out, attention_f64(q, [ka, kb], [ka, kb], [1, 1]), atol=1e-6)
+    with pytest.raises(kvhal.ShapeError, match="q_lens"):
+        c.attention(0, rows(3, heads=8), [a, b])
