@@ -6,7 +6,6 @@ then imports it to read the device count, compute capability and runtime/driver 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -22,8 +21,8 @@ from kvhal import Probe
 from kvhal.errors import BackendUnavailableError
 
 from . import plan
+from .source import KERNEL_DIR, kernel_source, source_sha256
 
-KERNEL_DIR = Path(__file__).parent / "kernels"
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 KERNEL_NAMES = (
     "kvhal_store_quant",
@@ -42,16 +41,6 @@ INSTALL_HINT = {
     "cuda": "pip install kvhal-cuda13 (or kvhal-cuda12 for a CUDA 12 driver or a Volta GPU)",
     "rocm": "pip install kvhal-rocm on a machine with ROCm (cupy-rocm needs the ROCm libraries)",
 }
-
-
-def kernel_source() -> str:
-    """kvhal.cu with platform.h inlined: one self-contained string for NVRTC/hiprtc (no include paths)."""
-    header = (KERNEL_DIR / "platform.h").read_text()
-    return (KERNEL_DIR / "kvhal.cu").read_text().replace('#include "platform.h"', header, 1)
-
-
-def source_sha256() -> str:
-    return hashlib.sha256(kernel_source().encode()).hexdigest()
 
 
 def installed_cupy() -> dict[str, str]:

@@ -45,7 +45,9 @@ def build() -> Path:
         cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
                "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror",
                "-I", str(runtime.KERNEL_DIR), "-o", str(tmp), str(HERE / "emu" / "emu.cpp")]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"building the kernel emulator failed:\n{' '.join(cmd)}\n{p.stderr}")
         tmp.replace(out)
     return out
 

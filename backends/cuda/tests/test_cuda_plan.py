@@ -33,7 +33,7 @@ def test_constants_agree_with_kernel_source():
 
 def test_kernel_names_exist():
     for name in runtime.KERNEL_NAMES:
-        assert re.search(rf'extern "C" __global__ void (__launch_bounds__\(\w+ \* 32\)\s+)?{name}\(', SRC), name
+        assert re.search(rf'extern "C" __global__ void (__launch_bounds__\(\w+ \* 32, \d\)\s+)?{name}\(', SRC), name
 
 
 @pytest.mark.parametrize("fmt", formats.names())

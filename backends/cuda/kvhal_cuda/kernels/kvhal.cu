@@ -143,10 +143,6 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, kv_shfl_xor(v, o));
   return v;
 }
-__device__ __forceinline__ float warp_min(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fminf(v, kv_shfl_xor(v, o));
-  return v;
-}
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += kv_shfl_xor(v, o);
   return v;
@@ -155,19 +151,30 @@ __device__ __forceinline__ int warp_or(int v) {
   for (int o = 16; o > 0; o >>= 1) v |= kv_shfl_xor(v, o);
   return v;
 }
-// ggml's q4_0/q5_0 scale source: the value of largest magnitude, the first one on ties
-__device__ __forceinline__ float warp_signed_absmax(float x, int lane) {
-  float a = fabsf(x);
+// ggml's reductions keep the first value that is strictly better, so ties (in particular 0.0 against
+// -0.0, which compare equal) go to the lowest index: reduce (value, lane) pairs, lower lane on ties.
+// better(a, b): 0 = |a| > |b| (q4_0/q5_0), 1 = a < b (min), 2 = a > b (max)
+template <int K>
+__device__ __forceinline__ float warp_first(float x, int lane) {
+  float v = x;
   int i = lane;
   for (int o = 16; o > 0; o >>= 1) {
-    const float a2 = kv_shfl_xor(a, o);
+    const float v2 = kv_shfl_xor(v, o);
     const int i2 = kv_shfl_xor(i, o);
-    if (a2 > a || (a2 == a && i2 < i)) {
-      a = a2;
+    const bool better = K == 0 ? fabsf(v2) > fabsf(v) : K == 1 ? v2 < v : v2 > v;
+    const bool tie = K == 0 ? fabsf(v2) == fabsf(v) : v2 == v;
+    if (better || (tie && i2 < i)) {
+      v = v2;
       i = i2;
     }
   }
   return kv_shfl(x, i);
+}
+// q4_0/q5_0: the signed value of largest magnitude; ggml starts from max = 0.0f, so an all-zero block
+// gives +0.0 even when its zeros are negative
+__device__ __forceinline__ float warp_signed_absmax(float x, int lane) {
+  const float m = warp_first<0>(x, lane);
+  return m == 0.0f ? 0.0f : m;
 }
 
 // ---- quantization ----------------------------------------------------------------------------------
@@ -213,8 +220,8 @@ __device__ __forceinline__ void quant_block(int fmt, float x, int j, u8* b) {
     case KV_Q4_1:
     case KV_Q5_1: {
       const bool five = fmt == KV_Q5_1;
-      const float lo = warp_min(x);
-      const float d = kv_fdiv_rn(kv_fsub_rn(warp_max(x), lo), five ? 31.0f : 15.0f);
+      const float lo = warp_first<1>(x, j);
+      const float d = kv_fdiv_rn(kv_fsub_rn(warp_first<2>(x, j), lo), five ? 31.0f : 15.0f);
       const float t = truncf(kv_fadd_rn(kv_fmul_rn(kv_fsub_rn(x, lo), kv_inverse(d)), 0.5f));
       const int q = (int)fminf(t, five ? 31.0f : 15.0f);
       put_quants(b, five ? 8 : 4, five ? 4 : -1, q, j);
@@ -381,7 +388,8 @@ __device__ __forceinline__ void emit(const AttnArgs& a, int R, int Hq, int D, in
 // Decode: one CTA per (query row, q head, split); its warps take interleaved 32-token tiles, read
 // K/V straight from the pages (lanes over head_dim), and merge their softmax states at the end.
 // grid (n_decode, Hq, n_splits), block KV_NW * 32, dynamic smem plan.decode_smem_bytes(D).
-extern "C" __global__ void __launch_bounds__(KV_NW * 32)
+// 8 CTAs (32 warps) per SM: decode is bound by memory latency, so occupancy beats registers
+extern "C" __global__ void __launch_bounds__(KV_NW * 32, 8)
     kvhal_attn_decode(const float* __restrict__ q, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
                       const int* __restrict__ meta, float* __restrict__ out, float* __restrict__ part_o,
                       float* __restrict__ part_lse, int S, int tstride, int dec_off, int R, int Hq, int Hkv, int D,
@@ -456,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(KV_NW * 32)
 // of bt tokens are dequantized once into shared memory and reused by every row; warp w owns rows
 // w, w + KV_NW, ...; lane j scores token j of the tile. grid (n_tiles, Hq, n_splits), block KV_NW * 32,
 // dynamic smem plan.prefill_geometry(D).smem_bytes: q rows | K tile (row stride kst, odd) | V tile.
-extern "C" __global__ void __launch_bounds__(KV_NW * 32)
+extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
     kvhal_attn_prefill(const float* __restrict__ q, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
                        const int* __restrict__ meta, float* __restrict__ out, float* __restrict__ part_o,
                        float* __restrict__ part_lse, int S, int tstride, int tile_off, int R, int Hq, int Hkv, int D,

@@ -20,7 +20,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct emu_dim3 {
   unsigned x = 0, y = 0, z = 0;
