@@ -21,7 +21,7 @@ from kvhal import Probe
 from kvhal.errors import BackendUnavailableError
 
 from . import plan
-from .source import KERNEL_DIR, kernel_source, source_sha256
+from .source import KERNEL_DIR, kernel_source, source_sha256  # noqa: F401  (re-exported)
 
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 KERNEL_NAMES = (
