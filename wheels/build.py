@@ -151,7 +151,8 @@ def build(v: Variant) -> Path:
         tmp = Path(t)
         staged = stage(v, tmp)
         out = tmp / "out"
-        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(staged)])
+        pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        run([*pip_wheel, "-w", str(out), str(staged)])
         (whl,) = out.glob(f"{v.norm}-*.whl")
         whl = retag(whl, v.platform)
         n = verify(v, whl, staged)

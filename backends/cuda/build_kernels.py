@@ -43,7 +43,9 @@ TARGETS = {
 }
 COMMON = ["--std=c++17"]  # fmad stays on: quantization uses __f*_rn, which never contract
 NVCC = [*COMMON, "-O3", "-Werror", "all-warnings", "-Xptxas", "-warn-spills,-warn-lmem-usage", "-I", str(KERNELS)]
-HIPCC = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-fno-gpu-flush-denormals-to-zero", "-mcode-object-version=5", "-I", str(KERNELS)]
+# code object v5: what ROCm 6/7 runtimes load (Debian's clang 15 defaults to v4)
+HIPCC = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-fno-gpu-flush-denormals-to-zero",
+         "-mcode-object-version=5", "-I", str(KERNELS)]  # fmt: skip
 
 
 def kernel_source() -> str:
