@@ -169,6 +169,23 @@ def test_rocm(session: nox.Session) -> None:
                 env={"KVHAL_TEST_BACKENDS": "rocm", "KVHAL_STRICT": "1", "PYTHONPATH": f"{CUDA_DIR}/tests"})
 
 
+def _bench_cuda(session: nox.Session, variant: str) -> None:
+    session.install("-e", ".[bench]", TORCH, "-e", f"{CUDA_DIR}[{variant}]")
+    session.run("kvhal", "bench", "--backend", "cuda", *(session.posargs or ["--json", f"bench-{variant}.json"]))
+
+
+@nox.session(name="bench-cuda13", tags=["gpu"])
+def bench_cuda13(session: nox.Session) -> None:
+    """kvhal bench --backend cuda under cupy-cuda13x (a GPU runner; fails without a device)."""
+    _bench_cuda(session, "cuda13")
+
+
+@nox.session(name="bench-cuda12", tags=["gpu"])
+def bench_cuda12(session: nox.Session) -> None:
+    """kvhal bench --backend cuda under cupy-cuda12x."""
+    _bench_cuda(session, "cuda12")
+
+
 @nox.session(tags=["cpu", "wheels"])
 def wheels(session: nox.Session) -> None:
     """Build every wheel of wheels/variants.toml into dist/ and check each in a fresh venv (`kvhal info`).
