@@ -106,7 +106,16 @@ def query_device(index: int = 0) -> DeviceInfo:
     try:
         count = rt.getDeviceCount()
     except Exception as e:  # cudaErrorNoDevice, cudaErrorInsufficientDriver, ...
-        raise BackendUnavailableError(f"the {'HIP' if is_hip else 'CUDA'} runtime found no usable device ({e})") from e
+        hint = ""
+        if "InsufficientDriver" in str(e):
+            hint = (
+                f"; no NVIDIA driver for CUDA {_version(int(rt.runtimeGetVersion()))} is loaded (none installed, "
+                "or an older one): install or update it, or use kvhal-cuda12 with a CUDA 12 driver"
+            )
+        elif "NoDevice" in str(e):
+            hint = "; check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES"
+        runtime_name = "HIP" if is_hip else "CUDA"
+        raise BackendUnavailableError(f"the {runtime_name} runtime found no usable device ({e}){hint}") from e
     if count <= index:
         raise BackendUnavailableError(f"device {index} requested but {count} visible (check CUDA_VISIBLE_DEVICES)")
     props = rt.getDeviceProperties(index)
@@ -155,6 +164,11 @@ def probe(platform: str) -> tuple[Probe | None, str]:
             stacklevel=2,
         )
     which = ", ".join(f"{k} {v}" for k, v in dists.items()) or "cupy"
+    rocm_dists = [d for d in dists if d in CUPY_ROCM_DISTS]
+    if dists and platform == "rocm" and not rocm_dists:
+        return None, f"the installed cupy is a CUDA build ({which}): {INSTALL_HINT['rocm']}"
+    if dists and platform == "cuda" and len(rocm_dists) == len(dists):
+        return None, f"the installed cupy is a ROCm build ({which}); use the rocm backend (KVHAL_BACKEND=rocm)"
     try:
         info = query_device(0)
     except Exception as e:
