@@ -45,6 +45,7 @@ class Variant:
     exclude: list[str] = field(default_factory=list)
     compile: str = ""
     backends: list[str] = field(default_factory=list)
+    smoke: str = ""  # python run in the fresh venv after kvhal info
 
     @property
     def src(self) -> Path:
@@ -187,6 +188,7 @@ def smoke(v: Variant, with_deps: bool) -> None:
             run([*pip, "numpy>=1.24"])  # kvhal's one dependency
         kvhal = py.parent / "kvhal"
         data = json.loads(run([str(kvhal), "info", "--json"], cwd=t))
+        extra = run([str(py), "-c", v.smoke], cwd=t).strip() if v.smoke else ""
     listed = {b["name"]: b for b in data["backends"]}
     for b in v.backends:
         if b not in listed:
@@ -196,6 +198,8 @@ def smoke(v: Variant, with_deps: bool) -> None:
             raise RuntimeError(f"{b}: {reason}")
         state = "available" if listed[b]["available"] else "unavailable"
         print(f"{v.name}: fresh venv, kvhal info: {b} {state}: {reason}")
+    if extra:
+        print(f"{v.name}: fresh venv: {extra}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,19 @@ INSTALL_HINT = {
 }
 
 
+def install_hint(platform: str) -> str:
+    """What to pip install, given which kvhal GPU wheel is here (its cupy is a dependency pip may have skipped)."""
+    wheel_cupy = {"kvhal-cuda13": "cupy-cuda13x", "kvhal-cuda12": "cupy-cuda12x", "kvhal-rocm": "cupy-rocm-7-0"}
+    for dist, cupy in wheel_cupy.items():
+        if (platform == "rocm") == (dist == "kvhal-rocm"):
+            try:
+                importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            return f"pip install {cupy} ({dist} depends on it; it was installed without dependencies)"
+    return INSTALL_HINT[platform]
+
+
 def installed_cupy() -> dict[str, str]:
     """Installed cupy distributions -> version."""
     out = {}
@@ -154,7 +167,7 @@ def refusal(info: DeviceInfo, platform: str) -> str | None:
 def probe(platform: str) -> tuple[Probe | None, str]:
     """(Probe or None, reason) for "cuda" or "rocm"; cached, as the registry probes on every listing."""
     if importlib.util.find_spec("cupy") is None:
-        return None, f"cupy is not installed: {INSTALL_HINT[platform]}"
+        return None, f"cupy is not installed: {install_hint(platform)}"
     dists = installed_cupy()
     if CUPY_DISTS["cuda12"] in dists and CUPY_DISTS["cuda13"] in dists:
         warnings.warn(
