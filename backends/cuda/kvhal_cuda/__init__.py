@@ -31,7 +31,8 @@ class CudaBackend(Backend):
     name = "cuda"
     platform: ClassVar[str] = "cuda"
     formats = frozenset(plan.FORMAT_IDS)
-    # f32 accumulation with split-KV; measured under the CPU emulator, where it stays below 2e-6
+    # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
+    # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
 
     @classmethod

@@ -121,9 +121,11 @@ def query_device(index: int = 0) -> DeviceInfo:
     except Exception as e:  # cudaErrorNoDevice, cudaErrorInsufficientDriver, ...
         hint = ""
         if "InsufficientDriver" in str(e):
+            rtv = int(rt.runtimeGetVersion())
+            alt = ", or use kvhal-cuda12 with a CUDA 12 driver" if rtv >= 13000 else ""
             hint = (
-                f"; no NVIDIA driver for CUDA {_version(int(rt.runtimeGetVersion()))} is loaded (none installed, "
-                "or an older one): install or update it, or use kvhal-cuda12 with a CUDA 12 driver"
+                f"; no NVIDIA driver for CUDA {_version(rtv)} is loaded (none installed, or an older one): "
+                f"install or update it{alt}"
             )
         elif "NoDevice" in str(e):
             hint = "; check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES"
