@@ -230,7 +230,8 @@ class CupyRuntime:
             stacklevel=4,
         )
         try:
-            module = cupy.RawModule(code=kernel_source(), options=("--std=c++17",))
+            options = ("-std=c++17",) if self.info.is_hip else ("--std=c++17",)  # hiprtc takes clang's spelling
+            module = cupy.RawModule(code=kernel_source(), options=options)
             module.compile()
         except Exception as e:
             raise BackendUnavailableError(
