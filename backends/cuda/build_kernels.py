@@ -243,8 +243,39 @@ def build_hipcc(out: Path, spec: dict, jobs: int) -> dict:
 
     with ThreadPoolExecutor(jobs) as pool:
         artifacts = list(pool.map(one, spec["gfx"]))
-    return {"compiler": f"hipcc, {version_line}", "options": ["HIP_PLATFORM=amd", "--genco", *HIPCC[:-2]],
+    checks = [hiprtc_check(spec["gfx"][0])]
+    return {"compiler": f"hipcc, {version_line}", "checks": [c for c in checks if c], "options": ["HIP_PLATFORM=amd", "--genco", *HIPCC[:-2]],
             "artifacts": artifacts}  # fmt: skip
+
+
+def hiprtc_check(arch: str) -> str:
+    """The runtime fallback (cupy on ROCm compiles kernel_source() with hiprtc): it must compile, warning-free."""
+    try:
+        lib = ctypes.CDLL("libamdhip64.so.5")
+    except OSError:
+        try:
+            lib = ctypes.CDLL("libamdhip64.so")
+        except OSError:
+            return ""
+    lib.hiprtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+    if lib.hiprtcCreateProgram(ctypes.byref(prog), kernel_source().encode(), b"kvhal.cu", 0, None, None):
+        raise RuntimeError("hiprtcCreateProgram failed")
+    try:
+        opts = [b"-std=c++17", f"--offload-arch={arch}".encode()]
+        t = time.perf_counter()
+        rc = lib.hiprtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        dt = time.perf_counter() - t
+        size = ctypes.c_size_t()
+        lib.hiprtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.hiprtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace").strip()
+        if rc or log:
+            raise RuntimeError(f"hiprtc {arch} ({lib.hiprtcGetErrorString(rc).decode()}), warnings are errors:\n{log}")
+    finally:
+        lib.hiprtcDestroyProgram(ctypes.byref(prog))
+    return f"hiprtc compiles the runtime-fallback source for {arch} warning-free ({dt:.1f} s)"
 
 
 BUILDERS = {"cuda13": build_nvcc, "cuda12": build_nvrtc, "rocm": build_hipcc}
@@ -289,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{manifest['wall_seconds']} s wall -> {out}")  # fmt: skip
     for a in info["artifacts"]:
         print(f"  {a['arch']:<12} {a['kind']:<6} {a['bytes'] / 1024:8.1f} KiB  {a['seconds']:6.2f} s  {a['file']}")
+    for c in info.get("checks", []):
+        print(f"  check: {c}")
     return 0
 
 

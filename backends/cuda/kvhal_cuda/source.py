@@ -10,7 +10,7 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 
 def kernel_source() -> str:
     """kvhal.cu with platform.h inlined: self-contained for NVRTC/hiprtc (no include paths)."""
-    header = (KERNEL_DIR / "platform.h").read_text()
+    header = (KERNEL_DIR / "platform.h").read_text().replace("#pragma once\n", "", 1)  # no longer a header
     return (KERNEL_DIR / "kvhal.cu").read_text().replace('#include "platform.h"', header, 1)
 
 
