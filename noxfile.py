@@ -6,7 +6,7 @@ A backend declares itself in ``backends/<name>/pyproject.toml`` under ``[tool.kv
     apt = ["pocl-opencl-icd"]       # Debian packages .ci/run installs before the session
     env = {KVHAL_VULKAN_ALLOW_CPU = "1"}
     [tool.kvhal.variants]           # optional: one session per variant, extra pip requirements
-    cuda12 = ["cupy-cuda12x"]
+    cuda12 = ["cupy-cuda12x"]       # or a table: {requires = [...], env = {...}, tags = [...]}
 
 A session whose backend is unavailable here skips with one line naming the probe's reason;
 ``nox -s test-<name> -- --strict`` (or ``KVHAL_STRICT=1``) makes that a failure.
@@ -53,11 +53,14 @@ def test_reference(session: nox.Session) -> None:
                 env={"KVHAL_TEST_BACKENDS": "reference"})
 
 
-def _make_backend_session(session_name: str, backend: str, table: dict, extra: list[str]) -> None:
-    @nox.session(name=session_name, tags=list(table.get("tags", ["cpu"])))
+def _make_backend_session(session_name: str, backend: str, table: dict, variant: list[str] | dict) -> None:
+    spec = variant if isinstance(variant, dict) else {"requires": variant}
+    tags = list(spec.get("tags", table.get("tags", ["cpu"])))
+    env = {k: str(v) for k, v in (table.get("env", {}) | spec.get("env", {})).items()}
+
+    @nox.session(name=session_name, tags=tags)
     def _session(session: nox.Session) -> None:
-        session.install("-e", ".[test,bench]", "-e", table["dir"], *extra)
-        env = {k: str(v) for k, v in table.get("env", {}).items()}
+        session.install("-e", ".[test,bench]", "-e", table["dir"], *spec.get("requires", []))
         # the probe runs in the session's venv: a backend absent here skips with its reason
         probe = session.run(
             "python", "-c",
@@ -79,8 +82,8 @@ def _make_backend_session(session_name: str, backend: str, table: dict, extra: l
 
 for _name, _table in backend_table().items():
     variants = _table.get("variants") or {_name: []}
-    for _variant, _extra in variants.items():
-        _make_backend_session(f"test-{_variant}", _name, _table, list(_extra))
+    for _variant, _spec in variants.items():
+        _make_backend_session(f"test-{_variant}", _name, _table, _spec)
 
 
 @nox.session(tags=["lint"])

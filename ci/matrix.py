@@ -64,7 +64,7 @@ HARDWARE = [
     Row("test-rocm", "amd-rocm", note="MI200/MI300 or RDNA2 with ROCm 7 and cupy-rocm-7-0"),
     Row("test-openvino", "intel-gpu", env={"KVHAL_OPENVINO_DEVICE": "GPU"}, note="OpenVINO on the Intel GPU"),
     Row("test-opencl", "intel-gpu", note="OpenCL on the Intel GPU (NEO ICD)"),
-    Row("test-ascend", "ascend-910b", env={"KVHAL_ASCEND_DEVICE": "npu"}, note="torch-npu on CANN"),
+    Row("test-ascend-npu", "ascend-910b", note="torch-npu on CANN (the variant sets KVHAL_ASCEND_DEVICE=npu)"),
     Row("test-arm", "arm64", note="onnxruntime with KleidiAI active"),
     Row("test-cpu", "arm64", note="the NEON kernels"),
 ]
@@ -79,9 +79,14 @@ def backend_sessions(only_present: bool) -> list[str]:
     for name in names:
         pp = ROOT / "backends" / name / "pyproject.toml"
         table = tomllib.loads(pp.read_text()).get("tool", {}).get("kvhal", {}) if pp.is_file() else {"tags": ["cpu"]}
-        if name == "cuda" or "cpu" not in table.get("tags", ["cpu"]):
+        if name == "cuda":
             continue  # cuda's test rows are hardware rows; test-cuda-host is its CPU row
-        out += [f"test-{v}" for v in (table.get("variants") or {name: []})]
+        for variant, spec in (table.get("variants") or {name: []}).items():
+            tags = (
+                spec.get("tags", table.get("tags", ["cpu"])) if isinstance(spec, dict) else table.get("tags", ["cpu"])
+            )
+            if "cpu" in tags:
+                out.append(f"test-{variant}")
     return out
 
 

@@ -26,9 +26,11 @@ def to_numpy(x: Any) -> np.ndarray:
 def host_float_array(x: Any, what: str) -> np.ndarray:
     """A host float32/float16 numpy view of ``x`` (numpy, torch CPU tensor, anything with __dlpack__)."""
     dtype = getattr(x, "dtype", None)
+    if str(dtype) == "torch.bfloat16":  # numpy has no bf16 to take it through DLPack; widening is exact
+        x, dtype = x.float(), "torch.float32"
     if dtype is not None and str(dtype).replace("torch.", "") not in ("float32", "float16"):
         raise DTypeError(
-            f"{what} has dtype {dtype}; kvhal takes float32 or float16 (convert with .float() or .astype('float32'))"
+            f"{what} has dtype {dtype}; kvhal takes float32, float16 or torch bfloat16 (convert with .float() or .astype('float32'))"
         )
     try:
         arr = to_numpy(x) if dtype is not None else np.asarray(x, dtype=np.float32)

@@ -40,8 +40,11 @@ def _inverse(d: np.ndarray) -> np.ndarray:
 
 
 def _roundf(x: np.ndarray) -> np.ndarray:
-    """C ``roundf``: round half away from zero."""
-    return np.copysign(np.floor(np.abs(x) + np.float32(0.5)), x)
+    """C ``roundf``: round half away from zero.
+
+    The ``+ 0.5`` is done in float64: in float32, 0.49999997 + 0.5 rounds up to 1.0.
+    """
+    return np.copysign(np.floor(np.abs(x).astype(np.float64) + 0.5), x).astype(np.float32)
 
 
 def _signed_absmax(blocks: np.ndarray) -> np.ndarray:

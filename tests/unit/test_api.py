@@ -113,8 +113,11 @@ def test_float16_and_torch_inputs_through_dlpack():
     out = kvhal.to_numpy(c.attention(0, q, [s]))
     want = attention_f64(q.numpy(), [got_k], [got_v], [1])
     np.testing.assert_allclose(out, want, atol=1e-6)
+    kb = torch.from_numpy(k).bfloat16()  # widened exactly: the stored bytes are those of kb.float()
+    c.store(s, 0, kb, torch.from_numpy(v))
+    np.testing.assert_array_equal(kvhal.to_numpy(c.load(s, 0, 9)[0]), kb.float().numpy().astype(np.float16).astype(np.float32))
     with pytest.raises(kvhal.DTypeError, match="float32"):
-        c.store(s, 0, torch.from_numpy(k).bfloat16(), torch.from_numpy(v))
+        c.store(s, 0, torch.from_numpy(k).double(), torch.from_numpy(v))
     assert isinstance(kvhal.to_numpy(torch.ones(2)), np.ndarray)
 
 

@@ -1,0 +1,52 @@
+// block_q5_1 (24 bytes): f16 d; f16 m; u32 qh; u8 qs[16]
+//! deq
+fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
+    let blk = row + (i / 32u) * 24u;
+    let e = i % 32u;
+    let lo = (${P}_b(c, blk + 8u + (e % 16u)) >> (4u * (e / 16u))) & 15u;
+    let hi = (${P}_w(c, blk + 4u) >> e) & 1u;
+    return f16_to_f32(${P}_h(c, blk)) * f32(lo | (hi << 4u)) + f16_to_f32(${P}_h(c, blk + 2u));
+}
+//! dot
+fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
+    var acc = array<f32, HT>();
+    for (var b = 0u; b < D / 32u; b++) {
+        let blk = row + b * 24u;
+        let qh = ${P}_w(c, blk + 4u);
+        var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
+        for (var k = 0u; k < 4u; k++) {
+            let w = ${P}_w(c, blk + 8u + 4u * k);
+            for (var t = 0u; t < 4u; t++) {
+                let e = 4u * k + t;
+                let lo = f32(((w >> (8u * t)) & 15u) | (((qh >> e) & 1u) << 4u));
+                let hi = f32(((w >> (8u * t + 4u)) & 15u) | (((qh >> (e + 16u)) & 1u) << 4u));
+                for (var g = 0u; g < HT; g++) {
+                    s[g] += lo * qv[g * D + b * 32u + e] + hi * qv[g * D + b * 32u + e + 16u];
+                }
+            }
+        }
+        let d = f16_to_f32(${P}_h(c, blk));
+        let m = f16_to_f32(${P}_h(c, blk + 2u));
+        for (var g = 0u; g < HT; g++) {
+            acc[g] += d * s[g] + m * qbs[g * NB + b];
+        }
+    }
+    return acc;
+}
+//! quant
+fn quant(nv: u32) {
+    let mm = min_max();
+    let d = div_rn(bitcast<u32>(mm.y - mm.x), 0x41f80000u);  // / 31
+    let id = bitcast<f32>(inv_bits(d));
+    var qh = 0u;
+    for (var k = 0u; k < 16u; k++) {
+        let a = q_min(x(k), mm.x, id, 31u);
+        let b = q_min(x(k + 16u), mm.x, id, 31u);
+        put_byte(8u + k, (a & 15u) | ((b & 15u) << 4u));
+        qh = qh | ((a >> 4u) << k) | ((b >> 4u) << (k + 16u));
+    }
+    put_half(0u, f16_bits(d));
+    put_half(1u, f16_bits(bitcast<u32>(mm.x)));
+    put_half(2u, qh & 0xffffu);
+    put_half(3u, qh >> 16u);
+}
