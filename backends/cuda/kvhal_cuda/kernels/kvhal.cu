@@ -3,9 +3,9 @@
 //
 // Pools are [n_blocks, n_kv_heads, block_size, row_bytes] bytes, a row being one token of one head in
 // ggml's byte layout (kvhal/formats/ggml.py is the spec). Quantization is bit-exact with that spec:
-// fp32 inverse of the *unrounded* scale (0 when it is 0 or overflows), the spec's round half away from
-// zero as floor(|x| + 0.5) (not C roundf, which differs just below 0.5), truncation of x*id + 8.5 /
-// +16.5 / +0.5, RNE f32->f16 of the scales, and no FMA contraction (kv_*_rn, see platform.h).
+// fp32 inverse of the *unrounded* scale (0 when it is 0 or overflows), C roundf (half away from zero,
+// exact just below 0.5) for q8_0, truncation of x*id + 8.5 / +16.5 / +0.5, RNE f32->f16 of the scales,
+// ggml's first-occurrence reductions, and no FMA contraction (kv_*_rn, see platform.h).
 //
 // Every row starts at an even byte offset (all row and block sizes are even), so 16-bit loads and
 // stores are aligned. Launch geometry and argument layout come from kvhal_cuda/plan.py.
@@ -184,8 +184,14 @@ __device__ __forceinline__ float kv_inverse(float d) {
   const float inv = kv_fdiv_rn(1.0f, d);
   return (d == 0.0f || !(fabsf(inv) <= 3.402823466e38f)) ? 0.0f : inv;
 }
-// the spec's _roundf: copysign(floor(|x| + 0.5), x)
-__device__ __forceinline__ float kv_round(float x) { return copysignf(floorf(kv_fadd_rn(fabsf(x), 0.5f)), x); }
+// C roundf, exactly (the spec's _roundf adds 0.5 in float64): |x| - floor(|x|) is exact in f32, so
+// 0.49999997 stays 0 where a float32 |x| + 0.5 would round up to 1
+__device__ __forceinline__ float kv_round(float x) {
+  const float a = fabsf(x);
+  float r = floorf(a);
+  if (kv_fsub_rn(a, r) >= 0.5f) r += 1.0f;
+  return copysignf(r, x);
+}
 
 // nibbles: value j in the low half and value j+16 in the high half of byte j; fifth bits in qh
 __device__ __forceinline__ void put_quants(u8* b, int qs_off, int qh_off, int q, int j) {
