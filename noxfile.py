@@ -194,13 +194,14 @@ def wheels(session: nox.Session) -> None:
     """Build every wheel of wheels/variants.toml into dist/ and check each in a fresh venv (`kvhal info`).
 
     Prebuilt kernels are compiled first unless backends/cuda/kvhal_cuda/prebuilt/* already matches the source.
-    ``-- --strict``: a missing backend source dir or compiler is an error instead of a skipped row.
+    ``-- --strict``: a missing backend source dir or compiled artifact is an error instead of a skipped row.
     """
     session.install("build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])
-    args = ["--strict"] if strict(session) else []
+    # only `-- --strict`, not KVHAL_STRICT: a backend dir another branch has not merged yet is not a missing device
+    args = ["--strict"] if "--strict" in session.posargs else []
     session.run("python", "wheels/build.py", *args, *pytest_args(session))
     session.run("python", "wheels/build.py", "--smoke", *args)
 
