@@ -1,17 +1,15 @@
-"""Print the nox sessions .ci/run runs on a CPU-only machine: lint, test-reference and every cpu-tagged backend."""
+"""Print the nox sessions .ci/run runs on a CPU-only machine: the CPU rows of ci/matrix.py present in this checkout.
+
+lint, test-reference, every cpu-tagged backend's test-<variant>, then the GPU build rows that need no GPU:
+compile-cuda13, compile-cuda12, compile-rocm, test-cuda-host (kvhal.cu on the CPU emulator) and wheels.
+"""
 
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
 
-root = Path(__file__).resolve().parent.parent
-sessions = ["lint", "test-reference"]
-for pp in sorted(root.glob("backends/*/pyproject.toml")):
-    table = tomllib.loads(pp.read_text()).get("tool", {}).get("kvhal", {})
-    for variant, spec in (table.get("variants") or {pp.parent.name: []}).items():
-        tags = spec.get("tags", table.get("tags", ["cpu"])) if isinstance(spec, dict) else table.get("tags", ["cpu"])
-        if "cpu" in tags:
-            sessions.append(f"test-{variant}")
-sys.stdout.write(" ".join(sessions) + "\n")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matrix import cpu_rows  # noqa: E402
+
+sys.stdout.write(" ".join(r.session for r in cpu_rows(only_present=True)) + "\n")

@@ -1,0 +1,73 @@
+// The only place where CUDA, HIP and the CPU emulator (backends/cuda/tests/emu) differ.
+//
+// kvhal.cu is written for groups of 32 lanes ("warps"). On wave64 AMD GPUs (gfx90a, gfx908) a
+// wavefront holds two such groups, so every shuffle passes width 32 and never crosses a group.
+// Quantization must be bit-exact with numpy: kv_fmul_rn & co. are never contracted into FMAs, and
+// f16 conversion is the hardware's round-to-nearest-even with subnormals kept (no -ftz).
+#pragma once
+
+#if defined(KVHAL_EMULATE)
+// the emulator defines the primitives below before it includes kvhal.cu
+
+#elif defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
+#ifndef __HIPCC_RTC__
+#include <hip/hip_runtime.h>
+#endif
+#define KV_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+
+__device__ __forceinline__ float kv_shfl(float v, int src) { return __shfl(v, src, 32); }
+__device__ __forceinline__ int kv_shfl(int v, int src) { return __shfl(v, src, 32); }
+__device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor(v, m, 32); }
+__device__ __forceinline__ int kv_shfl_xor(int v, int m) { return __shfl_xor(v, m, 32); }
+
+// hip-clang contracts a*b+c across inlined calls unless told not to (-ffp-contract=fast-honor-pragmas)
+__device__ __forceinline__ float kv_fmul_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
+__device__ __forceinline__ float kv_fadd_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a + b;
+}
+__device__ __forceinline__ float kv_fsub_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a - b;
+}
+__device__ __forceinline__ float kv_fdiv_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a / b;  // correctly rounded: hipcc's default -fhip-fp32-correctly-rounded-divide-sqrt
+}
+__device__ __forceinline__ unsigned short kv_f32_to_f16(float f) {
+  return __builtin_bit_cast(unsigned short, static_cast<_Float16>(f));
+}
+__device__ __forceinline__ float kv_f16_to_f32(unsigned short h) {
+  return static_cast<float>(__builtin_bit_cast(_Float16, h));
+}
+__device__ __forceinline__ float kv_u32_as_f32(unsigned int u) { return __builtin_bit_cast(float, u); }
+__device__ __forceinline__ unsigned int kv_f32_as_u32(float f) { return __builtin_bit_cast(unsigned int, f); }
+
+#else  // CUDA (nvcc or NVRTC); no header needed
+#define KV_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+
+__device__ __forceinline__ float kv_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src, 32); }
+__device__ __forceinline__ int kv_shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src, 32); }
+__device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m, 32); }
+__device__ __forceinline__ int kv_shfl_xor(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m, 32); }
+
+__device__ __forceinline__ float kv_fmul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float kv_fadd_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float kv_fsub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float kv_fdiv_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ unsigned short kv_f32_to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float kv_f16_to_f32(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float kv_u32_as_f32(unsigned int u) { return __uint_as_float(u); }
+__device__ __forceinline__ unsigned int kv_f32_as_u32(float f) { return __float_as_uint(f); }
+#endif

@@ -1,0 +1,308 @@
+"""Host-side logic of the CUDA/HIP kernels, in plain numpy so it is unit-tested without a GPU.
+
+Launch geometry, the packed metadata buffer the attention kernels read, the split-KV partition and
+its log-sum-exp merge, and which compiled kernel binary fits a device. ``kernels/kvhal.cu`` mirrors
+the constants here (a test checks that they agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}
+QUANTIZED = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"})
+NUM_WARPS = 4  # KV_NW: warps per attention CTA
+MAX_HEAD_DIM = 256  # 32 * KV_MAXC: lane-owned output elements live in registers
+MAX_ROWS_PER_WARP = 4  # KV_RPW_MAX
+ELEMENTWISE_THREADS = 256
+SMEM_LIMIT = 48 * 1024  # static limit on every CUDA arch and AMD's 64 KiB LDS; no opt-in attribute needed
+GRID_YZ_MAX = 65535
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (launch, merge) outweighs its parallelism
+WORKSPACE_LIMIT = 256 << 20  # bytes of split partials one call may allocate
+
+# CUDA 13 dropped sm_50..sm_72; CUDA 12 still builds sm_50+, kvhal's binaries start at sm_70
+MIN_ARCH = {12: 70, 13: 75}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- elementwise kernels: store, load, copy ---------------------------------------------------------
+
+
+def grid_1d(n_threads: int, threads: int = ELEMENTWISE_THREADS) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Grid and block for one thread per item (x may reach 2**31 - 1 on every supported arch)."""
+    blocks = max(1, _ceil(n_threads, threads))
+    if blocks > 2**31 - 1:
+        raise ValueError(f"{n_threads} work items exceed one launch; store/load fewer tokens per call")
+    return (blocks, 1, 1), (threads, 1, 1)
+
+
+def store_launch(
+    fmt: str, n: int, n_heads: int, head_dim: int
+) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+    """kvhal_store_quant runs one 32-lane warp per 32-value block; kvhal_store_float one thread per value."""
+    if fmt in QUANTIZED:
+        grid, block = grid_1d(n * n_heads * (head_dim // 32) * 32)
+        return "kvhal_store_quant", grid, block
+    grid, block = grid_1d(n * n_heads * head_dim)
+    return "kvhal_store_float", grid, block
+
+
+# ---- attention geometry ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillGeometry:
+    rows_per_warp: int  # query rows each warp owns; a tile holds NUM_WARPS * rows_per_warp rows
+    tile_tokens: int  # K/V tokens staged in shared memory per step (<= 32: lane j scores token j)
+    k_stride: int  # floats per staged K row: odd, so lanes reading the same column hit distinct banks
+    smem_bytes: int
+
+    @property
+    def rows_per_tile(self) -> int:
+        return NUM_WARPS * self.rows_per_warp
+
+
+def k_stride(head_dim: int) -> int:
+    return head_dim | 1
+
+
+def prefill_geometry(head_dim: int, smem_limit: int = SMEM_LIMIT) -> PrefillGeometry:
+    """The largest tile that fits: q rows, a K tile (padded stride) and a V tile, all f32."""
+    check_head_dim(head_dim)
+    kst = k_stride(head_dim)
+    for bt, rpw in ((32, 4), (32, 2), (16, 4), (16, 2), (32, 1), (16, 1), (8, 4), (8, 2), (8, 1)):
+        smem = 4 * (NUM_WARPS * rpw * head_dim + bt * kst + bt * head_dim)
+        if smem <= smem_limit:
+            return PrefillGeometry(rpw, bt, kst, smem)
+    raise ValueError(f"head_dim {head_dim} does not fit a prefill tile in {smem_limit} bytes of shared memory")
+
+
+def decode_smem_bytes(head_dim: int) -> int:
+    """Per-warp softmax states merged at the end of kvhal_attn_decode: [NUM_WARPS][head_dim + 2] f32."""
+    return 4 * NUM_WARPS * (head_dim + 2)
+
+
+def check_head_dim(head_dim: int) -> None:
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}, what the CUDA/HIP kernels hold in registers"
+        )
+
+
+def visible_range(pos: np.ndarray | int, n_kv: np.ndarray | int, causal: bool, window: int | None):
+    """KV interval ``[lo, hi)`` query position ``pos`` sees (kvhal/backend.py): j <= pos, j > pos - window."""
+    pos = np.asarray(pos)
+    lo = np.maximum(0, pos - window + 1) if window else np.zeros_like(pos)
+    hi = pos + 1 if causal else np.broadcast_to(np.asarray(n_kv), pos.shape).copy()
+    return lo, hi
+
+
+def split_range(p: int, split_pages: int, block_size: int) -> tuple[int, int]:
+    """Token range of split ``p``: whole pages, so a split never straddles one."""
+    return p * split_pages * block_size, (p + 1) * split_pages * block_size
+
+
+def choose_splits(
+    n_ctas: int, max_kv: int, block_size: int, n_sm: int, n_rows: int, n_heads: int, head_dim: int
+) -> tuple[int, int]:
+    """(n_splits, split_pages): split KV across CTAs only when rows x heads alone leave the GPU idle.
+
+    Aim for four CTAs per SM; each split keeps at least MIN_SPLIT_TOKENS tokens and the partials
+    (n_splits x rows x heads x (head_dim + 1) f32) stay under WORKSPACE_LIMIT.
+    """
+    max_pages = max(1, _ceil(max_kv, block_size))
+    want = _ceil(4 * n_sm, max(1, n_ctas))
+    by_len = max(1, max_kv // MIN_SPLIT_TOKENS)
+    by_mem = max(1, WORKSPACE_LIMIT // max(1, 4 * n_rows * n_heads * (head_dim + 1)))
+    n = max(1, min(want, by_len, by_mem, max_pages, GRID_YZ_MAX))
+    split_pages = _ceil(max_pages, n)
+    return _ceil(max_pages, split_pages), split_pages
+
+
+# ---- per-call plan and metadata -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything the attention launches need; ``meta`` is uploaded once per call."""
+
+    meta: np.ndarray  # int32: table [S, tstride] | seq_lens | q_lens | q_start | decode (s, row) | tiles (s, i0, nr)
+    n_seqs: int
+    tstride: int
+    decode_off: int
+    n_decode: int
+    tile_off: int
+    n_tiles: int
+    n_rows: int
+    n_splits: int
+    split_pages: int
+    prefill: PrefillGeometry
+
+    def unpack(self) -> dict[str, np.ndarray]:
+        """The sections of ``meta`` as the kernels index them (for tests and debugging)."""
+        S, ts, m = self.n_seqs, self.tstride, self.meta
+        base = S * ts
+        return {
+            "table": m[:base].reshape(S, ts),
+            "seq_lens": m[base : base + S],
+            "q_lens": m[base + S : base + 2 * S],
+            "q_start": m[base + 2 * S : base + 3 * S],
+            "decode": m[self.decode_off : self.decode_off + 2 * self.n_decode].reshape(-1, 2),
+            "tiles": m[self.tile_off : self.tile_off + 3 * self.n_tiles].reshape(-1, 3),
+        }
+
+
+def pack_block_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """The core's ``[S, max_blocks]`` table (padded with -1) as C-contiguous int32, every used page checked."""
+    table = np.ascontiguousarray(block_table, dtype=np.int32)
+    if table.ndim != 2 or table.shape[0] != len(seq_lens):
+        raise ValueError(f"block_table has shape {table.shape}; expected [{len(seq_lens)}, max_blocks]")
+    need = -(-np.asarray(seq_lens, np.int64) // block_size)
+    if (need > table.shape[1]).any():
+        raise ValueError("block_table is narrower than its sequences need")
+    used = np.arange(table.shape[1])[None, :] < need[:, None]
+    if (table[used] < 0).any():
+        raise ValueError("block_table has a -1 inside a sequence's pages")
+    return table
+
+
+def plan_attention(
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    *,
+    n_heads: int,
+    head_dim: int,
+    block_size: int,
+    n_sm: int,
+) -> AttentionPlan:
+    """Route each sequence's queries (one query: the split-KV decode kernel; more: prefill tiles)."""
+    seq_lens = np.asarray(seq_lens, np.int32)
+    q_lens = np.asarray(q_lens, np.int32)
+    table = pack_block_table(block_table, seq_lens, block_size)
+    geom = prefill_geometry(head_dim)
+    S, ts = table.shape
+    q_start = np.zeros(S, np.int32)
+    np.cumsum(q_lens[:-1], out=q_start[1:])
+    decode, tiles = [], []
+    for s in range(S):
+        nq = int(q_lens[s])
+        if nq == 1:
+            decode.append((s, int(q_start[s])))
+        else:
+            for i0 in range(0, nq, geom.rows_per_tile):
+                tiles.append((s, i0, min(geom.rows_per_tile, nq - i0)))
+    n_rows = int(q_lens.sum())
+    n_ctas = (len(decode) + len(tiles)) * n_heads
+    n_splits, split_pages = choose_splits(n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim)
+    dec = np.asarray(decode, np.int32).reshape(-1)
+    til = np.asarray(tiles, np.int32).reshape(-1)
+    meta = np.concatenate([table.reshape(-1), seq_lens, q_lens, q_start, dec, til]).astype(np.int32)
+    decode_off = S * ts + 3 * S
+    if len(decode) > 2**31 - 1 or len(tiles) > 2**31 - 1 or n_heads > GRID_YZ_MAX:
+        raise ValueError("attention batch exceeds one launch grid")
+    return AttentionPlan(
+        meta, S, ts, decode_off, len(decode), decode_off + dec.size, len(tiles), n_rows, n_splits, split_pages, geom
+    )
+
+
+# ---- the split-KV merge, as kvhal_attn_merge computes it ----------------------------------------------
+
+
+def merge_splits(part_o: np.ndarray, part_lse: np.ndarray) -> np.ndarray:
+    """``part_o [P, ..., D]`` (each split normalized) and ``part_lse [P, ...]`` into the full softmax output.
+
+    Splits with no visible token carry lse = -inf and weigh nothing.
+    """
+    M = part_lse.max(axis=0)
+    with np.errstate(invalid="ignore"):
+        w = np.where(np.isneginf(part_lse), 0.0, np.exp(part_lse - M))
+    return (w[..., None] * part_o).sum(axis=0) / w.sum(axis=0)[..., None]
+
+
+# ---- which compiled binary runs on a device -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kind: str  # "cubin" | "ptx" | "hsaco" | "compile"
+    arch: str  # the binary's target (sm_86, compute_120, gfx90a) or the arch to compile for
+    file: str | None  # prebuilt file name in the manifest, None for "compile"
+    note: str  # why this one (for probe reasons and warnings)
+
+
+def arch_refusal(cc: int, runtime_major: int) -> str | None:
+    """Why the installed CUDA cannot run kvhal on compute capability ``cc`` (e.g. 70), or None."""
+    floor = MIN_ARCH.get(runtime_major, MIN_ARCH[max(MIN_ARCH)])
+    if cc >= floor:
+        return None
+    if runtime_major >= 13 and cc >= MIN_ARCH[12]:
+        return (
+            f"sm_{cc} is not supported by CUDA {runtime_major} (it dropped Volta and older); "
+            "install kvhal-cuda12 (cupy-cuda12x) instead of kvhal-cuda13"
+        )
+    return f"sm_{cc} is older than sm_{floor}, the oldest GPU kvhal's CUDA kernels target"
+
+
+def choose_cuda_binary(cc: int, manifest: dict) -> KernelChoice:
+    """Best prebuilt binary for compute capability ``cc``: SASS of the same major and minor <= the device's
+    (binary compatible), else PTX of an arch <= the device's (the driver JITs it), else compile with NVRTC."""
+    cubins = {int(a["arch"][3:]): a["file"] for a in manifest.get("artifacts", []) if a["kind"] == "cubin"}
+    ptxs = {int(a["arch"][8:]): a["file"] for a in manifest.get("artifacts", []) if a["kind"] == "ptx"}
+    same_major = [a for a in cubins if a // 10 == cc // 10 and a <= cc]
+    if same_major:
+        a = max(same_major)
+        return KernelChoice("cubin", f"sm_{a}", cubins[a], f"prebuilt cubin sm_{a}")
+    older = [a for a in ptxs if a <= cc]
+    if older:
+        a = max(older)
+        return KernelChoice("ptx", f"compute_{a}", ptxs[a], f"prebuilt PTX compute_{a}, JIT-compiled by the driver")
+    return KernelChoice("compile", f"sm_{cc}", None, f"no prebuilt kernel for sm_{cc}")
+
+
+def choose_hip_binary(gcn_arch: str, manifest: dict) -> KernelChoice:
+    """Code objects are not portable across gfx targets: an exact match or compile (hiprtc)."""
+    base = gcn_arch.split(":")[0]
+    for a in manifest.get("artifacts", []):
+        if a["kind"] == "hsaco" and a["arch"] == base:
+            return KernelChoice("hsaco", base, a["file"], f"prebuilt code object {base}")
+    return KernelChoice("compile", base, None, f"no prebuilt code object for {base}")
+
+
+def attention_launches(plan: AttentionPlan, n_heads: int, head_dim: int) -> list[tuple[str, tuple[int, int, int], int]]:
+    """(kernel, grid, dynamic shared memory bytes) for one attention call, in launch order."""
+    out = []
+    if plan.n_decode:
+        out.append(("kvhal_attn_decode", (plan.n_decode, n_heads, plan.n_splits), decode_smem_bytes(head_dim)))
+    if plan.n_tiles:
+        out.append(("kvhal_attn_prefill", (plan.n_tiles, n_heads, plan.n_splits), plan.prefill.smem_bytes))
+    if plan.n_splits > 1:
+        out.append(("kvhal_attn_merge", (plan.n_rows * n_heads, 1, 1), 0))
+    return out
+
+
+__all__ = [
+    "FORMAT_IDS",
+    "AttentionPlan",
+    "KernelChoice",
+    "PrefillGeometry",
+    "arch_refusal",
+    "attention_launches",
+    "choose_cuda_binary",
+    "choose_hip_binary",
+    "choose_splits",
+    "decode_smem_bytes",
+    "grid_1d",
+    "merge_splits",
+    "pack_block_table",
+    "plan_attention",
+    "prefill_geometry",
+    "split_range",
+    "store_launch",
+    "visible_range",
+]

@@ -1,0 +1,146 @@
+"""kvhal.cu itself, run on the CPU SIMT emulator: bytes against the numpy spec, attention against float64.
+
+The emulator (tests/emu/emu.cpp) executes the kernel source with the same warp-synchronous semantics as
+hardware; it does not reproduce the GPU's expf/logf rounding, which only the tolerance sees.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal import formats
+from tests.oracle import attention_f64
+
+cuda_emulator = pytest.importorskip("cuda_emulator")
+if cuda_emulator.compiler() is None:
+    pytest.skip("no C++ compiler for the kernel emulator", allow_module_level=True)
+
+FMTS = formats.names()
+
+
+def make(fmt_k, fmt_v=None, *, heads=2, dim=64, bs=16, cap=512, n_sm=4):
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt_k, v_format=fmt_v or fmt_k,
+                           block_size=bs)  # fmt: skip
+    backend = cuda_emulator.EmulatedCudaBackend(n_sm)
+    return kvhal.KVCache(spec, cap, backend=backend), kvhal.KVCache(spec, cap, backend="reference")
+
+
+def pools(c):
+    return [np.asarray(kvhal.to_numpy(x)).view(np.uint8) for x in (c.pools[0].k, c.pools[0].v)]
+
+
+def hard_blocks(rng, dim=64):
+    """Values where a careless kernel differs from the spec: ties, .5 boundaries, zeros, subnormal scales."""
+    rows = []
+    base = rng.standard_normal(dim).astype(np.float32)
+    rows.append(np.zeros(dim, np.float32))
+    tie = base.copy()
+    tie[5], tie[9] = 2.5, -2.5  # signed absmax: first occurrence wins
+    rows.append(tie)
+    tie2 = base.copy()
+    tie2[5], tie2[9] = -3.0, 3.0
+    rows.append(tie2)
+    rows.append(np.full(dim, 1e-40, np.float32))  # subnormal d: 1/d overflows, id = 0
+    rows.append((np.arange(dim, dtype=np.float32) - 32) * np.float32(0.5))  # x*id on .5 boundaries
+    rows.append(np.linspace(-127, 127, dim).astype(np.float32) / np.float32(127) * np.float32(3.3))
+    rows.append(np.full(dim, 60000.0, np.float32) * np.sign(base))  # near f16 max
+    rows.append(np.nextafter(np.float32(0.5), np.float32(0)) * np.sign(base))  # just below 0.5
+    rows.append(base * np.float32(1e-6))
+    rows.append(np.full(dim, -7.0, np.float32))  # constant block: d = 0 for the min/max formats
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_store_is_bit_exact_on_hard_values(fmt):
+    rng = np.random.default_rng(11)
+    f = formats.get(fmt)
+    x = hard_blocks(rng)
+    x = np.clip(x, -f.max_abs, f.max_abs)
+    k = np.stack([x, x[::-1]], axis=1)  # [n, 2 heads, 64]
+    a, b = make(fmt)
+    for c in (a, b):
+        c.store(c.new_seq(), 0, k, -k)
+    for got, want in zip(pools(a), pools(b), strict=False):
+        np.testing.assert_array_equal(got, want)
+    got = kvhal.to_numpy(a.load(0, 0)[0])
+    np.testing.assert_array_equal(got, f.dequantize(f.quantize(k)))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_store_random_rows_and_f16_input(fmt):
+    rng = np.random.default_rng(5)
+    k = (rng.standard_normal((45, 2, 64)) * rng.uniform(0.01, 30, (45, 2, 1))).astype(np.float32)
+    a, b = make(fmt)
+    for c in (a, b):
+        s = c.new_seq()
+        c.store(s, 0, k[:20].astype(np.float16), k[:20].astype(np.float16))
+        c.store(s, 0, k[20:], k[20:])
+    for got, want in zip(pools(a), pools(b), strict=False):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_copy_slots_overlapping_shift():
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((40, 2, 64), dtype=np.float32)
+    a, b = make("q4_1", bs=8)
+    for c in (a, b):
+        s = c.new_seq()
+        c.store(s, 0, k, k)
+        c.seq_rm(s, 2, 9)  # shifts tokens 9.. down by 7: source and destination rows overlap
+    for got, want in zip(pools(a), pools(b), strict=False):
+        np.testing.assert_array_equal(got, want)
+
+
+CASES = [
+    # heads, kv heads, dim, fmt k, fmt v, seq lens, q lens, causal, window
+    (4, 2, 64, "q8_0", "q4_0", [700], [1], True, None),  # split-KV decode
+    (8, 2, 128, "q5_1", "f16", [33, 300, 5], [1, 1, 1], True, None),
+    (4, 4, 64, "q4_1", "q5_0", [90, 64], [37, 64], True, None),  # prefill tiles, partial last tile
+    (2, 1, 256, "bf16", "q8_0", [70], [20], True, 9),  # largest head_dim: smaller tile geometry
+    (3, 1, 40, "f16", "f32", [50, 2], [7, 2], False, None),  # head_dim not a multiple of 32
+    (6, 3, 8, "f32", "f16", [19], [19], False, 4),
+    (4, 2, 64, "q8_0", "q8_0", [500, 400], [30, 1], True, 100),  # split prefill + decode, window
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("n_sm", [1, 64])
+def test_attention(case, n_sm):
+    hq, hkv, d, fk, fv, lens, qls, causal, window = CASES[case]
+    rng = np.random.default_rng(case)
+    a, _ = make(fk, fv, heads=hkv, dim=d, cap=sum(lens) + 64, n_sm=n_sm)
+    ks, vs, seqs = [], [], []
+    for n in lens:
+        k, v = rng.standard_normal((n, hkv, d), dtype=np.float32), rng.standard_normal((n, hkv, d), dtype=np.float32)
+        s = a.new_seq()
+        a.store(s, 0, k, v)
+        seqs.append(s)
+        ks.append(formats.get(fk).dequantize(formats.get(fk).quantize(k)))
+        vs.append(formats.get(fv).dequantize(formats.get(fv).quantize(v)))
+    q = rng.standard_normal((sum(qls), hq, d), dtype=np.float32)
+    rt = a.backend._rt
+    rt.launches.clear()
+    out = kvhal.to_numpy(a.attention(0, q, seqs, qls, causal=causal, window=window))
+    want = attention_f64(q, ks, vs, qls, causal=causal, window=window)
+    err = float(np.abs(out - want).max())
+    assert err <= 2e-6, err  # well inside the declared attention_tolerance
+    names = [name for name, *_ in rt.launches]
+    split = any(g[2] > 1 for name, g, *_ in rt.launches if name != "kvhal_attn_merge")
+    assert ("kvhal_attn_merge" in names) == split
+    if n_sm == 64 and max(lens) >= 2 * 256:
+        assert split, "long context on a wide GPU should split KV"
+
+
+def test_splits_do_not_change_decode_beyond_rounding():
+    rng = np.random.default_rng(9)
+    outs = []
+    k, v = rng.standard_normal((1000, 2, 64), dtype=np.float32), rng.standard_normal((1000, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((1, 4, 64), dtype=np.float32)
+    for n_sm in (1, 128):
+        a, _ = make("q8_0", cap=1024, n_sm=n_sm)
+        s = a.new_seq()
+        a.store(s, 0, k, v)
+        outs.append(kvhal.to_numpy(a.attention(0, q, [s], [1])))
+    assert float(np.abs(outs[0] - outs[1]).max()) < 1e-6

@@ -1,0 +1,236 @@
+"""The CUDA/HIP kernels' host-side logic, on the CPU: geometry, metadata packing, split-KV and its merge."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from kvhal_cuda import plan, runtime
+
+from kvhal import formats
+from tests.oracle import attention_f64
+
+SRC = (runtime.KERNEL_DIR / "kvhal.cu").read_text()
+
+
+def cu_define(name: str) -> int:
+    m = re.search(rf"^#define {name} (\d+)", SRC, re.M)
+    assert m, f"{name} not defined in kvhal.cu"
+    return int(m.group(1))
+
+
+def test_constants_agree_with_kernel_source():
+    for fmt, i in plan.FORMAT_IDS.items():
+        assert cu_define(f"KV_{fmt.upper()}") == i
+    assert set(plan.FORMAT_IDS) == set(formats.names())
+    assert cu_define("KV_NW") == plan.NUM_WARPS
+    assert cu_define("KV_MAXC") * 32 == plan.MAX_HEAD_DIM
+    assert cu_define("KV_RPW_MAX") == plan.MAX_ROWS_PER_WARP
+    for fmt in plan.QUANTIZED:  # block sizes hard-coded in kv_deq / block_bytes
+        assert f"case KV_{fmt.upper()}: return {formats.get(fmt).block_bytes};" in SRC
+
+
+def test_kernel_names_exist():
+    for name in runtime.KERNEL_NAMES:
+        assert re.search(rf'extern "C" __global__ void (__launch_bounds__\(\w+ \* 32, \d\)\s+)?{name}\(', SRC), name
+
+
+@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("dims", [(1, 1, 64), (37, 2, 64), (5, 8, 256), (3, 3, 32)])
+def test_store_launch_covers_every_block(fmt, dims):
+    n, h, d = dims
+    name, grid, block = plan.store_launch(fmt, n, h, d)
+    threads = grid[0] * block[0]
+    assert block[0] % 32 == 0 and block[0] <= 1024
+    if fmt in plan.QUANTIZED:
+        assert name == "kvhal_store_quant"
+        warps = n * h * d // 32
+        assert threads // 32 >= warps > (grid[0] - 1) * block[0] // 32  # all blocks, no empty CTA
+    else:
+        assert name == "kvhal_store_float"
+        assert threads >= n * h * d > (grid[0] - 1) * block[0]
+
+
+@pytest.mark.parametrize("d", [1, 8, 40, 63, 64, 80, 96, 128, 160, 192, 255, 256])
+def test_prefill_geometry_fits_and_is_bank_conflict_free(d):
+    g = plan.prefill_geometry(d)
+    assert g.smem_bytes <= plan.SMEM_LIMIT
+    assert g.smem_bytes == 4 * (g.rows_per_tile * d + g.tile_tokens * g.k_stride + g.tile_tokens * d)
+    assert g.k_stride >= d and g.k_stride % 2 == 1
+    # lane j reads K[j][e]: 32 lanes at one column hit 32 distinct banks
+    banks = {(j * g.k_stride) % 32 for j in range(min(32, g.tile_tokens))}
+    assert len(banks) == min(32, g.tile_tokens)
+    assert 1 <= g.rows_per_warp <= plan.MAX_ROWS_PER_WARP and g.tile_tokens <= 32
+    assert plan.decode_smem_bytes(d) <= plan.SMEM_LIMIT
+    if d <= 128:
+        assert (g.tile_tokens, g.rows_per_warp) == (32, 4)
+
+
+def test_head_dim_limit():
+    with pytest.raises(ValueError, match="head_dim 512"):
+        plan.prefill_geometry(512)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 7])
+def test_visible_range_is_the_backend_mask(causal, window):
+    n_kv, n_q = 30, 9
+    pos = np.arange(n_kv - n_q, n_kv)
+    lo, hi = plan.visible_range(pos, n_kv, causal, window)
+    j = np.arange(n_kv)[None, :]
+    mask = np.ones((n_q, n_kv), bool)
+    if causal:
+        mask &= j <= pos[:, None]
+    if window is not None:
+        mask &= j > pos[:, None] - window
+    assert np.array_equal(mask, (j >= lo[:, None]) & (j < hi[:, None]))
+    assert (hi > lo).all()  # every query sees at least one key
+
+
+def test_pack_block_table_checks_pages():
+    t = plan.pack_block_table(np.array([[3, 1, -1], [0, -1, -1]], np.int64), np.array([20, 5]), 16)
+    assert t.dtype == np.int32 and t.flags.c_contiguous
+    with pytest.raises(ValueError, match="-1 inside"):
+        plan.pack_block_table(np.array([[3, -1]]), np.array([20]), 16)
+    with pytest.raises(ValueError, match="narrower"):
+        plan.pack_block_table(np.array([[3]]), np.array([20]), 16)
+
+
+def ragged(rng, n_seqs, bs=16, max_len=300):
+    lens = rng.integers(1, max_len, n_seqs).astype(np.int32)
+    qls = np.minimum(lens, rng.choice([1, 1, 3, 17, 40], n_seqs)).astype(np.int32)
+    width = int(-(-lens.max() // bs))
+    table = np.full((n_seqs, width), -1, np.int32)
+    perm = rng.permutation(n_seqs * width)  # pages scattered over the pool
+    for s, n in enumerate(lens):
+        nb = -(-int(n) // bs)
+        table[s, :nb] = perm[s * width : s * width + nb]
+    return table, lens, qls
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_routes_every_row_once(seed):
+    rng = np.random.default_rng(seed)
+    table, lens, qls = ragged(rng, 7)
+    p = plan.plan_attention(table, lens, qls, n_heads=8, head_dim=128, block_size=16, n_sm=132)
+    u = p.unpack()
+    assert np.array_equal(u["table"], table) and np.array_equal(u["seq_lens"], lens)
+    assert np.array_equal(u["q_lens"], qls)
+    assert np.array_equal(u["q_start"], np.concatenate([[0], np.cumsum(qls)[:-1]]))
+    rows = [int(r) for _, r in u["decode"]]
+    for s, i0, nr in u["tiles"]:
+        assert 1 <= nr <= p.prefill.rows_per_tile and qls[s] > 1
+        rows += [int(u["q_start"][s]) + i0 + i for i in range(nr)]
+    assert sorted(rows) == list(range(int(qls.sum())))
+    for s, r in u["decode"]:
+        assert qls[s] == 1 and r == u["q_start"][s]
+    assert p.meta.dtype == np.int32 and p.n_rows == qls.sum()
+    launches = plan.attention_launches(p, 8, 128)
+    assert all(g[1] == 8 and g[2] <= plan.GRID_YZ_MAX for _, g, _ in launches)
+    assert (launches[-1][0] == "kvhal_attn_merge") == (p.n_splits > 1)
+
+
+def test_split_heuristic():
+    # one long decode on a big GPU: split; a full batch: no split; short context: no split
+    n, pages = plan.choose_splits(8, 32768, 16, 132, 1, 8, 128)
+    assert n > 1 and pages * 16 >= plan.MIN_SPLIT_TOKENS and (n - 1) * pages < 2048 <= n * pages
+    assert plan.choose_splits(4096, 32768, 16, 132, 512, 8, 128)[0] == 1
+    assert plan.choose_splits(8, 200, 16, 132, 1, 8, 128)[0] == 1
+    # the workspace cap binds for huge prefill batches
+    n, _ = plan.choose_splits(1, 1 << 20, 16, 132, 64, 64, 256)
+    assert 1 < n and n * 64 * 64 * 257 * 4 <= plan.WORKSPACE_LIMIT < (n + 1) * 64 * 64 * 257 * 4
+
+
+def split_kv_emulation(q, ks, vs, q_lens, p, bs, scale, causal, window):
+    """The kernels' arithmetic in float64: every (row, head, split) gives a normalized partial and its
+    log-sum-exp over the split's visible tokens (-inf when none), merged by plan.merge_splits."""
+    R, Hq, D = q.shape
+    part_o = np.zeros((p.n_splits, R, Hq, D))
+    part_lse = np.full((p.n_splits, R, Hq), -np.inf)
+    u = p.unpack()
+    for s in range(p.n_seqs):
+        nkv, nq, r0 = int(u["seq_lens"][s]), int(u["q_lens"][s]), int(u["q_start"][s])
+        group = Hq // ks[s].shape[1]
+        for i in range(nq):
+            lo, hi = (int(x) for x in plan.visible_range(nkv - nq + i, nkv, causal, window))
+            for sp in range(p.n_splits):
+                a, b = plan.split_range(sp, p.split_pages, bs)
+                a, b = max(a, lo), min(b, hi)
+                if a >= b:
+                    continue
+                for h in range(Hq):
+                    sc = ks[s][a:b, h // group].astype(np.float64) @ q[r0 + i, h].astype(np.float64) * scale
+                    m = sc.max()
+                    w = np.exp(sc - m)
+                    part_o[sp, r0 + i, h] = w @ vs[s][a:b, h // group] / w.sum()
+                    part_lse[sp, r0 + i, h] = m + np.log(w.sum())
+    return plan.merge_splits(part_o, part_lse), part_lse
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 40), (False, None), (False, 5)])
+def test_split_kv_merge_equals_float64_attention(causal, window):
+    rng = np.random.default_rng(7)
+    bs, Hkv, Hq, D = 16, 2, 4, 32
+    table, lens, qls = ragged(rng, 5, bs, 700)
+    lens[0], qls[0] = 3, 1  # a short sequence: every split past its one page is empty
+    p = plan.plan_attention(table, lens, qls, n_heads=Hq, head_dim=D, block_size=bs, n_sm=64)
+    assert p.n_splits > 1
+    ks = [rng.standard_normal((n, Hkv, D)) for n in lens]
+    vs = [rng.standard_normal((n, Hkv, D)) for n in lens]
+    q = rng.standard_normal((int(qls.sum()), Hq, D))
+    got, lse = split_kv_emulation(q, ks, vs, qls, p, bs, 0.2, causal, window)
+    assert np.isneginf(lse).any()  # some splits lie past short sequences or outside windows
+    want = attention_f64(q, ks, vs, list(qls), scale=0.2, causal=causal, window=window)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_merge_is_associative_over_split_boundaries():
+    rng = np.random.default_rng(3)
+    sc, v = rng.standard_normal(100) * 4, rng.standard_normal((100, 8))
+    full = np.exp(sc - sc.max()) @ v / np.exp(sc - sc.max()).sum()
+    for cuts in ([50], [1, 99], [10, 20, 30, 90]):
+        edges = [0, *cuts, 100]
+        o = np.stack([np.exp(sc[a:b] - sc[a:b].max()) @ v[a:b] / np.exp(sc[a:b] - sc[a:b].max()).sum()
+                      for a, b in zip(edges, edges[1:], strict=False)])  # fmt: skip
+        lse = np.array(
+            [
+                sc[a:b].max() + np.log(np.exp(sc[a:b] - sc[a:b].max()).sum())
+                for a, b in zip(edges, edges[1:], strict=False)
+            ]
+        )
+        np.testing.assert_allclose(plan.merge_splits(o, lse), full, atol=1e-13)
+
+
+def test_arch_policy():
+    assert plan.arch_refusal(75, 13) is None and plan.arch_refusal(120, 13) is None
+    r = plan.arch_refusal(70, 13)
+    assert r and "CUDA 13" in r and "kvhal-cuda12" in r
+    assert plan.arch_refusal(70, 12) is None
+    assert "older than sm_70" in (plan.arch_refusal(61, 12) or "")
+
+
+CUDA13 = {
+    "artifacts": [{"kind": "cubin", "arch": f"sm_{a}", "file": f"kvhal.sm_{a}.cubin"}
+                  for a in (75, 80, 86, 89, 90, 100, 120)]
+    + [{"kind": "ptx", "arch": "compute_120", "file": "kvhal.compute_120.ptx"}]
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cc,kind,arch",
+    [(89, "cubin", "sm_89"), (87, "cubin", "sm_86"), (103, "cubin", "sm_100"), (121, "cubin", "sm_120"),
+     (130, "ptx", "compute_120"), (75, "cubin", "sm_75")],
+)  # fmt: skip
+def test_choose_cuda_binary(cc, kind, arch):
+    c = plan.choose_cuda_binary(cc, CUDA13)
+    assert (c.kind, c.arch) == (kind, arch) and c.file
+
+
+def test_choose_binary_falls_back_to_compile():
+    assert plan.choose_cuda_binary(90, {}).kind == "compile"
+    only_ptx = {"artifacts": [{"kind": "ptx", "arch": "compute_90", "file": "x.ptx"}]}
+    assert plan.choose_cuda_binary(86, only_ptx).kind == "compile"  # PTX JITs only upwards
+    hip = {"artifacts": [{"kind": "hsaco", "arch": "gfx90a", "file": "kvhal.gfx90a.hsaco"}]}
+    assert plan.choose_hip_binary("gfx90a:sramecc+:xnack-", hip).kind == "hsaco"
+    assert plan.choose_hip_binary("gfx942", hip).kind == "compile"
