@@ -4,16 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_pkgs=$(python3 ci/apt_packages.py)
-if [ -n "$apt_pkgs" ]; then
-  missing=$(for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
-  if [ -n "$missing" ]; then
-    echo "ci: installing Debian packages: $missing"
-    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
-  fi
-fi
+bash ci/apt.sh
 
 python3 -m venv .nox-runner
 .nox-runner/bin/python -m pip install -q --upgrade "nox>=2024.4"

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install the Debian packages the backends declare ([tool.kvhal] apt in backends/*/pyproject.toml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pkgs=$(python3 ci/apt_packages.py)
+missing=$(for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+[ -z "$missing" ] && exit 0
+echo "apt: installing $(echo $missing)"
+SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
