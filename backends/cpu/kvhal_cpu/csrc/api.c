@@ -1,0 +1,335 @@
+/* The exported C API (loaded by kvhal_cpu through ctypes): ISA selection, store, load, copy_slots and
+ * the attention driver that cuts a batch into (sequence, KV head, query chunk, KV split) items,
+ * runs them on the thread pool and merges split-KV partials with a log-sum-exp. */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcpu.h"
+
+#define KV_ROWS_TARGET 16 /* query rows (positions x GQA heads) per item in prefill */
+
+enum { KV_OK = 0, KV_EUNSUPPORTED = -1, KV_ENOMEM = -2, KV_EARG = -3 };
+
+KV_EXPORT int kvc_abi_version(void) { return 1; }
+
+KV_EXPORT int kvc_isa_supported(int isa) {
+    switch (isa) {
+    case KV_ISA_SCALAR:
+        return 1;
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+    case KV_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case KV_ISA_AVX512:
+        __builtin_cpu_init();
+        return kvc_isa_supported(KV_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__aarch64__)
+    case KV_ISA_NEON:
+        return 1; /* Advanced SIMD and fp16 conversions are mandatory in AArch64 */
+#endif
+    default:
+        return 0;
+    }
+}
+
+KV_EXPORT int kvc_best_isa(void) {
+    for (int isa = KV_NISA - 1; isa > 0; isa--)
+        if (kvc_isa_supported(isa)) return isa;
+    return KV_ISA_SCALAR;
+}
+
+static const kv_isa *get_isa(int isa) {
+    if (!kvc_isa_supported(isa)) return NULL;
+    switch (isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+    case KV_ISA_AVX2:
+        return &kv_isa_avx2;
+    case KV_ISA_AVX512:
+        return &kv_isa_avx512;
+#endif
+#if defined(__aarch64__)
+    case KV_ISA_NEON:
+        return &kv_isa_neon;
+#endif
+    default:
+        return &kv_isa_scalar;
+    }
+}
+
+/* 0 when every value is finite, with the largest |x| in *amax; 1 otherwise */
+KV_EXPORT int kvc_scan_f32(const float *x, int64_t n, float *amax) {
+    float m = 0.0f;
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        bad |= !(a <= 3.4028235e38f); /* NaN compares false */
+        m = a > m ? a : m;
+    }
+    *amax = m;
+    return bad;
+}
+
+/* ---- store / load / copy ------------------------------------------------------------------------ */
+
+#define ROWS_PER_TASK 64
+
+typedef struct {
+    const kv_isa *isa;
+    int fmt[2];
+    const float *x[2];
+    uint8_t *pool[2];
+    int64_t row_bytes[2];
+    const int64_t *slots;
+    int64_t n;
+    int H, D, bs;
+} store_ctx;
+
+static void store_task(void *p, int64_t task, int worker) {
+    (void)worker;
+    store_ctx *c = (store_ctx *)p;
+    int64_t rows = c->n * c->H, r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+    if (r1 > rows) r1 = rows;
+    for (int w = 0; w < 2; w++)
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t i = r / c->H, h = r % c->H, slot = c->slots[i];
+            int64_t dst = ((slot / c->bs) * c->H + h) * c->bs + slot % c->bs;
+            c->isa->quantize(c->fmt[w], c->x[w] + r * c->D, c->pool[w] + dst * c->row_bytes[w], c->D);
+        }
+}
+
+KV_EXPORT int kvc_store(int isa_id, int threads, int kfmt, int vfmt, const float *k, const float *v, int64_t n,
+                        int H, int D, uint8_t *kpool, uint8_t *vpool, const int64_t *slots, int bs) {
+    const kv_isa *isa = get_isa(isa_id);
+    if (!isa) return KV_EUNSUPPORTED;
+    store_ctx c = {isa, {kfmt, vfmt}, {k, v}, {kpool, vpool}, {kv_row_bytes(kfmt, D), kv_row_bytes(vfmt, D)},
+                   slots, n, H, D, bs};
+    int64_t tasks = (n * H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    kv_pool_run(store_task, &c, tasks, threads);
+    return KV_OK;
+}
+
+typedef struct {
+    const kv_isa *isa;
+    int fmt;
+    const uint8_t *pool;
+    int64_t row_bytes;
+    const int64_t *blocks;
+    int64_t n;
+    int H, D, bs;
+    float *out;
+} load_ctx;
+
+static void load_task(void *p, int64_t task, int worker) {
+    (void)worker;
+    load_ctx *c = (load_ctx *)p;
+    int64_t rows = c->n * c->H, r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+    if (r1 > rows) r1 = rows;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i = r / c->H, h = r % c->H;
+        int64_t src = (c->blocks[i / c->bs] * c->H + h) * c->bs + i % c->bs;
+        c->isa->dequantize(c->fmt, c->pool + src * c->row_bytes, c->out + r * c->D, c->D);
+    }
+}
+
+KV_EXPORT int kvc_load(int isa_id, int threads, int fmt, const uint8_t *pool, const int64_t *blocks, int64_t n,
+                       int H, int D, int bs, float *out) {
+    const kv_isa *isa = get_isa(isa_id);
+    if (!isa) return KV_EUNSUPPORTED;
+    load_ctx c = {isa, fmt, pool, kv_row_bytes(fmt, D), blocks, n, H, D, bs, out};
+    kv_pool_run(load_task, &c, (n * H + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads);
+    return KV_OK;
+}
+
+/* gather every source row first, then scatter: sources and destinations may overlap (seq_rm) */
+KV_EXPORT int kvc_copy_slots(uint8_t *pool, int64_t row_bytes, const int64_t *src, const int64_t *dst, int64_t n,
+                             int H, int bs) {
+    uint8_t *tmp = (uint8_t *)malloc((size_t)(n * H * row_bytes) + 1);
+    if (!tmp) return KV_ENOMEM;
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t i = 0; i < n; i++) {
+            int64_t slot = pass ? dst[i] : src[i];
+            for (int h = 0; h < H; h++) {
+                uint8_t *row = pool + (((slot / bs) * H + h) * bs + slot % bs) * row_bytes;
+                uint8_t *t = tmp + (i * H + h) * row_bytes;
+                if (pass)
+                    memcpy(row, t, (size_t)row_bytes);
+                else
+                    memcpy(t, row, (size_t)row_bytes);
+            }
+        }
+    free(tmp);
+    return KV_OK;
+}
+
+/* ---- attention ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    int first_part, n_parts; /* partials of one (sequence, head, chunk) */
+    int seq, head, pos0, npos;
+} kv_group;
+
+typedef struct {
+    const kv_call *c;
+    const kv_isa *isa;
+    kv_item *items;
+    kv_group *groups;
+    kv_scratch *ws;
+    float *part_m, *part_l, *part_o;
+    int rows_max;
+} attn_ctx;
+
+static void attn_task(void *p, int64_t task, int worker) {
+    attn_ctx *a = (attn_ctx *)p;
+    const kv_item *it = &a->items[task];
+    size_t R = (size_t)a->rows_max, D = (size_t)a->c->head_dim, k = it->part < 0 ? 0 : (size_t)it->part;
+    a->isa->attn_item(a->c, it, &a->ws[worker], a->part_m + k * R, a->part_l + k * R, a->part_o + k * R * D);
+}
+
+static void merge_task(void *p, int64_t task, int worker) {
+    (void)worker;
+    attn_ctx *a = (attn_ctx *)p;
+    const kv_call *c = a->c;
+    const kv_group *g = &a->groups[task];
+    const int G = c->n_heads / c->n_kv_heads, D = c->head_dim, R = g->npos * G;
+    const size_t RM = (size_t)a->rows_max;
+    for (int r = 0; r < R; r++) {
+        float M = -INFINITY;
+        for (int k = 0; k < g->n_parts; k++) {
+            float m = a->part_m[(g->first_part + k) * RM + r];
+            M = m > M ? m : M;
+        }
+        float L = 0.0f;
+        float *dst = c->out + ((c->q_start[g->seq] + g->pos0 + r / G) * c->n_heads + (int64_t)g->head * G + r % G) * D;
+        memset(dst, 0, (size_t)D * sizeof(float));
+        for (int k = 0; k < g->n_parts; k++) {
+            size_t pk = (size_t)(g->first_part + k);
+            float m = a->part_m[pk * RM + r];
+            if (m == -INFINITY) continue; /* this slice saw nothing of this row */
+            float w = exp2f(m - M);
+            L += w * a->part_l[pk * RM + r];
+            const float *o = a->part_o + (pk * RM + r) * D;
+            for (int j = 0; j < D; j++) dst[j] += w * o[j];
+        }
+        float inv = 1.0f / L;
+        for (int j = 0; j < D; j++) dst[j] *= inv;
+    }
+}
+
+static void *aligned(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64)) return NULL;
+    return p;
+}
+
+KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vfmt, const float *q, float *out,
+                            const uint8_t *kpool, const uint8_t *vpool, const int32_t *block_table,
+                            const int32_t *seq_lens, const int32_t *q_lens, int n_seqs, int max_blocks,
+                            int n_heads, int n_kv_heads, int D, int bs, float scale, int causal, int window) {
+    const kv_isa *isa = get_isa(isa_id);
+    if (!isa) return KV_EUNSUPPORTED;
+    if (n_seqs <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads) return KV_EARG;
+    if (threads < 1) threads = 1;
+    const int G = n_heads / n_kv_heads;
+    int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
+    if (!q_start) return KV_ENOMEM;
+    kv_call c = {n_seqs, n_heads, n_kv_heads, D, bs, max_blocks, kfmt, vfmt, causal, window,
+                 kv_row_bytes(kfmt, D), kv_row_bytes(vfmt, D), scale * 1.4426950408889634f, q, out, kpool, vpool,
+                 block_table, seq_lens, q_lens, q_start};
+    int64_t acc = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        q_start[s] = acc;
+        acc += q_lens[s];
+    }
+    /* positions per item: enough GQA rows to share each K/V byte read, and all of one decode step */
+    int npc = KV_ROWS_TARGET / G > 0 ? KV_ROWS_TARGET / G : 1;
+    int rows_max = 0;
+    int64_t n_items = 0, n_parts = 0, n_groups = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int n_kv = seq_lens[s], n_q = q_lens[s];
+        for (int p0 = 0; p0 < n_q; p0 += npc) {
+            int np = n_q - p0 < npc ? n_q - p0 : npc;
+            int lo, hi, lo2, hi2;
+            kv_visible(&c, n_kv, n_kv - n_q + p0, &lo, &hi);
+            kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
+            hi = hi2;
+            if (np * G > rows_max) rows_max = np * G;
+            int pieces = 1;
+            if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
+            n_items += (int64_t)pieces * n_kv_heads;
+            if (pieces > 1) {
+                n_parts += (int64_t)pieces * n_kv_heads;
+                n_groups += n_kv_heads;
+            }
+        }
+    }
+    kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
+    kv_group *groups = (kv_group *)malloc(sizeof(kv_group) * (size_t)(n_groups + 1));
+    float *pm = (float *)aligned(sizeof(float) * (size_t)(n_parts * rows_max + 1));
+    float *pl = (float *)aligned(sizeof(float) * (size_t)(n_parts * rows_max + 1));
+    float *po = (float *)aligned(sizeof(float) * (size_t)(n_parts * rows_max * D + 1));
+    kv_scratch *ws = (kv_scratch *)calloc((size_t)threads, sizeof(kv_scratch));
+    int ok = items && groups && pm && pl && po && ws;
+    size_t R = (size_t)rows_max, extra = isa->extra_bytes(&c, rows_max);
+    for (int w = 0; ok && w < threads; w++) {
+        ws[w].qf = (float *)aligned(sizeof(float) * R * (size_t)D);
+        ws[w].o = (float *)aligned(sizeof(float) * R * (size_t)D);
+        ws[w].m = (float *)aligned(sizeof(float) * R);
+        ws[w].l = (float *)aligned(sizeof(float) * R);
+        ws[w].s = (float *)aligned(sizeof(float) * R * KV_T);
+        ws[w].extra = aligned(extra);
+        ws[w].extra_bytes = extra;
+        ok = ws[w].qf && ws[w].o && ws[w].m && ws[w].l && ws[w].s && ws[w].extra;
+    }
+    int rc = KV_ENOMEM;
+    if (ok) {
+        int64_t ni = 0, npart = 0, ng = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            int n_kv = seq_lens[s], n_q = q_lens[s];
+            for (int p0 = 0; p0 < n_q; p0 += npc) {
+                int np = n_q - p0 < npc ? n_q - p0 : npc;
+                int lo, hi, lo2, hi2;
+                kv_visible(&c, n_kv, n_kv - n_q + p0, &lo, &hi);
+                kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
+                hi = hi2;
+                int pieces = 1;
+                if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
+                for (int h = 0; h < n_kv_heads; h++) {
+                    if (pieces == 1) {
+                        items[ni++] = (kv_item){s, h, p0, np, lo, hi, -1};
+                        continue;
+                    }
+                    groups[ng++] = (kv_group){(int)npart, pieces, s, h, p0, np};
+                    for (int k = 0; k < pieces; k++) {
+                        int a = (lo / split + k) * split, b = a + split - 1;
+                        items[ni++] = (kv_item){s, h, p0, np, a > lo ? a : lo, b < hi ? b : hi, (int)npart++};
+                    }
+                }
+            }
+        }
+        attn_ctx a = {&c, isa, items, groups, ws, pm, pl, po, rows_max};
+        kv_pool_run(attn_task, &a, ni, threads);
+        kv_pool_run(merge_task, &a, ng, threads);
+        rc = KV_OK;
+    }
+    for (int w = 0; ws && w < threads; w++) {
+        free(ws[w].qf);
+        free(ws[w].o);
+        free(ws[w].m);
+        free(ws[w].l);
+        free(ws[w].s);
+        free(ws[w].extra);
+    }
+    free(ws);
+    free(items);
+    free(groups);
+    free(pm);
+    free(pl);
+    free(po);
+    free(q_start);
+    return rc;
+}

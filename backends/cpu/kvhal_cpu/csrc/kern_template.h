@@ -1,0 +1,442 @@
+/* The kernels every ISA shares, written once over a small vector layer and compiled per ISA.
+ *
+ * The including file defines FN(name) (a per-ISA suffix), the vector layer (VF, VL, vload, vstore,
+ * vset1, vzero, vadd, vsub, vmul, vfma, vmax, vhsum, vhmax, vexp2) and the fp16 row converters
+ * F16_TO_F32(src, dst, n) / F32_TO_F16(src, dst, n) / F32_TO_F16_1(x). It may also provide integer
+ * attention kernels (INT_PATH_K / INT_PATH_V, see kern_avx512.c); everything else takes the f32
+ * path below: each K/V tile is dequantized into a small L1 buffer and consumed with f32 FMA.
+ *
+ * Quantizers are bit-exact with kvhal/formats/ggml.py: the build uses -ffp-contract=off so that
+ * x*id + 8.5f stays two roundings, as in numpy.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "half.h"
+#include "kvcpu.h"
+
+#ifndef INT_PATH_K
+#define INT_PATH_K(fmt) 0
+#define INT_PATH_V(fmt) 0
+#endif
+
+/* ---- quantize: one row of d floats into ggml bytes ----------------------------------------------- */
+
+KV_INLINE float FN(inverse)(float d) {
+    float id = 1.0f / d;
+    /* ggml's d ? 1/d : 0; a subnormal d whose inverse overflows also gets 0 (its fp16 scale is 0) */
+    return (d == 0.0f || !isfinite(id)) ? 0.0f : id;
+}
+
+KV_INLINE void FN(put_f16)(uint8_t *p, float x) {
+    uint16_t h = F32_TO_F16_1(x);
+    memcpy(p, &h, 2);
+}
+
+static void FN(q8_0_block)(const float *x, uint8_t *y) {
+    float amax = 0.0f;
+    for (int i = 0; i < KV_QK; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float d = amax / 127.0f, id = FN(inverse)(d);
+    FN(put_f16)(y, d);
+    int8_t *q = (int8_t *)(y + 2);
+    for (int i = 0; i < KV_QK; i++) {
+        float v = x[i] * id;
+        int r = (int)floorf(fabsf(v) + 0.5f); /* numpy's _roundf: half away from zero */
+        q[i] = (int8_t)(v < 0.0f ? -r : r);
+    }
+}
+
+/* the signed value of largest magnitude, first occurrence on ties (np.argmax) */
+KV_INLINE float FN(signed_absmax)(const float *x) {
+    float amax = -1.0f, mx = 0.0f;
+    for (int i = 0; i < KV_QK; i++) {
+        float a = fabsf(x[i]);
+        if (a > amax) {
+            amax = a;
+            mx = x[i];
+        }
+    }
+    return mx;
+}
+
+KV_INLINE void FN(minmax)(const float *x, float *lo, float *hi) {
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < KV_QK; i++) {
+        mn = x[i] < mn ? x[i] : mn;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    *lo = mn;
+    *hi = mx;
+}
+
+KV_INLINE void FN(pack_nibbles)(const uint8_t *q, uint8_t *qs) {
+    for (int j = 0; j < KV_QK / 2; j++) qs[j] = (uint8_t)((q[j] & 0x0f) | ((q[j + KV_QK / 2] & 0x0f) << 4));
+}
+
+KV_INLINE void FN(pack_high_bits)(const uint8_t *q, uint8_t *qh) {
+    uint32_t h = 0;
+    for (int j = 0; j < KV_QK; j++) h |= (uint32_t)((q[j] >> 4) & 1) << j;
+    memcpy(qh, &h, 4); /* little-endian, as ggml */
+}
+
+static void FN(q4_0_block)(const float *x, uint8_t *y) {
+    float d = FN(signed_absmax)(x) / -8.0f, id = FN(inverse)(d);
+    FN(put_f16)(y, d);
+    uint8_t q[KV_QK];
+    for (int i = 0; i < KV_QK; i++) {
+        int v = (int)(x[i] * id + 8.5f);
+        q[i] = (uint8_t)(v > 15 ? 15 : v);
+    }
+    FN(pack_nibbles)(q, y + 2);
+}
+
+static void FN(q4_1_block)(const float *x, uint8_t *y) {
+    float lo, hi;
+    FN(minmax)(x, &lo, &hi);
+    float d = (hi - lo) / 15.0f, id = FN(inverse)(d);
+    FN(put_f16)(y, d);
+    FN(put_f16)(y + 2, lo);
+    uint8_t q[KV_QK];
+    for (int i = 0; i < KV_QK; i++) {
+        int v = (int)((x[i] - lo) * id + 0.5f);
+        q[i] = (uint8_t)(v > 15 ? 15 : v);
+    }
+    FN(pack_nibbles)(q, y + 4);
+}
+
+static void FN(q5_0_block)(const float *x, uint8_t *y) {
+    float d = FN(signed_absmax)(x) / -16.0f, id = FN(inverse)(d);
+    FN(put_f16)(y, d);
+    uint8_t q[KV_QK];
+    for (int i = 0; i < KV_QK; i++) {
+        int v = (int)(x[i] * id + 16.5f);
+        q[i] = (uint8_t)(v > 31 ? 31 : v);
+    }
+    FN(pack_high_bits)(q, y + 2);
+    FN(pack_nibbles)(q, y + 6);
+}
+
+static void FN(q5_1_block)(const float *x, uint8_t *y) {
+    float lo, hi;
+    FN(minmax)(x, &lo, &hi);
+    float d = (hi - lo) / 31.0f, id = FN(inverse)(d);
+    FN(put_f16)(y, d);
+    FN(put_f16)(y + 2, lo);
+    uint8_t q[KV_QK];
+    for (int i = 0; i < KV_QK; i++) {
+        int v = (int)((x[i] - lo) * id + 0.5f);
+        q[i] = (uint8_t)(v > 31 ? 31 : v);
+    }
+    FN(pack_high_bits)(q, y + 4);
+    FN(pack_nibbles)(q, y + 8);
+}
+
+static void FN(quantize)(int fmt, const float *x, uint8_t *dst, int d) {
+    switch (fmt) {
+    case KV_F32:
+        memcpy(dst, x, (size_t)d * 4);
+        return;
+    case KV_F16:
+        F32_TO_F16(x, dst, d);
+        return;
+    case KV_BF16: {
+        uint16_t *o = (uint16_t *)(void *)dst;
+        for (int i = 0; i < d; i++) {
+            uint32_t u = kv_f32_bits(x[i]); /* finite: the sum cannot overflow */
+            o[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        return;
+    }
+    default:
+        break;
+    }
+#ifdef QUANT_BLOCK_OVERRIDE
+    if (QUANT_BLOCK_OVERRIDE(fmt, x, dst, d)) return;
+#endif
+    static const int bb[KV_NFMT] = {0, 0, 0, 34, 18, 20, 22, 24};
+    void (*blk)(const float *, uint8_t *) = fmt == KV_Q8_0   ? FN(q8_0_block)
+                                            : fmt == KV_Q4_0 ? FN(q4_0_block)
+                                            : fmt == KV_Q4_1 ? FN(q4_1_block)
+                                            : fmt == KV_Q5_0 ? FN(q5_0_block)
+                                                             : FN(q5_1_block);
+    for (int b = 0; b < d / KV_QK; b++) blk(x + b * KV_QK, dst + b * bb[fmt]);
+}
+
+/* ---- dequantize: one stored row into d floats ---------------------------------------------------- */
+
+KV_INLINE float FN(get_f16)(const uint8_t *p) {
+    float f;
+    F16_TO_F32(p, &f, 1);
+    return f;
+}
+
+static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
+    switch (fmt) {
+    case KV_F32:
+        memcpy(dst, src, (size_t)d * 4);
+        return;
+    case KV_F16:
+        F16_TO_F32(src, dst, d);
+        return;
+    case KV_BF16:
+        for (int i = 0; i < d; i++) dst[i] = kv_bits_f32((uint32_t)kv_load_u16(src + 2 * i) << 16);
+        return;
+    default:
+        break;
+    }
+    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK) {
+        switch (fmt) {
+        case KV_Q8_0: {
+            const uint8_t *y = src + 34 * b;
+            float s = FN(get_f16)(y);
+            const int8_t *q = (const int8_t *)(y + 2);
+            for (int i = 0; i < KV_QK; i++) dst[i] = s * (float)q[i];
+            break;
+        }
+        case KV_Q4_0: {
+            const uint8_t *y = src + 18 * b;
+            float s = FN(get_f16)(y);
+            for (int j = 0; j < 16; j++) {
+                dst[j] = s * ((float)(y[2 + j] & 0x0f) - 8.0f);
+                dst[j + 16] = s * ((float)(y[2 + j] >> 4) - 8.0f);
+            }
+            break;
+        }
+        case KV_Q4_1: {
+            const uint8_t *y = src + 20 * b;
+            float s = FN(get_f16)(y), m = FN(get_f16)(y + 2);
+            for (int j = 0; j < 16; j++) {
+                dst[j] = s * (float)(y[4 + j] & 0x0f) + m;
+                dst[j + 16] = s * (float)(y[4 + j] >> 4) + m;
+            }
+            break;
+        }
+        case KV_Q5_0: {
+            const uint8_t *y = src + 22 * b;
+            float s = FN(get_f16)(y);
+            uint32_t qh = kv_load_u32(y + 2);
+            for (int j = 0; j < 16; j++) {
+                int lo = (y[6 + j] & 0x0f) | (int)(((qh >> j) & 1u) << 4);
+                int hi = (y[6 + j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+                dst[j] = s * ((float)lo - 16.0f);
+                dst[j + 16] = s * ((float)hi - 16.0f);
+            }
+            break;
+        }
+        default: { /* q5_1 */
+            const uint8_t *y = src + 24 * b;
+            float s = FN(get_f16)(y), m = FN(get_f16)(y + 2);
+            uint32_t qh = kv_load_u32(y + 4);
+            for (int j = 0; j < 16; j++) {
+                int lo = (y[8 + j] & 0x0f) | (int)(((qh >> j) & 1u) << 4);
+                int hi = (y[8 + j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+                dst[j] = s * (float)lo + m;
+                dst[j + 16] = s * (float)hi + m;
+            }
+            break;
+        }
+        }
+    }
+}
+
+/* ---- f32 attention path ------------------------------------------------------------------------- */
+
+KV_INLINE float FN(dot)(const float *a, const float *b, int n) {
+    VF acc0 = vzero(), acc1 = vzero();
+    int i = 0;
+    for (; i + 2 * VL <= n; i += 2 * VL) {
+        acc0 = vfma(vload(a + i), vload(b + i), acc0);
+        acc1 = vfma(vload(a + i + VL), vload(b + i + VL), acc1);
+    }
+    for (; i + VL <= n; i += VL) acc0 = vfma(vload(a + i), vload(b + i), acc0);
+    float s = vhsum(vadd(acc0, acc1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e) */
+static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int R, const uint8_t *const *rows, float *tb) {
+    const int D = c->head_dim;
+    for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < KV_T; t++) ws->s[r * KV_T + t] = FN(dot)(ws->qf + (size_t)r * D, tb + (size_t)t * D, D);
+}
+
+/* O[r] += sum_t P[r][t] v_t */
+static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int R, const uint8_t *const *rows, float *tb) {
+    const int D = c->head_dim;
+    for (int t = 0; t < KV_T; t++) FN(dequantize)(c->vfmt, rows[t], tb + (size_t)t * D, D);
+    for (int r = 0; r < R; r++) {
+        const float *p = ws->s + r * KV_T;
+        float *o = ws->o + (size_t)r * D;
+        int i = 0;
+        for (; i + 4 * VL <= D; i += 4 * VL) {
+            VF a0 = vload(o + i), a1 = vload(o + i + VL), a2 = vload(o + i + 2 * VL), a3 = vload(o + i + 3 * VL);
+            for (int t = 0; t < KV_T; t++) {
+                const float *v = tb + (size_t)t * D + i;
+                VF pt = vset1(p[t]);
+                a0 = vfma(pt, vload(v), a0);
+                a1 = vfma(pt, vload(v + VL), a1);
+                a2 = vfma(pt, vload(v + 2 * VL), a2);
+                a3 = vfma(pt, vload(v + 3 * VL), a3);
+            }
+            vstore(o + i, a0);
+            vstore(o + i + VL, a1);
+            vstore(o + i + 2 * VL, a2);
+            vstore(o + i + 3 * VL, a3);
+        }
+        for (; i + VL <= D; i += VL) {
+            VF a0 = vload(o + i);
+            for (int t = 0; t < KV_T; t++) a0 = vfma(vset1(p[t]), vload(tb + (size_t)t * D + i), a0);
+            vstore(o + i, a0);
+        }
+        for (; i < D; i++) {
+            float a = o[i];
+            for (int t = 0; t < KV_T; t++) a += p[t] * tb[(size_t)t * D + i];
+            o[i] = a;
+        }
+    }
+}
+
+/* ---- the item driver: tiles, masks, online softmax ---------------------------------------------- */
+
+#if KV_T % VL != 0
+#error "KV_T must be a multiple of the vector length"
+#endif
+
+/* one row's tile: turn scores into probabilities and fold the new max into (m, l, O) */
+KV_INLINE void FN(softmax_row)(float *s, float *m, float *l, float *o, int D) {
+    VF mx = vload(s);
+    for (int t = VL; t < KV_T; t += VL) mx = vmax(mx, vload(s + t));
+    float mt = vhmax(mx);
+    if (mt == -INFINITY) { /* nothing visible to this row in this tile */
+        memset(s, 0, KV_T * sizeof(float));
+        return;
+    }
+    if (mt > *m) {
+        float corr = *m == -INFINITY ? 0.0f : exp2f(*m - mt);
+        *l *= corr;
+        VF cv = vset1(corr);
+        int i = 0;
+        for (; i + VL <= D; i += VL) vstore(o + i, vmul(vload(o + i), cv));
+        for (; i < D; i++) o[i] *= corr;
+        *m = mt;
+    }
+    VF mv = vset1(*m), sum = vzero();
+    for (int t = 0; t < KV_T; t += VL) {
+        VF p = vexp2(vsub(vload(s + t), mv));
+        vstore(s + t, p);
+        sum = vadd(sum, p);
+    }
+    *l += vhsum(sum);
+}
+
+/* extra scratch: the integer kernels' buffers, then the f32 path's tile (K and V may take different paths) */
+static size_t FN(int_bytes)(const kv_call *c, int rows) {
+#ifdef INT_EXTRA_BYTES
+    return INT_EXTRA_BYTES(c, rows);
+#else
+    (void)c;
+    (void)rows;
+    return 0;
+#endif
+}
+
+static size_t FN(extra_bytes)(const kv_call *c, int rows) {
+    return FN(int_bytes)(c, rows) + (size_t)KV_T * c->head_dim * sizeof(float);
+}
+
+static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
+    const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, R = it->npos * G;
+    const int s = it->seq, h = it->head;
+    const int n_kv = c->seq_lens[s], n_q = c->q_lens[s];
+    const int int_k = INT_PATH_K(c->kfmt), int_v = INT_PATH_V(c->vfmt);
+
+    for (int i = 0; i < it->npos; i++) {
+        const float *src = c->q + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)h * G) * D;
+        float *dst = ws->qf + (size_t)i * G * D;
+        VF sc = vset1(c->scale2);
+        int j = 0;
+        for (; j + VL <= G * D; j += VL) vstore(dst + j, vmul(vload(src + j), sc));
+        for (; j < G * D; j++) dst[j] = src[j] * c->scale2;
+    }
+    for (int r = 0; r < R; r++) {
+        ws->m[r] = -INFINITY;
+        ws->l[r] = 0.0f;
+    }
+    memset(ws->o, 0, (size_t)R * D * sizeof(float));
+#ifdef INT_PREP_Q
+    if (int_k) INT_PREP_Q(c, ws, R);
+#endif
+
+    float *tb = (float *)(void *)((uint8_t *)ws->extra + FN(int_bytes)(c, R));
+    const uint8_t *krows[KV_T], *vrows[KV_T];
+    for (int t0 = it->lo; t0 <= it->hi; t0 += KV_T) {
+        int nt = it->hi - t0 + 1 < KV_T ? it->hi - t0 + 1 : KV_T;
+        for (int t = 0; t < KV_T; t++) {
+            int j = t0 + (t < nt ? t : 0); /* padding repeats a real row; its score is masked */
+            krows[t] = kv_row(c, c->kpool, c->krow, s, h, j);
+            vrows[t] = kv_row(c, c->vpool, c->vrow, s, h, j);
+        }
+#ifdef INT_K_TILE
+        if (int_k)
+            INT_K_TILE(c, ws, R, krows);
+        else
+#endif
+            FN(k_tile_f32)(c, ws, R, krows, tb);
+        for (int i = 0; i < it->npos; i++) {
+            int lo, hi;
+            kv_visible(c, n_kv, n_kv - n_q + it->pos0 + i, &lo, &hi);
+            int a = lo - t0, b = hi - t0; /* visible tile columns [a, b] */
+            if (b > nt - 1) b = nt - 1;
+            if (a <= 0 && b >= KV_T - 1) {
+                for (int g = 0; g < G; g++)
+                    FN(softmax_row)(ws->s + (i * G + g) * KV_T, ws->m + i * G + g, ws->l + i * G + g,
+                                    ws->o + (size_t)(i * G + g) * D, D);
+                continue;
+            }
+            for (int g = 0; g < G; g++) {
+                float *srow = ws->s + (i * G + g) * KV_T;
+                for (int t = 0; t < KV_T; t++)
+                    if (t < a || t > b) srow[t] = -INFINITY;
+                FN(softmax_row)(srow, ws->m + i * G + g, ws->l + i * G + g, ws->o + (size_t)(i * G + g) * D, D);
+            }
+        }
+#ifdef INT_V_TILE
+        if (int_v)
+            INT_V_TILE(c, ws, R, vrows);
+        else
+#endif
+            FN(v_tile_f32)(c, ws, R, vrows, tb);
+    }
+
+    for (int r = 0; r < R; r++) {
+        const float *o = ws->o + (size_t)r * D;
+        float *dst;
+        float inv;
+        if (it->part < 0) {
+            int i = r / G, g = r % G;
+            dst = c->out + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)h * G + g) * D;
+            inv = 1.0f / ws->l[r];
+        } else {
+            dst = po + (size_t)r * D;
+            pm[r] = ws->m[r];
+            pl[r] = ws->l[r];
+            inv = 1.0f;
+        }
+#ifdef INT_V_UNPERMUTE
+        if (int_v) {
+            INT_V_UNPERMUTE(c, o, dst, inv);
+            continue;
+        }
+#endif
+        for (int j = 0; j < D; j++) dst[j] = o[j] * inv;
+    }
+    (void)int_k;
+    (void)int_v;
+}
+
+const kv_isa FN(kv_isa) = {ISA_NAME, FN(quantize), FN(dequantize), FN(attn_item), FN(extra_bytes)};

@@ -1,0 +1,104 @@
+/* kvhal cpu backend: shared declarations.
+ *
+ * Every translation unit (scalar, avx2, avx512, neon) fills one kv_isa table; api.c picks one at run
+ * time (cpuid, or KVHAL_CPU_ISA through the Python side) and drives the thread pool. Pools use
+ * kvhal's layout [n_blocks][n_kv_heads][block_size][row_bytes], rows in ggml's byte layout.
+ */
+#ifndef KVCPU_H
+#define KVCPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define KV_EXPORT __attribute__((visibility("default")))
+#define KV_INLINE static inline __attribute__((always_inline))
+#define KV_ALIGN(n) __attribute__((aligned(n)))
+#else
+#define KV_EXPORT
+#define KV_INLINE static inline
+#define KV_ALIGN(n)
+#endif
+
+enum { KV_F32 = 0, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_Q4_1, KV_Q5_0, KV_Q5_1, KV_NFMT };
+enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_NISA };
+
+#define KV_QK 32 /* values per quantized block */
+#define KV_T 32  /* KV tokens per attention tile */
+
+static inline int kv_is_quant(int fmt) { return fmt >= KV_Q8_0; }
+
+/* bytes of one stored row of d values */
+static inline int64_t kv_row_bytes(int fmt, int d) {
+    static const int block_bytes[KV_NFMT] = {4, 2, 2, 34, 18, 20, 22, 24};
+    return kv_is_quant(fmt) ? (int64_t)(d / KV_QK) * block_bytes[fmt] : (int64_t)d * block_bytes[fmt];
+}
+
+/* One attention call, as the driver sees it. */
+typedef struct {
+    int n_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks;
+    int kfmt, vfmt, causal, window; /* window <= 0: none */
+    int64_t krow, vrow;             /* row bytes */
+    float scale2;                   /* softmax scale * log2(e): kernels use exp2 */
+    const float *q;                 /* [sum q_lens][n_heads][head_dim] */
+    float *out;
+    const uint8_t *kpool, *vpool;
+    const int32_t *block_table, *seq_lens, *q_lens;
+    const int64_t *q_start; /* first q row of each sequence */
+} kv_call;
+
+/* One unit of work: query positions [pos0, pos0+npos) of one sequence and one KV head, against KV
+ * positions [lo, hi] (inclusive). part >= 0: a slice of a split KV range, written to the partials. */
+typedef struct {
+    int seq, head, pos0, npos, lo, hi;
+    int part; /* -1: final output */
+} kv_item;
+
+/* Per-thread scratch, sized by the driver for the largest item of the call. */
+typedef struct {
+    float *qf;   /* [R][D] scaled queries */
+    float *o;    /* [R][D] output accumulator (kernel-defined dim order) */
+    float *m, *l;
+    float *s;    /* [R][KV_T] scores, then probabilities */
+    void *extra; /* kernel scratch */
+    size_t extra_bytes;
+} kv_scratch;
+
+typedef struct {
+    const char *name;
+    void (*quantize)(int fmt, const float *x, uint8_t *dst, int d);
+    void (*dequantize)(int fmt, const uint8_t *src, float *dst, int d);
+    /* run one item; writes rows of out (part < 0) or its partial (m, l, o in natural dim order) */
+    void (*attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *part_m, float *part_l,
+                      float *part_o);
+    size_t (*extra_bytes)(const kv_call *c, int rows);
+} kv_isa;
+
+extern const kv_isa kv_isa_scalar;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const kv_isa kv_isa_avx2;
+extern const kv_isa kv_isa_avx512;
+#endif
+#if defined(__aarch64__)
+extern const kv_isa kv_isa_neon;
+#endif
+
+/* thread pool (pool.c) */
+typedef void (*kv_task_fn)(void *ctx, int64_t task, int worker);
+void kv_pool_run(kv_task_fn fn, void *ctx, int64_t n_tasks, int n_threads);
+
+/* rows visible to query position pos: [lo, hi] */
+KV_INLINE void kv_visible(const kv_call *c, int n_kv, int pos, int *lo, int *hi) {
+    *hi = c->causal ? pos : n_kv - 1;
+    *lo = c->window > 0 ? pos - c->window + 1 : 0;
+    if (*lo < 0) *lo = 0;
+}
+
+/* pointer to the stored row of KV position j of sequence s, head h */
+KV_INLINE const uint8_t *kv_row(const kv_call *c, const uint8_t *pool, int64_t row_bytes, int s, int h, int j) {
+    int32_t blk = c->block_table[(int64_t)s * c->max_blocks + j / c->block_size];
+    int64_t r = ((int64_t)blk * c->n_kv_heads + h) * c->block_size + j % c->block_size;
+    return pool + r * row_bytes;
+}
+
+#endif
