@@ -8,7 +8,7 @@ and the bytes are the reference backend's.
 Options (``backend_options`` of ``KVCache``, or ``CpuBackend(...)``):
   threads   worker threads; default ``KVHAL_CPU_THREADS`` or ``os.cpu_count()``
   isa       "scalar", "avx2", "avx512" or "neon"; default ``KVHAL_CPU_ISA`` or the best this CPU has
-  kv_split  KV tokens per split-KV slice (0: never split); default 2048. Slices depend only on the
+  kv_split  KV tokens per split-KV slice (0: never split); default 1024. Slices depend only on the
             shapes, never on the thread count, so results do not change with ``threads``.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import mmap
 import os
 import platform
 from pathlib import Path
@@ -32,7 +33,7 @@ __all__ = ["CpuBackend", "ISAS", "available_isas", "best_isa"]
 
 ISAS = ("scalar", "avx2", "avx512", "neon")  # enum order of csrc/kvcpu.h
 _FMT_IDS = {name: i for i, name in enumerate(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"))}
-DEFAULT_KV_SPLIT = 2048
+DEFAULT_KV_SPLIT = 1024
 _ERRORS = {-1: "the requested ISA is not supported by this CPU", -2: "out of memory", -3: "invalid arguments"}
 
 _lib: ctypes.CDLL | None = None
@@ -140,6 +141,28 @@ def _threads(threads: int | None) -> int:
     return n
 
 
+_HUGE = 2 << 20
+
+
+def _zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A zeroed uint8 pool; large ones on transparent huge pages where the kernel allows it.
+
+    Attention walks a head's pages in block_size-row chunks spread over the whole pool, a new 4 KiB
+    page every chunk; 2 MiB pages keep those walks in the TLB.
+    """
+    n = int(np.prod(shape))
+    if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.zeros(shape, np.uint8)
+    buf = mmap.mmap(-1, n + _HUGE)  # anonymous, zero-filled; extra room to start on a 2 MiB boundary
+    base = np.frombuffer(buf, np.uint8)
+    start = (-base.ctypes.data) % _HUGE
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, n - n % mmap.PAGESIZE or n)
+    except OSError:
+        pass  # THP off: 4 KiB pages still work
+    return base[start : start + n].reshape(shape)
+
+
 def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
 
@@ -188,8 +211,8 @@ class CpuBackend(Backend):
         self._kf, self._vf = _FMT_IDS[spec.k_format], _FMT_IDS[spec.v_format]
         pools = []
         for _ in range(spec.n_layers):
-            k = np.zeros(spec.pool_shape(n_blocks, "k"), np.uint8)
-            v = np.zeros(spec.pool_shape(n_blocks, "v"), np.uint8)
+            k = _zeros(spec.pool_shape(n_blocks, "k"))
+            v = _zeros(spec.pool_shape(n_blocks, "v"))
             pools.append(LayerPools(k, v, k.nbytes + v.nbytes))
         return pools
 

@@ -8,7 +8,8 @@
 
 #include "kvcpu.h"
 
-#define KV_ROWS_TARGET 16 /* query rows (positions x GQA heads) per item in prefill */
+#define KV_ROWS_TARGET 16 /* query rows (positions x GQA heads) per KV head and item in prefill */
+#define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
 
 enum { KV_OK = 0, KV_EUNSUPPORTED = -1, KV_ENOMEM = -2, KV_EARG = -3 };
 
@@ -169,8 +170,8 @@ KV_EXPORT int kvc_copy_slots(uint8_t *pool, int64_t row_bytes, const int64_t *sr
 /* ---- attention ---------------------------------------------------------------------------------- */
 
 typedef struct {
-    int first_part, n_parts; /* partials of one (sequence, head, chunk) */
-    int seq, head, pos0, npos;
+    int first_part, n_parts; /* partials of one (sequence, head group, chunk) */
+    int seq, head0, nheads, pos0, npos;
 } kv_group;
 
 typedef struct {
@@ -197,14 +198,15 @@ static void merge_task(void *p, int64_t task, int worker) {
     const kv_group *g = &a->groups[task];
     const int G = c->n_heads / c->n_kv_heads, D = c->head_dim, R = g->npos * G;
     const size_t RM = (size_t)a->rows_max;
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < R * g->nheads; r++) {
         float M = -INFINITY;
         for (int k = 0; k < g->n_parts; k++) {
             float m = a->part_m[(g->first_part + k) * RM + r];
             M = m > M ? m : M;
         }
         float L = 0.0f;
-        float *dst = c->out + ((c->q_start[g->seq] + g->pos0 + r / G) * c->n_heads + (int64_t)g->head * G + r % G) * D;
+        int hh = r / R, i = (r % R) / G;
+        float *dst = c->out + ((c->q_start[g->seq] + g->pos0 + i) * c->n_heads + (int64_t)(g->head0 + hh) * G + r % G) * D;
         memset(dst, 0, (size_t)D * sizeof(float));
         for (int k = 0; k < g->n_parts; k++) {
             size_t pk = (size_t)(g->first_part + k);
@@ -247,6 +249,7 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
     }
     /* positions per item: enough GQA rows to share each K/V byte read, and all of one decode step */
     int npc = KV_ROWS_TARGET / G > 0 ? KV_ROWS_TARGET / G : 1;
+    int n_hg = (n_kv_heads + KV_HEAD_GROUP - 1) / KV_HEAD_GROUP, hg = (n_kv_heads + n_hg - 1) / n_hg;
     int rows_max = 0;
     int64_t n_items = 0, n_parts = 0, n_groups = 0;
     for (int s = 0; s < n_seqs; s++) {
@@ -257,13 +260,13 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
             kv_visible(&c, n_kv, n_kv - n_q + p0, &lo, &hi);
             kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
             hi = hi2;
-            if (np * G > rows_max) rows_max = np * G;
+            if (np * G * hg > rows_max) rows_max = np * G * hg;
             int pieces = 1;
             if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
-            n_items += (int64_t)pieces * n_kv_heads;
+            n_items += (int64_t)pieces * n_hg;
             if (pieces > 1) {
-                n_parts += (int64_t)pieces * n_kv_heads;
-                n_groups += n_kv_heads;
+                n_parts += (int64_t)pieces * n_hg;
+                n_groups += n_hg;
             }
         }
     }
@@ -298,15 +301,16 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
                 hi = hi2;
                 int pieces = 1;
                 if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
-                for (int h = 0; h < n_kv_heads; h++) {
+                for (int h0 = 0; h0 < n_kv_heads; h0 += hg) {
+                    int nh = n_kv_heads - h0 < hg ? n_kv_heads - h0 : hg;
                     if (pieces == 1) {
-                        items[ni++] = (kv_item){s, h, p0, np, lo, hi, -1};
+                        items[ni++] = (kv_item){s, h0, nh, p0, np, lo, hi, -1};
                         continue;
                     }
-                    groups[ng++] = (kv_group){(int)npart, pieces, s, h, p0, np};
+                    groups[ng++] = (kv_group){(int)npart, pieces, s, h0, nh, p0, np};
                     for (int k = 0; k < pieces; k++) {
                         int a = (lo / split + k) * split, b = a + split - 1;
-                        items[ni++] = (kv_item){s, h, p0, np, a > lo ? a : lo, b < hi ? b : hi, (int)npart++};
+                        items[ni++] = (kv_item){s, h0, nh, p0, np, a > lo ? a : lo, b < hi ? b : hi, (int)npart++};
                     }
                 }
             }

@@ -32,6 +32,8 @@ typedef struct {
     float *wc;                /* [R][nb] weight scales */
     int32_t *wsum;            /* [R][nb] sum of quantized weights */
     uint8_t *u8;              /* [KV_T][D] unpacked values (q4_1, q5_0, q5_1) */
+    __m256i *kt;              /* [nb][8] K of 8 tokens, transposed: lane = token, vector = 4-byte group */
+    __m512i *vx;              /* [KV_T/2][2] V of one block, token pairs interleaved as int16 */
 } int_ws;
 
 static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
@@ -56,6 +58,8 @@ static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     TAKE(wc, float, r * nb);
     TAKE(wsum, int32_t, r * nb);
     TAKE(u8, uint8_t, (size_t)KV_T * c->head_dim);
+    TAKE(kt, __m256i, nb * 8);
+    TAKE(vx, __m512i, KV_T);
 #undef TAKE
     return off;
 }
@@ -165,130 +169,138 @@ static inline __m256i int_pair128(const uint8_t *lo, const uint8_t *hi) {
                                    _mm_loadu_si128((const __m128i *)(const void *)hi), 1);
 }
 
-static void int_k_tile(const kv_call *c, kv_scratch *ws, int R, const uint8_t *const *rows) {
+/* K of tokens [8g, 8g+8) of the tile, every block, transposed into L.kt (unsigned values) */
+static void int_k_transpose(int fmt, const uint8_t *const *rg, const uint8_t *u8, int D, __m256i *kt) {
+    const int nb = D / KV_QK;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0f);
+    for (int b = 0; b < nb; b++, kt += 8) {
+        if (fmt == KV_Q4_0) {
+            __m256i n[4];
+            const int o = 18 * b + 2;
+            int_transpose4(int_pair128(rg[0] + o, rg[4] + o), int_pair128(rg[1] + o, rg[5] + o),
+                           int_pair128(rg[2] + o, rg[6] + o), int_pair128(rg[3] + o, rg[7] + o), n);
+            for (int j = 0; j < 4; j++) {
+                kt[j] = _mm256_and_si256(n[j], m4);
+                kt[4 + j] = _mm256_and_si256(_mm256_srli_epi16(n[j], 4), m4);
+            }
+            continue;
+        }
+        const uint8_t *p[8];
+        for (int t = 0; t < 8; t++) p[t] = fmt == KV_Q8_0 ? rg[t] + 34 * b + 2 : u8 + (size_t)t * D + 32 * b;
+        __m256i x[8];
+        int_transpose4(int_pair128(p[0], p[4]), int_pair128(p[1], p[5]), int_pair128(p[2], p[6]), int_pair128(p[3], p[7]), x);
+        int_transpose4(int_pair128(p[0] + 16, p[4] + 16), int_pair128(p[1] + 16, p[5] + 16),
+                       int_pair128(p[2] + 16, p[6] + 16), int_pair128(p[3] + 16, p[7] + 16), x + 4);
+        for (int j = 0; j < 8; j++) kt[j] = fmt == KV_Q8_0 ? _mm256_xor_si256(x[j], flip) : x[j];
+    }
+}
+
+static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, const uint8_t *const *rows) {
     const int D = c->head_dim, nb = D / KV_QK, fmt = c->kfmt, bb = kv_block_bytes[fmt];
-    int_ws L = int_get(c, ws, R);
+    int_ws L = int_get(c, ws, RT);
     const int has_min = int_has_min(fmt);
     int_scales(rows, nb, bb, 0, L.h16, L.kd);
     if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.kd, L.km);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
-    memset(ws->s, 0, (size_t)R * KV_T * sizeof(float));
-    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0f);
     for (int g = 0; g < KV_T / 8; g++) {
-        const uint8_t *const *rg = rows + 8 * g;
-        for (int b = 0; b < nb; b++) {
-            __m256i kt[8];
-            if (fmt == KV_Q4_0) {
-                __m256i n[4];
-                const int o = 18 * b + 2;
-                int_transpose4(int_pair128(rg[0] + o, rg[4] + o), int_pair128(rg[1] + o, rg[5] + o),
-                               int_pair128(rg[2] + o, rg[6] + o), int_pair128(rg[3] + o, rg[7] + o), n);
-                for (int j = 0; j < 4; j++) {
-                    kt[j] = _mm256_and_si256(n[j], m4);
-                    kt[4 + j] = _mm256_and_si256(_mm256_srli_epi16(n[j], 4), m4);
-                }
-            } else {
-                const uint8_t *p[8];
-                if (fmt == KV_Q8_0)
-                    for (int t = 0; t < 8; t++) p[t] = rg[t] + 34 * b + 2;
-                else
-                    for (int t = 0; t < 8; t++) p[t] = L.u8 + (size_t)(8 * g + t) * D + 32 * b;
-                int_transpose4(int_pair128(p[0], p[4]), int_pair128(p[1], p[5]), int_pair128(p[2], p[6]),
-                               int_pair128(p[3], p[7]), kt);
-                int_transpose4(int_pair128(p[0] + 16, p[4] + 16), int_pair128(p[1] + 16, p[5] + 16),
-                               int_pair128(p[2] + 16, p[6] + 16), int_pair128(p[3] + 16, p[7] + 16), kt + 4);
-                if (fmt == KV_Q8_0)
-                    for (int j = 0; j < 8; j++) kt[j] = _mm256_xor_si256(kt[j], flip);
-            }
-            const __m256 dk = _mm256_loadu_ps(L.kd + b * KV_T + 8 * g);
-            const __m256 mk = has_min ? _mm256_loadu_ps(L.km + b * KV_T + 8 * g) : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
+        int_k_transpose(fmt, rows + 8 * g, L.u8 + (size_t)8 * g * D, D, L.kt);
+        for (int r = r0; r < r0 + R; r++) {
+            /* blocks accumulate in registers: 2*nb independent VNNI chains per row */
+            __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
                 const int32_t *qh = L.qh + ((size_t)r * nb + b) * 8, *ql = L.ql + ((size_t)r * nb + b) * 8;
-                __m256i ah = _mm256_setzero_si256(), al = _mm256_set1_epi32(L.qoff[r * nb + b]);
-                for (int j = 0; j < 8; j++) {
-                    ah = _mm256_dpbusd_epi32(ah, kt[j], _mm256_set1_epi32(qh[j]));
-                    al = _mm256_dpbusd_epi32(al, kt[j], _mm256_set1_epi32(ql[j]));
+                const __m256i *kt = L.kt + 8 * b;
+                /* four short chains instead of two long ones: VNNI latency is 4-5 cycles */
+                __m256i ah0 = _mm256_setzero_si256(), ah1 = ah0, al1 = ah0;
+                __m256i al0 = _mm256_set1_epi32(L.qoff[r * nb + b]);
+                for (int j = 0; j < 8; j += 2) {
+                    __m256i k0 = _mm256_load_si256(kt + j), k1 = _mm256_load_si256(kt + j + 1);
+                    ah0 = _mm256_dpbusd_epi32(ah0, k0, _mm256_set1_epi32(qh[j]));
+                    al0 = _mm256_dpbusd_epi32(al0, k0, _mm256_set1_epi32(ql[j]));
+                    ah1 = _mm256_dpbusd_epi32(ah1, k1, _mm256_set1_epi32(qh[j + 1]));
+                    al1 = _mm256_dpbusd_epi32(al1, k1, _mm256_set1_epi32(ql[j + 1]));
                 }
+                __m256i ah = _mm256_add_epi32(ah0, ah1), al = _mm256_add_epi32(al0, al1);
                 __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ah, 8), al));
-                float *s = ws->s + r * KV_T + 8 * g;
-                __m256 acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dk, _mm256_set1_ps(L.dq[r])), _mm256_loadu_ps(s));
-                if (has_min) acc = _mm256_fmadd_ps(mk, _mm256_set1_ps(L.qsum[r * nb + b]), acc);
-                _mm256_storeu_ps(s, acc);
+                acc = _mm256_fmadd_ps(dot, _mm256_loadu_ps(L.kd + b * KV_T + 8 * g), acc);
+                if (has_min)
+                    macc = _mm256_fmadd_ps(_mm256_loadu_ps(L.km + b * KV_T + 8 * g), _mm256_set1_ps(L.qsum[r * nb + b]), macc);
             }
+            _mm256_storeu_ps(ws->s + (r - r0) * KV_T + 8 * g, _mm256_fmadd_ps(acc, _mm256_set1_ps(L.dq[r]), macc));
         }
     }
 }
-#define INT_K_TILE(c, ws, R, rows) int_k_tile(c, ws, R, rows)
+#define INT_K_TILE(c, ws, RT, r0, R, rows) int_k_tile(c, ws, RT, r0, R, rows)
 
-/* P.V for rows [r0, r0+NR) of one block; NR is a compile-time constant at every call so the
- * accumulators live in registers */
-KV_INLINE void int_v_block(const kv_call *c, kv_scratch *ws, const int_ws *L, int r0, const int NR, int b,
-                           const uint8_t *const *rows) {
-    const int D = c->head_dim, nb = D / KV_QK, fmt = c->vfmt;
-    __m512i acc[8][2];
-    for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    const __m512i m4 = _mm512_set1_epi16(0x0f);
-    for (int u = 0; u < KV_T / 2; u++) {
-        __m512i x0, x1;
-        if (fmt == KV_Q4_0) {
-            const int o = 18 * b + 2;
+/* V of block b for the tile's 16 token pairs: lane i of vx[2u+h] = (v[2u][i'], v[2u+1][i']) as int16 */
+static void int_v_interleave(int fmt, const uint8_t *const *rows, const uint8_t *u8, int D, int b, __m512i *vx) {
+    if (fmt == KV_Q4_0) {
+        const __m512i m4 = _mm512_set1_epi16(0x0f);
+        const int o = 18 * b + 2;
+        for (int u = 0; u < KV_T / 2; u++) {
             __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u] + o));
             __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u + 1] + o));
             __m512i z = _mm512_cvtepu8_epi16(
                 _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, e)), _mm_unpackhi_epi8(a, e), 1));
-            x0 = _mm512_and_si512(z, m4);
-            x1 = _mm512_srli_epi16(z, 4);
-        } else {
-            const uint8_t *pa, *pb;
-            if (fmt == KV_Q8_0) {
-                pa = rows[2 * u] + 34 * b + 2;
-                pb = rows[2 * u + 1] + 34 * b + 2;
-            } else {
-                pa = L->u8 + (size_t)(2 * u) * D + 32 * b;
-                pb = pa + D;
-            }
-            __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)pa);
-            __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)pb);
-            __m256i lo = _mm256_unpacklo_epi8(a, e), hi = _mm256_unpackhi_epi8(a, e);
-            if (fmt == KV_Q8_0) {
-                x0 = _mm512_cvtepi8_epi16(lo);
-                x1 = _mm512_cvtepi8_epi16(hi);
-            } else {
-                x0 = _mm512_cvtepu8_epi16(lo);
-                x1 = _mm512_cvtepu8_epi16(hi);
-            }
+            vx[2 * u] = _mm512_and_si512(z, m4);
+            vx[2 * u + 1] = _mm512_srli_epi16(z, 4);
         }
-        for (int r = 0; r < NR; r++) {
-            const int32_t *w = (const int32_t *)(const void *)(L->w + ((size_t)(r0 + r) * nb + b) * KV_T);
-            __m512i wv = _mm512_set1_epi32(w[u]);
-            acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], x0, wv);
-            acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], x1, wv);
-        }
+        return;
     }
-    const int voff = fmt == KV_Q8_0 ? 0 : int_koff(fmt); /* q8_0 V is used signed */
-    for (int r = 0; r < NR; r++) {
-        const int rb = (r0 + r) * nb + b;
-        if (L->wc[rb] == 0.0f) continue;
-        __m512i off = _mm512_set1_epi32(voff * L->wsum[rb]);
-        __m512 cw = _mm512_set1_ps(L->wc[rb]);
-        float *o = ws->o + (size_t)(r0 + r) * D + 32 * b;
-        __m512 o0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], off)), cw, _mm512_loadu_ps(o));
-        __m512 o1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], off)), cw, _mm512_loadu_ps(o + 16));
-        _mm512_storeu_ps(o, o0);
-        _mm512_storeu_ps(o + 16, o1);
+    for (int u = 0; u < KV_T / 2; u++) {
+        const uint8_t *pa, *pb;
+        if (fmt == KV_Q8_0) {
+            pa = rows[2 * u] + 34 * b + 2;
+            pb = rows[2 * u + 1] + 34 * b + 2;
+        } else {
+            pa = u8 + (size_t)(2 * u) * D + 32 * b;
+            pb = pa + D;
+        }
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)pa);
+        __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)pb);
+        __m256i lo = _mm256_unpacklo_epi8(a, e), hi = _mm256_unpackhi_epi8(a, e);
+        if (fmt == KV_Q8_0) {
+            vx[2 * u] = _mm512_cvtepi8_epi16(lo);
+            vx[2 * u + 1] = _mm512_cvtepi8_epi16(hi);
+        } else {
+            vx[2 * u] = _mm512_cvtepu8_epi16(lo);
+            vx[2 * u + 1] = _mm512_cvtepu8_epi16(hi);
+        }
     }
 }
 
-static void int_v_tile(const kv_call *c, kv_scratch *ws, int R, const uint8_t *const *rows) {
+/* acc[2r..2r+1] += sum over token pairs u of vx[u] * w_r[u] for NR rows; w_r: int16 pairs, stride ws */
+KV_INLINE void int_v_dot(const __m512i *vx, const int32_t *w, size_t stride, const int NR, __m512i *out) {
+    __m512i acc[8];
+    for (int i = 0; i < 2 * NR; i++) acc[i] = _mm512_setzero_si512();
+    for (int u = 0; u < KV_T / 2; u++) {
+        const __m512i x0 = _mm512_load_si512(vx + 2 * u), x1 = _mm512_load_si512(vx + 2 * u + 1);
+        for (int r = 0; r < NR; r++) {
+            const __m512i wv = _mm512_set1_epi32(w[r * stride + u]);
+            acc[2 * r] = _mm512_dpwssd_epi32(acc[2 * r], x0, wv);
+            acc[2 * r + 1] = _mm512_dpwssd_epi32(acc[2 * r + 1], x1, wv);
+        }
+    }
+    for (int i = 0; i < 2 * NR; i++) out[i] = acc[i];
+}
+
+static __attribute__((noinline)) void int_v_dot4(const __m512i *vx, const int32_t *w, size_t stride, __m512i *out) {
+    int_v_dot(vx, w, stride, 4, out);
+}
+static __attribute__((noinline)) void int_v_dot1(const __m512i *vx, const int32_t *w, size_t stride, __m512i *out) {
+    int_v_dot(vx, w, stride, 1, out);
+}
+
+static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, const uint8_t *const *rows) {
     const int D = c->head_dim, nb = D / KV_QK, fmt = c->vfmt, bb = kv_block_bytes[fmt];
-    int_ws L = int_get(c, ws, R);
+    int_ws L = int_get(c, ws, RT);
     const int has_min = int_has_min(fmt);
     int_scales(rows, nb, bb, 0, L.h16, L.vd);
     if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.vd, L.vm);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int r = 0; r < R; r++) {
-        const float *p = ws->s + r * KV_T;
+    for (int r = r0; r < r0 + R; r++) {
+        const float *p = ws->s + (r - r0) * KV_T;
         __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
         for (int b = 0; b < nb; b++) {
             const int rb = r * nb + b;
@@ -312,22 +324,33 @@ static void int_v_tile(const kv_call *c, kv_scratch *ws, int R, const uint8_t *c
             }
         }
     }
+    const int voff = fmt == KV_Q8_0 ? 0 : int_koff(fmt); /* q8_0 V is used signed */
+    const size_t stride = (size_t)nb * KV_T / 2; /* int32 pairs between rows of L.w */
     for (int b = 0; b < nb; b++) {
-        int r0 = 0;
-        for (; r0 + 8 <= R; r0 += 8) int_v_block(c, ws, &L, r0, 8, b, rows);
-        switch (R - r0) {
-        case 7: int_v_block(c, ws, &L, r0, 7, b, rows); break;
-        case 6: int_v_block(c, ws, &L, r0, 6, b, rows); break;
-        case 5: int_v_block(c, ws, &L, r0, 5, b, rows); break;
-        case 4: int_v_block(c, ws, &L, r0, 4, b, rows); break;
-        case 3: int_v_block(c, ws, &L, r0, 3, b, rows); break;
-        case 2: int_v_block(c, ws, &L, r0, 2, b, rows); break;
-        case 1: int_v_block(c, ws, &L, r0, 1, b, rows); break;
-        default: break;
+        int_v_interleave(fmt, rows, L.u8, D, b, L.vx);
+        for (int r = r0; r < r0 + R;) {
+            __m512i acc[8];
+            const int32_t *w = (const int32_t *)(const void *)(L.w + ((size_t)r * nb + b) * KV_T);
+            int nr = r0 + R - r >= 4 ? 4 : 1;
+            if (nr == 4)
+                int_v_dot4(L.vx, w, stride, acc);
+            else
+                int_v_dot1(L.vx, w, stride, acc);
+            for (int i = 0; i < nr; i++, r++) {
+                const int rb = r * nb + b;
+                if (L.wc[rb] == 0.0f) continue;
+                __m512i off = _mm512_set1_epi32(voff * L.wsum[rb]);
+                __m512 cw = _mm512_set1_ps(L.wc[rb]);
+                float *o = ws->o + (size_t)r * D + 32 * b;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * i], off)), cw,
+                                                    _mm512_loadu_ps(o)));
+                _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * i + 1], off)), cw,
+                                                         _mm512_loadu_ps(o + 16)));
+            }
         }
     }
 }
-#define INT_V_TILE(c, ws, R, rows) int_v_tile(c, ws, R, rows)
+#define INT_V_TILE(c, ws, RT, r0, R, rows) int_v_tile(c, ws, RT, r0, R, rows)
 
 /* q8_0 and the unpacked formats interleave bytes within 128-bit lanes: accumulator lane order per
  * block is dims 0-7, 16-23, 8-15, 24-31; q4_0 keeps natural order */

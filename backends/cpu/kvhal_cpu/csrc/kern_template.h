@@ -258,20 +258,21 @@ KV_INLINE float FN(dot)(const float *a, const float *b, int n) {
 }
 
 /* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e) */
-static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int R, const uint8_t *const *rows, float *tb) {
+static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < KV_T; t++) ws->s[r * KV_T + t] = FN(dot)(ws->qf + (size_t)r * D, tb + (size_t)t * D, D);
+        for (int t = 0; t < KV_T; t++)
+            ws->s[r * KV_T + t] = FN(dot)(ws->qf + (size_t)(r0 + r) * D, tb + (size_t)t * D, D);
 }
 
 /* O[r] += sum_t P[r][t] v_t */
-static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int R, const uint8_t *const *rows, float *tb) {
+static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->vfmt, rows[t], tb + (size_t)t * D, D);
     for (int r = 0; r < R; r++) {
         const float *p = ws->s + r * KV_T;
-        float *o = ws->o + (size_t)r * D;
+        float *o = ws->o + (size_t)(r0 + r) * D;
         int i = 0;
         for (; i + 4 * VL <= D; i += 4 * VL) {
             VF a0 = vload(o + i), a1 = vload(o + i + VL), a2 = vload(o + i + 2 * VL), a3 = vload(o + i + 3 * VL);
@@ -349,77 +350,97 @@ static size_t FN(extra_bytes)(const kv_call *c, int rows) {
     return FN(int_bytes)(c, rows) + (size_t)KV_T * c->head_dim * sizeof(float);
 }
 
+/* One item: query positions [pos0, pos0+npos) of a sequence for KV heads [head0, head0+nheads), over
+ * KV positions [lo, hi]. Heads are the inner loop of each tile, so a tile's pages are read front to
+ * back (a page holds every head's rows contiguously) and the hardware prefetchers can follow.
+ * Rows: r = head_in_group * R + position * G + gqa_head, R = npos * G rows per KV head. */
 static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
-    const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, R = it->npos * G;
-    const int s = it->seq, h = it->head;
+    const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, R = it->npos * G, RT = R * it->nheads;
+    const int s = it->seq;
     const int n_kv = c->seq_lens[s], n_q = c->q_lens[s];
     const int int_k = INT_PATH_K(c->kfmt), int_v = INT_PATH_V(c->vfmt);
 
-    for (int i = 0; i < it->npos; i++) {
-        const float *src = c->q + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)h * G) * D;
-        float *dst = ws->qf + (size_t)i * G * D;
-        VF sc = vset1(c->scale2);
-        int j = 0;
-        for (; j + VL <= G * D; j += VL) vstore(dst + j, vmul(vload(src + j), sc));
-        for (; j < G * D; j++) dst[j] = src[j] * c->scale2;
-    }
-    for (int r = 0; r < R; r++) {
+    for (int hh = 0; hh < it->nheads; hh++)
+        for (int i = 0; i < it->npos; i++) {
+            const float *src =
+                c->q + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)(it->head0 + hh) * G) * D;
+            float *dst = ws->qf + (size_t)(hh * R + i * G) * D;
+            VF sc = vset1(c->scale2);
+            int j = 0;
+            for (; j + VL <= G * D; j += VL) vstore(dst + j, vmul(vload(src + j), sc));
+            for (; j < G * D; j++) dst[j] = src[j] * c->scale2;
+        }
+    for (int r = 0; r < RT; r++) {
         ws->m[r] = -INFINITY;
         ws->l[r] = 0.0f;
     }
-    memset(ws->o, 0, (size_t)R * D * sizeof(float));
+    memset(ws->o, 0, (size_t)RT * D * sizeof(float));
 #ifdef INT_PREP_Q
-    if (int_k) INT_PREP_Q(c, ws, R);
+    if (int_k) INT_PREP_Q(c, ws, RT);
 #endif
 
-    float *tb = (float *)(void *)((uint8_t *)ws->extra + FN(int_bytes)(c, R));
+    float *tb = (float *)(void *)((uint8_t *)ws->extra + FN(int_bytes)(c, RT));
     const uint8_t *krows[KV_T], *vrows[KV_T];
     for (int t0 = it->lo; t0 <= it->hi; t0 += KV_T) {
         int nt = it->hi - t0 + 1 < KV_T ? it->hi - t0 + 1 : KV_T;
-        for (int t = 0; t < KV_T; t++) {
-            int j = t0 + (t < nt ? t : 0); /* padding repeats a real row; its score is masked */
-            krows[t] = kv_row(c, c->kpool, c->krow, s, h, j);
-            vrows[t] = kv_row(c, c->vpool, c->vrow, s, h, j);
-        }
+        for (int hh = 0; hh < it->nheads; hh++) {
+            const int h = it->head0 + hh, r0 = hh * R;
+            /* rows by page: one block-table lookup per page, not a division per row */
+            for (int t = 0; t < nt;) {
+                int j = t0 + t, run = c->block_size - j % c->block_size;
+                if (run > nt - t) run = nt - t;
+                const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j), *vp = kv_row(c, c->vpool, c->vrow, s, h, j);
+                for (int u = 0; u < run; u++, t++) {
+                    krows[t] = kp + (int64_t)u * c->krow;
+                    vrows[t] = vp + (int64_t)u * c->vrow;
+                }
+            }
+            for (int t = nt; t < KV_T; t++) { /* padding repeats a real row; its score is masked */
+                krows[t] = krows[0];
+                vrows[t] = vrows[0];
+            }
+#ifdef KV_EXPERIMENT_NO_K
+            if (0)
+#endif
 #ifdef INT_K_TILE
-        if (int_k)
-            INT_K_TILE(c, ws, R, krows);
-        else
+            if (int_k)
+                INT_K_TILE(c, ws, RT, r0, R, krows);
+            else
 #endif
-            FN(k_tile_f32)(c, ws, R, krows, tb);
-        for (int i = 0; i < it->npos; i++) {
-            int lo, hi;
-            kv_visible(c, n_kv, n_kv - n_q + it->pos0 + i, &lo, &hi);
-            int a = lo - t0, b = hi - t0; /* visible tile columns [a, b] */
-            if (b > nt - 1) b = nt - 1;
-            if (a <= 0 && b >= KV_T - 1) {
-                for (int g = 0; g < G; g++)
-                    FN(softmax_row)(ws->s + (i * G + g) * KV_T, ws->m + i * G + g, ws->l + i * G + g,
-                                    ws->o + (size_t)(i * G + g) * D, D);
-                continue;
+                FN(k_tile_f32)(c, ws, r0, R, krows, tb);
+            for (int i = 0; i < it->npos; i++) {
+                int lo, hi;
+                kv_visible(c, n_kv, n_kv - n_q + it->pos0 + i, &lo, &hi);
+                int a = lo - t0, b = hi - t0; /* visible tile columns [a, b] */
+                if (b > nt - 1) b = nt - 1;
+                for (int g = 0; g < G; g++) {
+                    const int r = r0 + i * G + g;
+                    float *srow = ws->s + (i * G + g) * KV_T;
+                    if (a > 0 || b < KV_T - 1)
+                        for (int t = 0; t < KV_T; t++)
+                            if (t < a || t > b) srow[t] = -INFINITY;
+                    FN(softmax_row)(srow, ws->m + r, ws->l + r, ws->o + (size_t)r * D, D);
+                }
             }
-            for (int g = 0; g < G; g++) {
-                float *srow = ws->s + (i * G + g) * KV_T;
-                for (int t = 0; t < KV_T; t++)
-                    if (t < a || t > b) srow[t] = -INFINITY;
-                FN(softmax_row)(srow, ws->m + i * G + g, ws->l + i * G + g, ws->o + (size_t)(i * G + g) * D, D);
-            }
-        }
+#ifdef KV_EXPERIMENT_NO_V
+            if (0)
+#endif
 #ifdef INT_V_TILE
-        if (int_v)
-            INT_V_TILE(c, ws, R, vrows);
-        else
+            if (int_v)
+                INT_V_TILE(c, ws, RT, r0, R, vrows);
+            else
 #endif
-            FN(v_tile_f32)(c, ws, R, vrows, tb);
+                FN(v_tile_f32)(c, ws, r0, R, vrows, tb);
+        }
     }
 
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < RT; r++) {
         const float *o = ws->o + (size_t)r * D;
         float *dst;
         float inv;
         if (it->part < 0) {
-            int i = r / G, g = r % G;
-            dst = c->out + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)h * G + g) * D;
+            int hh = r / R, i = (r % R) / G, g = r % G;
+            dst = c->out + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)(it->head0 + hh) * G + g) * D;
             inv = 1.0f / ws->l[r];
         } else {
             dst = po + (size_t)r * D;

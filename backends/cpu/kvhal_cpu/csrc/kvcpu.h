@@ -47,10 +47,11 @@ typedef struct {
     const int64_t *q_start; /* first q row of each sequence */
 } kv_call;
 
-/* One unit of work: query positions [pos0, pos0+npos) of one sequence and one KV head, against KV
- * positions [lo, hi] (inclusive). part >= 0: a slice of a split KV range, written to the partials. */
+/* One unit of work: query positions [pos0, pos0+npos) of one sequence and KV heads
+ * [head0, head0+nheads), against KV positions [lo, hi] (inclusive). part >= 0: a slice of a split KV
+ * range, written to the partials. */
 typedef struct {
-    int seq, head, pos0, npos, lo, hi;
+    int seq, head0, nheads, pos0, npos, lo, hi;
     int part; /* -1: final output */
 } kv_item;
 

@@ -1,0 +1,208 @@
+"""cpu backend: every ISA level this machine runs, against the reference bytes and the float64 oracle.
+
+The contract suite runs the default ISA; these tests force each level (``isa=`` option, the same
+switch as ``KVHAL_CPU_ISA``), vary threads and KV splits, and cover the dispatch/env plumbing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal import formats
+from tests.oracle import attention_f64
+
+kvhal_cpu = pytest.importorskip("kvhal_cpu")
+CpuBackend = kvhal_cpu.CpuBackend
+ISAS = kvhal_cpu.available_isas()
+FORMATS = formats.names()
+F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and use FMA
+
+
+def awkward(rng: np.random.Generator, n: int, heads: int, dim: int) -> np.ndarray:
+    """Random rows plus blocks that hit the quantizers' edge cases."""
+    x = rng.standard_normal((n, heads, dim), dtype=np.float32)
+    x[:, :, 3] *= 8
+    flat = x.reshape(-1, 32)
+    flat[0] = 0.0  # d = 0
+    flat[1] = np.float32(1e-41) * np.arange(32)  # subnormal d: 1/d overflows, ggml gives id = 0
+    flat[2] = np.linspace(-127, 127, 32).round() + 0.5  # q8_0 ties once d = 1
+    flat[2, 0] = 127.0
+    flat[3] = np.arange(32) - 8.0  # q4_0 d = -8/-8 = 1: exact x*id + 8.5 ties
+    flat[4] = np.float32(60000.0) * np.linspace(-1, 1, 32)  # near the fp16 limit
+    flat[5] = 1.0  # min == max
+    return x
+
+
+def cache(fmt: str, backend: kvhal.Backend | str, heads: int = 2, dim: int = 64, bs: int = 16, cap: int = 256,
+          vfmt: str | None = None) -> kvhal.KVCache:
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=vfmt or fmt,
+                           block_size=bs)
+    return kvhal.KVCache(spec, cap, backend=backend)
+
+
+def pools(c: kvhal.KVCache) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(c.pools[0].k).view(np.uint8), np.asarray(c.pools[0].v).view(np.uint8)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_store_load_bytes_identical_per_isa(isa, fmt):
+    rng = np.random.default_rng(7)
+    k, v = awkward(rng, 41, 2, 64), awkward(rng, 41, 2, 64)[::-1].copy()
+    ours, ref = cache(fmt, CpuBackend(isa=isa)), cache(fmt, "reference")
+    for c in (ours, ref):
+        s = c.new_seq()
+        c.store(s, 0, k[:1], v[:1])
+        c.store(s, 0, k[1:], v[1:])
+    for got, want in zip(pools(ours), pools(ref)):
+        np.testing.assert_array_equal(got, want)
+    f = formats.get(fmt)
+    k2, v2 = ours.load(0, 0)
+    np.testing.assert_array_equal(k2, f.dequantize(f.quantize(k)))
+    np.testing.assert_array_equal(v2, f.dequantize(f.quantize(v)))
+
+
+def make_kv(rng: np.random.Generator, fmt: str, lens: list[int], heads: int, dim: int, c: kvhal.KVCache,
+            vfmt: str | None = None):
+    fk, fv = formats.get(fmt), formats.get(vfmt or fmt)
+    seqs, ks, vs = [], [], []
+    for n in lens:
+        k = rng.standard_normal((n, heads, dim), dtype=np.float32)
+        v = rng.standard_normal((n, heads, dim), dtype=np.float32)
+        k[:, :, 3] *= 8
+        s = c.new_seq()
+        c.store(s, 0, k, v)
+        seqs.append(s)
+        ks.append(fk.dequantize(fk.quantize(k)))
+        vs.append(fv.dequantize(fv.quantize(v)))
+    return seqs, ks, vs
+
+
+# (n_heads, n_kv_heads, dim, seq lens, q lens, causal, window, block_size)
+SHAPES = {
+    "decode-gqa8-d128": (64, 8, 128, [300], [1], True, None, 16),
+    "prefill-chunks-window": (8, 2, 64, [150, 40], [70, 40], True, 33, 8),
+    "ragged-mqa-d256": (4, 1, 256, [5, 97, 1], [1, 2, 1], True, None, 32),
+    "non-causal-bs7": (6, 3, 96, [61], [9], False, None, 7),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_attention_per_isa(isa, fmt, shape):
+    n_heads, n_kv, dim, lens, q_lens, causal, window, bs = SHAPES[shape]
+    if dim % 32 and fmt.startswith("q"):
+        pytest.skip("quantized formats need head_dim % 32 == 0")
+    rng = np.random.default_rng(11)
+    be = CpuBackend(isa=isa, kv_split=64)  # small splits: the merge runs in every shape
+    c = cache(fmt, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + 64)
+    seqs, ks, vs = make_kv(rng, fmt, lens, n_kv, dim, c)
+    q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
+    out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
+    want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
+    tol = CpuBackend.attention_tolerance if (isa == "avx512" and fmt.startswith("q")) else F32_PATH_TOL
+    assert float(np.abs(out - want).max()) <= tol
+
+
+@pytest.mark.parametrize("kf,vf", [("q8_0", "f16"), ("bf16", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "q8_0")])
+def test_mixed_formats_all_isas(kf, vf):
+    rng = np.random.default_rng(3)
+    for isa in ISAS:
+        c = cache(kf, CpuBackend(isa=isa), heads=2, dim=64, cap=256, vfmt=vf)
+        seqs, ks, vs = make_kv(rng, kf, [90], 2, 64, c, vfmt=vf)
+        q = rng.standard_normal((3, 8, 64), dtype=np.float32)
+        err = np.abs(c.attention(0, q, seqs, [3]) - attention_f64(q, ks, vs, [3])).max()
+        assert err <= CpuBackend.attention_tolerance, isa
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f16"])
+def test_thread_count_does_not_change_results(fmt):
+    """Slices depend on shapes only, so any thread count gives the same bits."""
+    q = np.random.default_rng(5).standard_normal((3, 16, 128), dtype=np.float32)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        c = cache(fmt, CpuBackend(threads=threads, kv_split=128), heads=4, dim=128, cap=1200)
+        seqs, _, _ = make_kv(np.random.default_rng(9), fmt, [700, 300, 33], 4, 128, c)
+        outs.append(c.attention(0, q, seqs, [1, 1, 1]))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "bf16"])
+def test_split_kv_merge_matches_unsplit(isa, fmt):
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((5, 8, 64), dtype=np.float32)
+    res = {}
+    for split in (0, 32, 100, 1024):
+        c = cache(fmt, CpuBackend(isa=isa, kv_split=split), heads=2, dim=64, cap=2200)
+        seqs, ks, vs = make_kv(np.random.default_rng(2), fmt, [2000, 64], 2, 64, c)
+        res[split] = c.attention(0, q, seqs, [4, 1], window=1500)
+    want = attention_f64(q, ks, vs, [4, 1], window=1500)
+    tol = CpuBackend.attention_tolerance if (isa == "avx512" and fmt.startswith("q")) else F32_PATH_TOL
+    for split, out in res.items():
+        assert float(np.abs(out - want).max()) <= tol, split
+        assert float(np.abs(out - res[0]).max()) <= tol, split
+
+
+def test_probe_scores_above_reference_and_wins_auto():
+    infos = {i.name: i for i in kvhal.backends()}
+    assert infos["cpu"].available and infos["cpu"].score == 50 > infos["reference"].score
+    c = kvhal.KVCache(kvhal.CacheSpec(1, 2, 64, "q8_0", "q8_0"), 64)
+    assert c.backend.name == "cpu"
+
+
+def test_env_isa_and_threads(monkeypatch):
+    monkeypatch.setenv("KVHAL_CPU_THREADS", "3")
+    monkeypatch.setenv("KVHAL_CPU_ISA", "scalar")
+    be = CpuBackend()
+    assert be.threads == 3 and be.isa == "scalar"
+    monkeypatch.setenv("KVHAL_CPU_ISA", "sse9")
+    assert CpuBackend.probe() is None and "sse9" in CpuBackend.unavailable_reason()
+    with pytest.raises(kvhal.BackendUnavailableError, match="sse9"):
+        CpuBackend()
+    missing = [i for i in kvhal_cpu.ISAS if i not in ISAS]
+    if missing:
+        with pytest.raises(kvhal.BackendUnavailableError, match="runs only"):
+            CpuBackend(isa=missing[0])
+    monkeypatch.setenv("KVHAL_CPU_ISA", "auto")
+    monkeypatch.setenv("KVHAL_CPU_THREADS", "many")
+    with pytest.raises(kvhal.BackendUnavailableError, match="KVHAL_CPU_THREADS"):
+        CpuBackend()
+
+
+def test_best_isa_is_the_default():
+    assert CpuBackend().isa == kvhal_cpu.best_isa() == ISAS[-1]
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan, 70000.0])
+def test_fast_value_check_raises_the_canonical_error(bad):
+    c = cache("q8_0", CpuBackend())
+    k = np.ones((3, 2, 64), np.float32)
+    k[1, 1, 5] = bad
+    with pytest.raises(kvhal.NonFiniteError):
+        c.store(c.new_seq(), 0, k, np.ones_like(k))
+    c.store(c.new_seq(), 0, np.full((3, 2, 64), 65000.0, np.float32), np.ones_like(k))  # fits fp16
+
+
+def _child(q: mp.Queue) -> None:
+    c = cache("q4_0", CpuBackend(threads=2, kv_split=32), heads=2, dim=64, cap=256)
+    seqs, _, _ = make_kv(np.random.default_rng(1), "q4_0", [200], 2, 64, c)
+    q.put(float(np.abs(c.attention(0, np.ones((1, 4, 64), np.float32), seqs, [1])).sum()))
+
+
+def test_thread_pool_survives_fork():
+    c = cache("q4_0", CpuBackend(threads=2, kv_split=32), heads=2, dim=64, cap=256)
+    seqs, _, _ = make_kv(np.random.default_rng(1), "q4_0", [200], 2, 64, c)
+    parent = float(np.abs(c.attention(0, np.ones((1, 4, 64), np.float32), seqs, [1])).sum())  # pool running
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()
+    p = ctx.Process(target=_child, args=(out,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and out.get(timeout=5) == pytest.approx(parent, rel=1e-6)
