@@ -281,6 +281,8 @@ class CpuBackend(Backend):
         d = np.ascontiguousarray(dst, dtype=np.int64)
         for pool, rb in ((pools.k, spec.k_row_bytes), (pools.v, spec.v_row_bytes)):
             self._check(
-                self._lib.kvc_copy_slots(_ptr(pool), rb, _ptr(s), _ptr(d), s.shape[0], spec.n_kv_heads, spec.block_size),
+                self._lib.kvc_copy_slots(
+                    _ptr(pool), rb, _ptr(s), _ptr(d), s.shape[0], spec.n_kv_heads, spec.block_size
+                ),
                 "copy_slots",
             )

@@ -37,10 +37,18 @@ def awkward(rng: np.random.Generator, n: int, heads: int, dim: int) -> np.ndarra
     return x
 
 
-def cache(fmt: str, backend: kvhal.Backend | str, heads: int = 2, dim: int = 64, bs: int = 16, cap: int = 256,
-          vfmt: str | None = None) -> kvhal.KVCache:
-    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=vfmt or fmt,
-                           block_size=bs)
+def cache(
+    fmt: str,
+    backend: kvhal.Backend | str,
+    heads: int = 2,
+    dim: int = 64,
+    bs: int = 16,
+    cap: int = 256,
+    vfmt: str | None = None,
+) -> kvhal.KVCache:
+    spec = kvhal.CacheSpec(
+        n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=vfmt or fmt, block_size=bs
+    )
     return kvhal.KVCache(spec, cap, backend=backend)
 
 
@@ -58,7 +66,7 @@ def test_store_load_bytes_identical_per_isa(isa, fmt):
         s = c.new_seq()
         c.store(s, 0, k[:1], v[:1])
         c.store(s, 0, k[1:], v[1:])
-    for got, want in zip(pools(ours), pools(ref)):
+    for got, want in zip(pools(ours), pools(ref), strict=True):
         np.testing.assert_array_equal(got, want)
     f = formats.get(fmt)
     k2, v2 = ours.load(0, 0)
@@ -66,8 +74,9 @@ def test_store_load_bytes_identical_per_isa(isa, fmt):
     np.testing.assert_array_equal(v2, f.dequantize(f.quantize(v)))
 
 
-def make_kv(rng: np.random.Generator, fmt: str, lens: list[int], heads: int, dim: int, c: kvhal.KVCache,
-            vfmt: str | None = None):
+def make_kv(
+    rng: np.random.Generator, fmt: str, lens: list[int], heads: int, dim: int, c: kvhal.KVCache, vfmt: str | None = None
+):
     fk, fv = formats.get(fmt), formats.get(vfmt or fmt)
     seqs, ks, vs = [], [], []
     for n in lens:
