@@ -399,6 +399,11 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
                 krows[t] = krows[0];
                 vrows[t] = vrows[0];
             }
+            if (t0 + KV_T <= it->hi) { /* this head's rows of the next tile, a tile's work ahead */
+                int b = t0 + 2 * KV_T - 1 > it->hi ? it->hi : t0 + 2 * KV_T - 1;
+                kv_prefetch_rows(c, c->kpool, c->krow, s, h, t0 + KV_T, b);
+                kv_prefetch_rows(c, c->vpool, c->vrow, s, h, t0 + KV_T, b);
+            }
 #ifdef KV_EXPERIMENT_NO_K
             if (0)
 #endif
