@@ -114,7 +114,7 @@ def test_attention_per_isa(isa, fmt, shape):
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
     want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
-    tol = CpuBackend.attention_tolerance if (isa == "avx512" and fmt.startswith("q")) else F32_PATH_TOL
+    tol = c.backend.attention_tolerance
     assert float(np.abs(out - want).max()) <= tol
 
 
@@ -153,7 +153,7 @@ def test_split_kv_merge_matches_unsplit(isa, fmt):
         seqs, ks, vs = make_kv(np.random.default_rng(2), fmt, [2000, 64], 2, 64, c)
         res[split] = c.attention(0, q, seqs, [4, 1], window=1500)
     want = attention_f64(q, ks, vs, [4, 1], window=1500)
-    tol = CpuBackend.attention_tolerance if (isa == "avx512" and fmt.startswith("q")) else F32_PATH_TOL
+    tol = c.backend.attention_tolerance
     for split, out in res.items():
         assert float(np.abs(out - want).max()) <= tol, split
         assert float(np.abs(out - res[0]).max()) <= tol, split
@@ -215,3 +215,12 @@ def test_thread_pool_survives_fork():
     p.start()
     p.join(60)
     assert p.exitcode == 0 and out.get(timeout=5) == pytest.approx(parent, rel=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_instance_tolerance_names_the_path_taken(isa):
+    for kf, vf in (("q8_0", "q8_0"), ("f16", "bf16"), ("f16", "q4_0")):
+        c = cache(kf, CpuBackend(isa=isa), vfmt=vf)
+        quantized = kf.startswith("q") or vf.startswith("q")
+        want = CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
+        assert c.backend.attention_tolerance == want

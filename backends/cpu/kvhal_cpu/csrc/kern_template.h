@@ -43,15 +43,18 @@ static void FN(q8_0_block)(const float *x, uint8_t *y) {
     FN(put_f16)(y, d);
     int8_t *q = (int8_t *)(y + 2);
     for (int i = 0; i < KV_QK; i++) {
-        float v = x[i] * id;
-        int r = (int)floorf(fabsf(v) + 0.5f); /* numpy's _roundf: half away from zero */
+        /* C roundf, half away from zero, exactly: |v| - trunc|v| is exact, so no 0.49999997 + 0.5 = 1 */
+        float v = x[i] * id, a = fabsf(v);
+        int r = (int)a;
+        r += a - (float)r >= 0.5f;
         q[i] = (int8_t)(v < 0.0f ? -r : r);
     }
 }
 
-/* the signed value of largest magnitude, first occurrence on ties (np.argmax) */
+/* ggml's loop: the signed value of largest magnitude, first occurrence on ties, and +0.0 for a block
+ * of zeros (its max starts at 0.0f and moves only on a strictly larger |v|) */
 KV_INLINE float FN(signed_absmax)(const float *x) {
-    float amax = -1.0f, mx = 0.0f;
+    float amax = 0.0f, mx = 0.0f;
     for (int i = 0; i < KV_QK; i++) {
         float a = fabsf(x[i]);
         if (a > amax) {
@@ -62,6 +65,8 @@ KV_INLINE float FN(signed_absmax)(const float *x) {
     return mx;
 }
 
+/* ggml's `if (v < min) min = v; if (v > max) max = v`: first occurrence wins, which fixes the sign of a
+ * zero min/max */
 KV_INLINE void FN(minmax)(const float *x, float *lo, float *hi) {
     float mn = x[0], mx = x[0];
     for (int i = 1; i < KV_QK; i++) {
