@@ -7,6 +7,9 @@ switch as ``KVHAL_CPU_ISA``), vary threads and KV splits, and cover the dispatch
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +227,34 @@ def test_instance_tolerance_names_the_path_taken(isa):
         quantized = kf.startswith("q") or vf.startswith("q")
         want = CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
         assert c.backend.attention_tolerance == want
+
+
+NATIVE = Path(__file__).parent / "native" / "isa_check.c"
+CSRC = Path(kvhal_cpu.__file__).parent / "csrc"
+SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_neon.c"]
+
+
+def _build_and_run(cc: str, runner: list[str], tmp_path: Path) -> str:
+    exe = tmp_path / "isa_check"
+    flags = ["-O2", "-std=c11", "-ffp-contract=off", "-pthread"]
+    subprocess.run([cc, *flags, str(NATIVE), *(str(CSRC / s) for s in SOURCES), "-lm", "-o", str(exe)], check=True)
+    done = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_native_isa_check_on_this_cpu(tmp_path):
+    """The C sources on their own: every ISA this CPU runs against the scalar baseline."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    assert "0 failures" in _build_and_run(cc, [], tmp_path)
+
+
+def test_neon_kernels_under_qemu(tmp_path):
+    """The NEON translation unit, cross-compiled and run under qemu-aarch64 ([tool.kvhal] apt has both)."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        pytest.skip("needs gcc-aarch64-linux-gnu and qemu-user (Debian)")
+    out = _build_and_run(cc, [qemu, "-L", "/usr/aarch64-linux-gnu"], tmp_path)
+    assert "8 format x isa combinations checked, 0 failures" in out
