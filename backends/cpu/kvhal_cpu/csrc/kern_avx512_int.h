@@ -19,6 +19,12 @@
 
 #define QI_MAX 32512.0f /* 127*256: qh and ql then both fit int8 */
 
+/* acc += dot4(a, broadcast *m) in place. The intrinsics make GCC copy every accumulator around each
+ * VNNI op inside loops; the asm keeps the accumulator in its register and broadcasts from memory. */
+#define VNNI_BCAST(op, acc, a, m) __asm__(op " %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(m))
+#define DPBUSD_B(acc, a, m) VNNI_BCAST("vpdpbusd", acc, a, m)
+#define DPWSSD_B(acc, a, m) VNNI_BCAST("vpdpwssd", acc, a, m)
+
 static const int kv_block_bytes[KV_NFMT] = {0, 0, 0, 34, 18, 20, 22, 24};
 
 typedef struct {
@@ -32,7 +38,7 @@ typedef struct {
     float *wc;                /* [R][nb] weight scales */
     int32_t *wsum;            /* [R][nb] sum of quantized weights */
     uint8_t *u8;              /* [KV_T][D] unpacked values (q4_1, q5_0, q5_1) */
-    __m256i *kt;              /* [nb][8] K of 8 tokens, transposed: lane = token, vector = 4-byte group */
+    __m512i *kt;              /* [nb][8] K of 16 tokens, transposed: lane = token, vector = 4-byte group */
     __m512i *vx;              /* [KV_T/2][2] V of one block, token pairs interleaved as int16 */
 } int_ws;
 
@@ -58,7 +64,7 @@ static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     TAKE(wc, float, r * nb);
     TAKE(wsum, int32_t, r * nb);
     TAKE(u8, uint8_t, (size_t)KV_T * c->head_dim);
-    TAKE(kt, __m256i, nb * 8);
+    TAKE(kt, __m512i, nb * 8);
     TAKE(vx, __m512i, KV_T);
 #undef TAKE
     return off;
@@ -119,14 +125,18 @@ static void int_prep_q(const kv_call *c, kv_scratch *ws, int R) {
 }
 #define INT_PREP_Q(c, ws, R) int_prep_q(c, ws, R)
 
-/* fp16 fields at byte offset `off` of every block of every tile row, as f32 [nb][KV_T] */
+/* fp16 fields at byte offset `off` of every block of every tile row, as f32 [nb][KV_T]: one 8-row
+ * gather per block (scalar loads into a staging array would stall on store-to-load forwarding) */
 static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, uint16_t *h16, float *dst) {
-    for (int t = 0; t < KV_T; t++) {
-        const uint8_t *p = rows[t] + off;
-        for (int b = 0; b < nb; b++) h16[b * KV_T + t] = kv_load_u16(p + (size_t)b * bb);
+    (void)h16;
+    const __m512i base = _mm512_set1_epi64((int64_t)(intptr_t)rows[0]);
+    for (int t0 = 0; t0 < KV_T; t0 += 8) {
+        __m512i idx = _mm512_sub_epi64(_mm512_loadu_si512((const void *)(rows + t0)), base);
+        for (int b = 0; b < nb; b++) {
+            __m256i w = _mm512_i64gather_epi32(idx, (const void *)(rows[0] + off + (size_t)b * bb), 1);
+            _mm256_storeu_ps(dst + b * KV_T + t0, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(w)));
+        }
     }
-    for (int i = 0; i < nb * KV_T; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(h16 + i))));
 }
 
 /* mins of q4_1/q5_1 moved to the centred values: m + off*d */
@@ -169,29 +179,49 @@ static inline __m256i int_pair128(const uint8_t *lo, const uint8_t *hi) {
                                    _mm_loadu_si128((const __m128i *)(const void *)hi), 1);
 }
 
-/* K of tokens [8g, 8g+8) of the tile, every block, transposed into L.kt (unsigned values) */
-static void int_k_transpose(int fmt, const uint8_t *const *rg, const uint8_t *u8, int D, __m256i *kt) {
+/* 16 rows x 4 dwords -> 4 vectors of one dword for 16 tokens; row t's dwords at p[t] (128-bit loads) */
+static inline void int_transpose16x4(const uint8_t *const *p, int off, __m512i *o) {
+    __m512i a[4];
+    for (int k = 0; k < 4; k++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(const void *)(p[k] + off)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(const void *)(p[k + 4] + off)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(const void *)(p[k + 8] + off)), 2);
+        a[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(const void *)(p[k + 12] + off)), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+    o[0] = _mm512_unpacklo_epi64(t0, t2); /* lane 4m+k = token 4m+k */
+    o[1] = _mm512_unpackhi_epi64(t0, t2);
+    o[2] = _mm512_unpacklo_epi64(t1, t3);
+    o[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* K of tokens [16g, 16g+16) of the tile, every block, transposed into kt (unsigned values) */
+static void int_k_transpose(int fmt, const uint8_t *const *rg, const uint8_t *u8, int D, __m512i *kt) {
     const int nb = D / KV_QK;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0f);
+    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
+    const uint8_t *p[16];
     for (int b = 0; b < nb; b++, kt += 8) {
         if (fmt == KV_Q4_0) {
-            __m256i n[4];
-            const int o = 18 * b + 2;
-            int_transpose4(int_pair128(rg[0] + o, rg[4] + o), int_pair128(rg[1] + o, rg[5] + o),
-                           int_pair128(rg[2] + o, rg[6] + o), int_pair128(rg[3] + o, rg[7] + o), n);
+            __m512i n[4];
+            int_transpose16x4(rg, 18 * b + 2, n);
             for (int j = 0; j < 4; j++) {
-                kt[j] = _mm256_and_si256(n[j], m4);
-                kt[4 + j] = _mm256_and_si256(_mm256_srli_epi16(n[j], 4), m4);
+                kt[j] = _mm512_and_si512(n[j], m4);
+                kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
             }
             continue;
         }
-        const uint8_t *p[8];
-        for (int t = 0; t < 8; t++) p[t] = fmt == KV_Q8_0 ? rg[t] + 34 * b + 2 : u8 + (size_t)t * D + 32 * b;
-        __m256i x[8];
-        int_transpose4(int_pair128(p[0], p[4]), int_pair128(p[1], p[5]), int_pair128(p[2], p[6]), int_pair128(p[3], p[7]), x);
-        int_transpose4(int_pair128(p[0] + 16, p[4] + 16), int_pair128(p[1] + 16, p[5] + 16),
-                       int_pair128(p[2] + 16, p[6] + 16), int_pair128(p[3] + 16, p[7] + 16), x + 4);
-        for (int j = 0; j < 8; j++) kt[j] = fmt == KV_Q8_0 ? _mm256_xor_si256(x[j], flip) : x[j];
+        int off = 34 * b + 2;
+        const uint8_t *const *src = rg;
+        if (fmt != KV_Q8_0) {
+            for (int t = 0; t < 16; t++) p[t] = u8 + (size_t)t * D;
+            src = p;
+            off = 32 * b;
+        }
+        int_transpose16x4(src, off, kt);
+        int_transpose16x4(src, off + 16, kt + 4);
+        if (fmt == KV_Q8_0)
+            for (int j = 0; j < 8; j++) kt[j] = _mm512_xor_si512(kt[j], flip);
     }
 }
 
@@ -202,31 +232,31 @@ static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
     int_scales(rows, nb, bb, 0, L.h16, L.kd);
     if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.kd, L.km);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
-    for (int g = 0; g < KV_T / 8; g++) {
-        int_k_transpose(fmt, rows + 8 * g, L.u8 + (size_t)8 * g * D, D, L.kt);
+    for (int g = 0; g < KV_T / 16; g++) {
+        int_k_transpose(fmt, rows + 16 * g, L.u8 + (size_t)16 * g * D, D, L.kt);
         for (int r = r0; r < r0 + R; r++) {
-            /* blocks accumulate in registers: 2*nb independent VNNI chains per row */
-            __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+            /* blocks accumulate in registers; four short VNNI chains per block (latency 4-5 cycles) */
+            __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
             for (int b = 0; b < nb; b++) {
                 const int32_t *qh = L.qh + ((size_t)r * nb + b) * 8, *ql = L.ql + ((size_t)r * nb + b) * 8;
-                const __m256i *kt = L.kt + 8 * b;
-                /* four short chains instead of two long ones: VNNI latency is 4-5 cycles */
-                __m256i ah0 = _mm256_setzero_si256(), ah1 = ah0, al1 = ah0;
-                __m256i al0 = _mm256_set1_epi32(L.qoff[r * nb + b]);
+                const __m512i *kt = L.kt + 8 * b;
+                __m512i ah0 = _mm512_setzero_si512(), ah1 = ah0, al1 = ah0;
+                __m512i al0 = _mm512_set1_epi32(L.qoff[r * nb + b]);
                 for (int j = 0; j < 8; j += 2) {
-                    __m256i k0 = _mm256_load_si256(kt + j), k1 = _mm256_load_si256(kt + j + 1);
-                    ah0 = _mm256_dpbusd_epi32(ah0, k0, _mm256_set1_epi32(qh[j]));
-                    al0 = _mm256_dpbusd_epi32(al0, k0, _mm256_set1_epi32(ql[j]));
-                    ah1 = _mm256_dpbusd_epi32(ah1, k1, _mm256_set1_epi32(qh[j + 1]));
-                    al1 = _mm256_dpbusd_epi32(al1, k1, _mm256_set1_epi32(ql[j + 1]));
+                    __m512i k0 = _mm512_load_si512(kt + j), k1 = _mm512_load_si512(kt + j + 1);
+                    DPBUSD_B(ah0, k0, qh[j]);
+                    DPBUSD_B(al0, k0, ql[j]);
+                    DPBUSD_B(ah1, k1, qh[j + 1]);
+                    DPBUSD_B(al1, k1, ql[j + 1]);
                 }
-                __m256i ah = _mm256_add_epi32(ah0, ah1), al = _mm256_add_epi32(al0, al1);
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ah, 8), al));
-                acc = _mm256_fmadd_ps(dot, _mm256_loadu_ps(L.kd + b * KV_T + 8 * g), acc);
+                __m512i ah = _mm512_add_epi32(ah0, ah1), al = _mm512_add_epi32(al0, al1);
+                __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al));
+                acc = _mm512_fmadd_ps(dot, _mm512_loadu_ps(L.kd + b * KV_T + 16 * g), acc);
                 if (has_min)
-                    macc = _mm256_fmadd_ps(_mm256_loadu_ps(L.km + b * KV_T + 8 * g), _mm256_set1_ps(L.qsum[r * nb + b]), macc);
+                    macc = _mm512_fmadd_ps(_mm512_loadu_ps(L.km + b * KV_T + 16 * g), _mm512_set1_ps(L.qsum[r * nb + b]),
+                                           macc);
             }
-            _mm256_storeu_ps(ws->s + (r - r0) * KV_T + 8 * g, _mm256_fmadd_ps(acc, _mm256_set1_ps(L.dq[r]), macc));
+            _mm512_storeu_ps(ws->s + (r - r0) * KV_T + 16 * g, _mm512_fmadd_ps(acc, _mm512_set1_ps(L.dq[r]), macc));
         }
     }
 }
@@ -269,26 +299,37 @@ static void int_v_interleave(int fmt, const uint8_t *const *rows, const uint8_t 
     }
 }
 
-/* acc[2r..2r+1] += sum over token pairs u of vx[u] * w_r[u] for NR rows; w_r: int16 pairs, stride ws */
-KV_INLINE void int_v_dot(const __m512i *vx, const int32_t *w, size_t stride, const int NR, __m512i *out) {
-    __m512i acc[8];
-    for (int i = 0; i < 2 * NR; i++) acc[i] = _mm512_setzero_si512();
+/* out[2r], out[2r+1] = sum over token pairs u of vx[2u], vx[2u+1] times row r's weight pair u, for 4
+ * rows (w: int16 pairs, `stride` int32 between rows). Named accumulators: an array would live on the
+ * stack. */
+static __attribute__((noinline)) void int_v_dot4(const __m512i *vx, const int32_t *w, size_t stride, __m512i *out) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const int32_t *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
     for (int u = 0; u < KV_T / 2; u++) {
         const __m512i x0 = _mm512_load_si512(vx + 2 * u), x1 = _mm512_load_si512(vx + 2 * u + 1);
-        for (int r = 0; r < NR; r++) {
-            const __m512i wv = _mm512_set1_epi32(w[r * stride + u]);
-            acc[2 * r] = _mm512_dpwssd_epi32(acc[2 * r], x0, wv);
-            acc[2 * r + 1] = _mm512_dpwssd_epi32(acc[2 * r + 1], x1, wv);
-        }
+        DPWSSD_B(a0, x0, w0[u]);
+        DPWSSD_B(a1, x1, w0[u]);
+        DPWSSD_B(a2, x0, w1[u]);
+        DPWSSD_B(a3, x1, w1[u]);
+        DPWSSD_B(a4, x0, w2[u]);
+        DPWSSD_B(a5, x1, w2[u]);
+        DPWSSD_B(a6, x0, w3[u]);
+        DPWSSD_B(a7, x1, w3[u]);
     }
-    for (int i = 0; i < 2 * NR; i++) out[i] = acc[i];
+    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
 }
 
-static __attribute__((noinline)) void int_v_dot4(const __m512i *vx, const int32_t *w, size_t stride, __m512i *out) {
-    int_v_dot(vx, w, stride, 4, out);
-}
 static __attribute__((noinline)) void int_v_dot1(const __m512i *vx, const int32_t *w, size_t stride, __m512i *out) {
-    int_v_dot(vx, w, stride, 1, out);
+    (void)stride;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, c0 = a0, c1 = a0; /* two chains per output */
+    for (int u = 0; u < KV_T / 2; u += 2) {
+        DPWSSD_B(a0, _mm512_load_si512(vx + 2 * u), w[u]);
+        DPWSSD_B(a1, _mm512_load_si512(vx + 2 * u + 1), w[u]);
+        DPWSSD_B(c0, _mm512_load_si512(vx + 2 * u + 2), w[u + 1]);
+        DPWSSD_B(c1, _mm512_load_si512(vx + 2 * u + 3), w[u + 1]);
+    }
+    out[0] = _mm512_add_epi32(a0, c0);
+    out[1] = _mm512_add_epi32(a1, c1);
 }
 
 static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, const uint8_t *const *rows) {

@@ -404,14 +404,25 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
                 krows[t] = krows[0];
                 vrows[t] = vrows[0];
             }
-            if (t0 + KV_T <= it->hi) { /* this head's rows of the next tile, a tile's work ahead */
-                int b = t0 + 2 * KV_T - 1 > it->hi ? it->hi : t0 + 2 * KV_T - 1;
-                kv_prefetch_rows(c, c->kpool, c->krow, s, h, t0 + KV_T, b);
-                kv_prefetch_rows(c, c->vpool, c->vrow, s, h, t0 + KV_T, b);
+            /* request the next step's rows (next head of this tile: the same rows one head further
+             * into each page; else the next tile's first head), a line at a time */
+            if (hh + 1 < it->nheads || t0 + KV_T <= it->hi) {
+                const int64_t kstep = (int64_t)c->block_size * c->krow, vstep = (int64_t)c->block_size * c->vrow;
+                const int nxt = hh + 1 < it->nheads;
+                const int m = nxt ? nt : (it->hi - t0 - KV_T + 1 < KV_T ? it->hi - t0 - KV_T + 1 : KV_T);
+                for (int u = 0; u < m; u++) {
+                    const uint8_t *kp, *vp;
+                    if (nxt) {
+                        kp = krows[u] + kstep;
+                        vp = vrows[u] + vstep;
+                    } else {
+                        kp = kv_row(c, c->kpool, c->krow, s, it->head0, t0 + KV_T + u);
+                        vp = kv_row(c, c->vpool, c->vrow, s, it->head0, t0 + KV_T + u);
+                    }
+                    for (int64_t o = 0; o < c->krow; o += 64) __builtin_prefetch(kp + o, 0, 3);
+                    for (int64_t o = 0; o < c->vrow; o += 64) __builtin_prefetch(vp + o, 0, 3);
+                }
             }
-#ifdef KV_EXPERIMENT_NO_K
-            if (0)
-#endif
 #ifdef INT_K_TILE
             if (int_k)
                 INT_K_TILE(c, ws, RT, r0, R, krows);
@@ -432,9 +443,6 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
                     FN(softmax_row)(srow, ws->m + r, ws->l + r, ws->o + (size_t)r * D, D);
                 }
             }
-#ifdef KV_EXPERIMENT_NO_V
-            if (0)
-#endif
 #ifdef INT_V_TILE
             if (int_v)
                 INT_V_TILE(c, ws, RT, r0, R, vrows);

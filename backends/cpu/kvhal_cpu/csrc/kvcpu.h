@@ -65,6 +65,7 @@ typedef struct {
     size_t extra_bytes;
 } kv_scratch;
 
+
 typedef struct {
     const char *name;
     void (*quantize)(int fmt, const float *x, uint8_t *dst, int d);
@@ -100,19 +101,6 @@ KV_INLINE const uint8_t *kv_row(const kv_call *c, const uint8_t *pool, int64_t r
     int32_t blk = c->block_table[(int64_t)s * c->max_blocks + j / c->block_size];
     int64_t r = ((int64_t)blk * c->n_kv_heads + h) * c->block_size + j % c->block_size;
     return pool + r * row_bytes;
-}
-
-/* Pull the rows of positions [j0, j1] of head h toward the core, one touch per cache line: a page
- * holds only block_size rows of a head, too short a run for the hardware prefetchers to ramp up. */
-KV_INLINE void kv_prefetch_rows(const kv_call *c, const uint8_t *pool, int64_t row_bytes, int s, int h, int j0, int j1) {
-    while (j0 <= j1) {
-        int end = (j0 / c->block_size + 1) * c->block_size - 1; /* last position of this page */
-        if (end > j1) end = j1;
-        const uint8_t *p = kv_row(c, pool, row_bytes, s, h, j0);
-        const uint8_t *q = p + (int64_t)(end - j0 + 1) * row_bytes;
-        for (p = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63); p < q; p += 64) __builtin_prefetch(p, 0, 3);
-        j0 = end + 1;
-    }
 }
 
 #endif
