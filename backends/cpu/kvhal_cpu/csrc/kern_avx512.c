@@ -51,6 +51,78 @@ static inline __m512 kv_exp2_512(__m512 x) {
 #define F32_TO_F16_1(x) ((uint16_t)_cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT))
 
 #include "kern_avx512_int.h"
+
+/* q8_0 / q4_0 rows, 16 lanes at a time, bit-exact with the template's scalar loops (same operations in
+ * the same order: x*id, exact roundf via trunc and the exact fraction, trunc(x*id + 8.5)) */
+static inline float kv512_inv(float d) { /* the template's inverse(): d ? 1/d : 0, 0 when 1/d overflows */
+    float id = 1.0f / d;
+    return (d == 0.0f || !isfinite(id)) ? 0.0f : id;
+}
+
+static int quant_row_512(int fmt, const float *x, uint8_t *y, int d) {
+    if (fmt != KV_Q8_0 && fmt != KV_Q4_0) return 0;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int b = 0; b < d / KV_QK; b++, x += KV_QK) {
+        __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+        __m512 a0 = _mm512_andnot_ps(sign, x0), a1 = _mm512_andnot_ps(sign, x1);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        if (fmt == KV_Q8_0) {
+            float dd = amax / 127.0f, id = kv512_inv(dd);
+            uint16_t h = (uint16_t)_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT);
+            memcpy(y, &h, 2);
+            __m512 vid = _mm512_set1_ps(id);
+            for (int half = 0; half < 2; half++) {
+                __m512 v = _mm512_mul_ps(half ? x1 : x0, vid), av = _mm512_andnot_ps(sign, v);
+                __m512i r = _mm512_cvttps_epi32(av);
+                __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(av, _mm512_cvtepi32_ps(r)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+                r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
+                __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+                r = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);
+                _mm_storeu_si128((__m128i *)(void *)(y + 2 + 16 * half), _mm512_cvtepi32_epi8(r));
+            }
+            y += 34;
+        } else {
+            /* ggml's signed max: the first value of largest magnitude; +0.0 when all are zero */
+            __mmask32 hit = (__mmask32)_mm512_cmp_ps_mask(a0, _mm512_set1_ps(amax), _CMP_EQ_OQ) |
+                            ((__mmask32)_mm512_cmp_ps_mask(a1, _mm512_set1_ps(amax), _CMP_EQ_OQ) << 16);
+            float mx = amax > 0.0f ? x[__builtin_ctz(hit)] : 0.0f;
+            float dd = mx / -8.0f, id = kv512_inv(dd);
+            uint16_t h = (uint16_t)_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT);
+            memcpy(y, &h, 2);
+            __m512 vid = _mm512_set1_ps(id), c85 = _mm512_set1_ps(8.5f);
+            __m512i fifteen = _mm512_set1_epi32(15);
+            __m512i lo = _mm512_min_epi32(_mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(x0, vid), c85)), fifteen);
+            __m512i hi = _mm512_min_epi32(_mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(x1, vid), c85)), fifteen);
+            _mm_storeu_si128((__m128i *)(void *)(y + 2), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
+            y += 18;
+        }
+    }
+    return 1;
+}
+#define QUANT_BLOCK_OVERRIDE(fmt, x, dst, d) quant_row_512(fmt, x, dst, d)
+
+static int dequant_row_512(int fmt, const uint8_t *y, float *dst, int d) {
+    if (fmt != KV_Q8_0 && fmt != KV_Q4_0) return 0;
+    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK) {
+        if (fmt == KV_Q8_0) {
+            __m512 s = _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y)));
+            __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(y + 2));
+            _mm512_storeu_ps(dst, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
+            y += 34;
+        } else {
+            __m512 s = _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y))), eight = _mm512_set1_ps(8.0f);
+            __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 2)));
+            __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(n, _mm512_set1_epi32(15))), eight);
+            __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(n, 4)), eight);
+            _mm512_storeu_ps(dst, _mm512_mul_ps(s, lo));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, hi));
+            y += 18;
+        }
+    }
+    return 1;
+}
+#define DEQUANT_ROW_OVERRIDE(fmt, src, dst, d) dequant_row_512(fmt, src, dst, d)
 #include "kern_template.h"
 
 #if defined(__clang__)

@@ -319,6 +319,47 @@ static __attribute__((noinline)) void int_v_dot4(const __m512i *vx, const int32_
     out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
 }
 
+/* decode (4 rows per KV head): interleave and accumulate in one pass, no staging of vx */
+#define INT_V_ACC4(X0, X1, U)                                                                              \
+    do {                                                                                                   \
+        DPWSSD_B(a0, X0, w0[U]);                                                                           \
+        DPWSSD_B(a1, X1, w0[U]);                                                                           \
+        DPWSSD_B(a2, X0, w1[U]);                                                                           \
+        DPWSSD_B(a3, X1, w1[U]);                                                                           \
+        DPWSSD_B(a4, X0, w2[U]);                                                                           \
+        DPWSSD_B(a5, X1, w2[U]);                                                                           \
+        DPWSSD_B(a6, X0, w3[U]);                                                                           \
+        DPWSSD_B(a7, X1, w3[U]);                                                                           \
+    } while (0)
+
+static __attribute__((noinline)) void int_v_fused4(int fmt, const uint8_t *const *rows, int b, const int32_t *w,
+                                                   size_t stride, __m512i *out) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const int32_t *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
+    if (fmt == KV_Q8_0) {
+        const int o = 34 * b + 2;
+        for (int u = 0; u < KV_T / 2; u++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(rows[2 * u] + o));
+            __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(rows[2 * u + 1] + o));
+            __m512i x0 = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, e));
+            __m512i x1 = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, e));
+            INT_V_ACC4(x0, x1, u);
+        }
+    } else { /* q4_0 */
+        const __m512i m4 = _mm512_set1_epi16(0x0f);
+        const int o = 18 * b + 2;
+        for (int u = 0; u < KV_T / 2; u++) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u] + o));
+            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u + 1] + o));
+            __m512i z = _mm512_cvtepu8_epi16(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, e)), _mm_unpackhi_epi8(a, e), 1));
+            __m512i x0 = _mm512_and_si512(z, m4), x1 = _mm512_srli_epi16(z, 4);
+            INT_V_ACC4(x0, x1, u);
+        }
+    }
+    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
+}
+
 static __attribute__((noinline)) void int_v_dot1(const __m512i *vx, const int32_t *w, size_t stride, __m512i *out) {
     (void)stride;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, c0 = a0, c1 = a0; /* two chains per output */
@@ -352,7 +393,7 @@ static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
             L.wc[rb] = amax / 32767.0f;
             __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(w0, _mm512_set1_ps(inv)));
             __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(w1, _mm512_set1_ps(inv)));
-            L.wsum[rb] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            L.wsum[rb] = fmt == KV_Q8_0 ? 0 : _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)); /* offset term */
             _mm256_storeu_si256((__m256i *)(void *)(L.w + (size_t)rb * KV_T), _mm512_cvtsepi32_epi16(q0));
             _mm256_storeu_si256((__m256i *)(void *)(L.w + (size_t)rb * KV_T + 16), _mm512_cvtsepi32_epi16(q1));
             if (has_min) {
@@ -367,13 +408,16 @@ static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
     }
     const int voff = fmt == KV_Q8_0 ? 0 : int_koff(fmt); /* q8_0 V is used signed */
     const size_t stride = (size_t)nb * KV_T / 2; /* int32 pairs between rows of L.w */
+    const int fused = R == 4 && (fmt == KV_Q8_0 || fmt == KV_Q4_0);
     for (int b = 0; b < nb; b++) {
-        int_v_interleave(fmt, rows, L.u8, D, b, L.vx);
+        if (!fused) int_v_interleave(fmt, rows, L.u8, D, b, L.vx);
         for (int r = r0; r < r0 + R;) {
             __m512i acc[8];
             const int32_t *w = (const int32_t *)(const void *)(L.w + ((size_t)r * nb + b) * KV_T);
             int nr = r0 + R - r >= 4 ? 4 : 1;
-            if (nr == 4)
+            if (fused)
+                int_v_fused4(fmt, rows, b, w, stride, acc);
+            else if (nr == 4)
                 int_v_dot4(L.vx, w, stride, acc);
             else
                 int_v_dot1(L.vx, w, stride, acc);

@@ -179,6 +179,9 @@ KV_INLINE float FN(get_f16)(const uint8_t *p) {
 }
 
 static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
+#ifdef DEQUANT_ROW_OVERRIDE
+    if (DEQUANT_ROW_OVERRIDE(fmt, src, dst, d)) return;
+#endif
     switch (fmt) {
     case KV_F32:
         memcpy(dst, src, (size_t)d * 4);
