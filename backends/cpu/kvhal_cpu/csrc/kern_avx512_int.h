@@ -127,8 +127,7 @@ static void int_prep_q(const kv_call *c, kv_scratch *ws, int R) {
 
 /* fp16 fields at byte offset `off` of every block of every tile row, as f32 [nb][KV_T]: one 8-row
  * gather per block (scalar loads into a staging array would stall on store-to-load forwarding) */
-static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, uint16_t *h16, float *dst) {
-    (void)h16;
+static void int_scales_gather(const uint8_t *const *rows, int nb, int bb, int off, float *dst) {
     const __m512i base = _mm512_set1_epi64((int64_t)(intptr_t)rows[0]);
     for (int t0 = 0; t0 < KV_T; t0 += 8) {
         __m512i idx = _mm512_sub_epi64(_mm512_loadu_si512((const void *)(rows + t0)), base);
@@ -137,6 +136,41 @@ static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, uint
             _mm256_storeu_ps(dst + b * KV_T + t0, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(w)));
         }
     }
+}
+
+/* head_dim 128 (4 blocks) of q8_0 / q4_0: the scales sit in the first 128 bytes of a row, so two
+ * masked word permutes of the row (already in L1 for the dot products) place them, cheaper than gathers */
+static void int_scales_d128(int fmt, const uint8_t *const *rows, float *dst) {
+    /* word index of each block's scale within the 64-byte window it lies in */
+    const int w0 = 0, w1 = fmt == KV_Q8_0 ? 17 : 9, w2 = fmt == KV_Q8_0 ? 2 : 18, w3 = fmt == KV_Q8_0 ? 19 : 27;
+    const __m512i lo16 = _mm512_set_epi16(w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w1, w0, w0, w0,
+                                          w0, w0, w0, w0, w0, w0, w0, w0, w0, w0, w0, w0, w0);
+    const __m512i hi16 = _mm512_set_epi16(w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w3, w2, w2, w2,
+                                          w2, w2, w2, w2, w2, w2, w2, w2, w2, w2, w2, w2, w2);
+    const int second = fmt == KV_Q8_0 ? 64 : 0; /* q4_0's four scales are all in the first window */
+    for (int g = 0; g < KV_T / 16; g++) {
+        __m512i a01 = _mm512_setzero_si512(), a23 = a01;
+        for (int t = 0; t < 16; t++) {
+            const uint8_t *p = rows[16 * g + t];
+            __mmask32 m = (__mmask32)((1u << t) | (1u << (16 + t)));
+            a01 = _mm512_mask_permutexvar_epi16(a01, m, lo16, _mm512_loadu_si512((const void *)p));
+            a23 = _mm512_mask_permutexvar_epi16(a23, m, hi16, _mm512_loadu_si512((const void *)(p + second)));
+        }
+        _mm512_storeu_ps(dst + 0 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_castsi512_si256(a01)));
+        _mm512_storeu_ps(dst + 1 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(a01, 1)));
+        _mm512_storeu_ps(dst + 2 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_castsi512_si256(a23)));
+        _mm512_storeu_ps(dst + 3 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(a23, 1)));
+    }
+}
+
+/* fp16 field at byte offset `off` of every block of every tile row, as f32 [nb][KV_T] */
+static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, uint16_t *h16, float *dst) {
+    (void)h16;
+    if (off == 0 && nb == 4 && (bb == 34 || bb == 18)) {
+        int_scales_d128(bb == 34 ? KV_Q8_0 : KV_Q4_0, rows, dst);
+        return;
+    }
+    int_scales_gather(rows, nb, bb, off, dst);
 }
 
 /* mins of q4_1/q5_1 moved to the centred values: m + off*d */
@@ -225,6 +259,48 @@ static void int_k_transpose(int fmt, const uint8_t *const *rg, const uint8_t *u8
     }
 }
 
+/* decode, 4 rows per KV head (GQA 4): K of 16 tokens x one block stays in registers for all 4 rows */
+static __attribute__((noinline)) void int_k_fused4(int fmt, const uint8_t *const *rg, const int_ws *L, int r0, int nb,
+                                                   int g, float *s) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int b = 0; b < nb; b++) {
+        __m512i kt[8];
+        if (fmt == KV_Q4_0) {
+            __m512i n[4];
+            int_transpose16x4(rg, 18 * b + 2, n);
+            for (int j = 0; j < 4; j++) {
+                kt[j] = _mm512_and_si512(n[j], m4);
+                kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
+            }
+        } else {
+            int_transpose16x4(rg, 34 * b + 2, kt);
+            int_transpose16x4(rg, 34 * b + 18, kt + 4);
+            for (int j = 0; j < 8; j++) kt[j] = _mm512_xor_si512(kt[j], flip);
+        }
+        const __m512 dk = _mm512_loadu_ps(L->kd + b * KV_T + 16 * g);
+#define INT_K_ROW(SACC, R)                                                                                 \
+    do {                                                                                                   \
+        const int32_t *qh = L->qh + ((size_t)(r0 + R) * nb + b) * 8, *ql = L->ql + ((size_t)(r0 + R) * nb + b) * 8; \
+        __m512i ah = _mm512_setzero_si512(), al = _mm512_set1_epi32(L->qoff[(r0 + R) * nb + b]);            \
+        for (int j = 0; j < 8; j++) {                                                                      \
+            DPBUSD_B(ah, kt[j], qh[j]);                                                                    \
+            DPBUSD_B(al, kt[j], ql[j]);                                                                    \
+        }                                                                                                  \
+        SACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al)), dk, SACC); \
+    } while (0)
+        INT_K_ROW(s0, 0);
+        INT_K_ROW(s1, 1);
+        INT_K_ROW(s2, 2);
+        INT_K_ROW(s3, 3);
+#undef INT_K_ROW
+    }
+    _mm512_storeu_ps(s + 16 * g, _mm512_mul_ps(s0, _mm512_set1_ps(L->dq[r0])));
+    _mm512_storeu_ps(s + KV_T + 16 * g, _mm512_mul_ps(s1, _mm512_set1_ps(L->dq[r0 + 1])));
+    _mm512_storeu_ps(s + 2 * KV_T + 16 * g, _mm512_mul_ps(s2, _mm512_set1_ps(L->dq[r0 + 2])));
+    _mm512_storeu_ps(s + 3 * KV_T + 16 * g, _mm512_mul_ps(s3, _mm512_set1_ps(L->dq[r0 + 3])));
+}
+
 static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, const uint8_t *const *rows) {
     const int D = c->head_dim, nb = D / KV_QK, fmt = c->kfmt, bb = kv_block_bytes[fmt];
     int_ws L = int_get(c, ws, RT);
@@ -232,6 +308,10 @@ static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
     int_scales(rows, nb, bb, 0, L.h16, L.kd);
     if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.kd, L.km);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
+    if (R == 4 && (fmt == KV_Q8_0 || fmt == KV_Q4_0)) {
+        for (int g = 0; g < KV_T / 16; g++) int_k_fused4(fmt, rows + 16 * g, &L, r0, nb, g, ws->s);
+        return;
+    }
     for (int g = 0; g < KV_T / 16; g++) {
         int_k_transpose(fmt, rows + 16 * g, L.u8 + (size_t)16 * g * D, D, L.kt);
         for (int r = r0; r < r0 + R; r++) {
