@@ -97,6 +97,8 @@ def make_kv(
 # (n_heads, n_kv_heads, dim, seq lens, q lens, causal, window, block_size)
 SHAPES = {
     "decode-gqa8-d128": (64, 8, 128, [300], [1], True, None, 16),
+    "decode-gqa4-d128-bench-shape": (32, 8, 128, [333, 64], [1, 1], True, None, 16),  # the fused decode kernels
+    "prefill-gqa4-d128": (8, 2, 128, [90], [20], True, None, 16),
     "prefill-chunks-window": (8, 2, 64, [150, 40], [70, 40], True, 33, 8),
     "ragged-mqa-d256": (4, 1, 256, [5, 97, 1], [1, 2, 1], True, None, 32),
     "non-causal-bs7": (6, 3, 96, [61], [9], False, None, 7),
