@@ -149,13 +149,18 @@ static void int_scales_d128(int fmt, const uint8_t *const *rows, float *dst) {
                                           w2, w2, w2, w2, w2, w2, w2, w2, w2, w2, w2, w2, w2);
     const int second = fmt == KV_Q8_0 ? 64 : 0; /* q4_0's four scales are all in the first window */
     for (int g = 0; g < KV_T / 16; g++) {
-        __m512i a01 = _mm512_setzero_si512(), a23 = a01;
+        /* zero-masked permutes ORed in four independent chains (a merge-masked chain is latency bound) */
+        __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i b[4] = {a[0], a[0], a[0], a[0]};
         for (int t = 0; t < 16; t++) {
             const uint8_t *p = rows[16 * g + t];
             __mmask32 m = (__mmask32)((1u << t) | (1u << (16 + t)));
-            a01 = _mm512_mask_permutexvar_epi16(a01, m, lo16, _mm512_loadu_si512((const void *)p));
-            a23 = _mm512_mask_permutexvar_epi16(a23, m, hi16, _mm512_loadu_si512((const void *)(p + second)));
+            a[t & 3] = _mm512_or_si512(a[t & 3], _mm512_maskz_permutexvar_epi16(m, lo16, _mm512_loadu_si512((const void *)p)));
+            b[t & 3] = _mm512_or_si512(
+                b[t & 3], _mm512_maskz_permutexvar_epi16(m, hi16, _mm512_loadu_si512((const void *)(p + second))));
         }
+        __m512i a01 = _mm512_or_si512(_mm512_or_si512(a[0], a[1]), _mm512_or_si512(a[2], a[3]));
+        __m512i a23 = _mm512_or_si512(_mm512_or_si512(b[0], b[1]), _mm512_or_si512(b[2], b[3]));
         _mm512_storeu_ps(dst + 0 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_castsi512_si256(a01)));
         _mm512_storeu_ps(dst + 1 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(a01, 1)));
         _mm512_storeu_ps(dst + 2 * KV_T + 16 * g, _mm512_cvtph_ps(_mm512_castsi512_si256(a23)));
