@@ -35,6 +35,34 @@ typedef __m256 VF;
 #define F32_TO_F16(src, dst, n) kv_f32_to_f16_row_f16c(src, dst, n)
 #define F32_TO_F16_1(x) ((uint16_t)_cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT))
 
+/* q8_0 / q4_0 rows to f32, 8 lanes at a time (the same d*q and d*(n-8) as the template's loops) */
+static int dequant_row_avx2(int fmt, const uint8_t *y, float *dst, int d) {
+    if (fmt != KV_Q8_0 && fmt != KV_Q4_0) return 0;
+    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK) {
+        __m256 s = _mm256_set1_ps(_cvtsh_ss(kv_load_u16(y)));
+        if (fmt == KV_Q8_0) {
+            for (int i = 0; i < 4; i++) {
+                __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(y + 2 + 8 * i));
+                _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+            }
+            y += 34;
+        } else {
+            const __m256 eight = _mm256_set1_ps(8.0f);
+            const __m256i m4 = _mm256_set1_epi32(15);
+            for (int i = 0; i < 2; i++) {
+                __m256i n = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(y + 2 + 8 * i)));
+                __m256 lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(n, m4)), eight);
+                __m256 hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(n, 4)), eight);
+                _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(s, lo));
+                _mm256_storeu_ps(dst + 16 + 8 * i, _mm256_mul_ps(s, hi));
+            }
+            y += 18;
+        }
+    }
+    return 1;
+}
+#define DEQUANT_ROW_OVERRIDE(fmt, src, dst, d) dequant_row_avx2(fmt, src, dst, d)
+
 #include "kern_template.h"
 
 #if defined(__clang__)
