@@ -466,24 +466,32 @@ static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
     if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.vd, L.vm);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
     const __m512 sign = _mm512_set1_ps(-0.0f);
+    enum { NC = KV_T / 16 };
     for (int r = r0; r < r0 + R; r++) {
         const float *p = ws->s + (r - r0) * KV_T;
-        __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
+        __m512 pc[NC];
+        for (int i = 0; i < NC; i++) pc[i] = _mm512_loadu_ps(p + 16 * i);
         for (int b = 0; b < nb; b++) {
             const int rb = r * nb + b;
-            __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(L.vd + b * KV_T));
-            __m512 w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(L.vd + b * KV_T + 16));
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, w0), _mm512_andnot_ps(sign, w1)));
+            __m512 w[NC], mx = _mm512_setzero_ps();
+            for (int i = 0; i < NC; i++) {
+                w[i] = _mm512_mul_ps(pc[i], _mm512_loadu_ps(L.vd + b * KV_T + 16 * i));
+                mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, w[i]));
+            }
+            float amax = _mm512_reduce_max_ps(mx);
             float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
             L.wc[rb] = amax / 32767.0f;
-            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(w0, _mm512_set1_ps(inv)));
-            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(w1, _mm512_set1_ps(inv)));
-            L.wsum[rb] = fmt == KV_Q8_0 ? 0 : _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)); /* offset term */
-            _mm256_storeu_si256((__m256i *)(void *)(L.w + (size_t)rb * KV_T), _mm512_cvtsepi32_epi16(q0));
-            _mm256_storeu_si256((__m256i *)(void *)(L.w + (size_t)rb * KV_T + 16), _mm512_cvtsepi32_epi16(q1));
+            __m512i qs = _mm512_setzero_si512();
+            for (int i = 0; i < NC; i++) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(w[i], _mm512_set1_ps(inv)));
+                qs = _mm512_add_epi32(qs, q);
+                _mm256_storeu_si256((__m256i *)(void *)(L.w + (size_t)rb * KV_T + 16 * i), _mm512_cvtsepi32_epi16(q));
+            }
+            L.wsum[rb] = fmt == KV_Q8_0 ? 0 : _mm512_reduce_add_epi32(qs); /* offset term */
             if (has_min) {
-                float m = _mm512_reduce_add_ps(_mm512_fmadd_ps(p0, _mm512_loadu_ps(L.vm + b * KV_T),
-                                                               _mm512_mul_ps(p1, _mm512_loadu_ps(L.vm + b * KV_T + 16))));
+                __m512 mm = _mm512_setzero_ps();
+                for (int i = 0; i < NC; i++) mm = _mm512_fmadd_ps(pc[i], _mm512_loadu_ps(L.vm + b * KV_T + 16 * i), mm);
+                float m = _mm512_reduce_add_ps(mm);
                 float *o = ws->o + (size_t)r * D + 32 * b;
                 __m512 mv = _mm512_set1_ps(m);
                 _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), mv));
