@@ -190,6 +190,20 @@ def test_env_isa_and_threads(monkeypatch):
         CpuBackend()
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_env_isa_selects_each_level(monkeypatch, isa):
+    monkeypatch.setenv("KVHAL_CPU_ISA", isa)
+    c = kvhal.KVCache(kvhal.CacheSpec(1, 2, 64, "q4_1", "q8_0"), 64)  # backend="auto"
+    assert c.backend.name == "cpu" and c.backend.isa == isa
+    rng = np.random.default_rng(4)
+    k, v = awkward(rng, 20, 2, 64), awkward(rng, 20, 2, 64)
+    ref = kvhal.KVCache(kvhal.CacheSpec(1, 2, 64, "q4_1", "q8_0"), 64, backend="reference")
+    for x in (c, ref):
+        x.store(x.new_seq(), 0, k, v)
+    for got, want in zip(pools(c), pools(ref), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_best_isa_is_the_default():
     assert CpuBackend().isa == kvhal_cpu.best_isa() == ISAS[-1]
 
