@@ -13,6 +13,15 @@
 
 enum { KV_OK = 0, KV_EUNSUPPORTED = -1, KV_ENOMEM = -2, KV_EARG = -3 };
 
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#include <cpuid.h>
+/* clang's __builtin_cpu_supports has no "f16c": read CPUID.1:ECX bit 29 directly */
+static int kv_has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+}
+#endif
+
 KV_EXPORT int kvc_abi_version(void) { return 1; }
 
 KV_EXPORT int kvc_isa_supported(int isa) {
@@ -22,7 +31,7 @@ KV_EXPORT int kvc_isa_supported(int isa) {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
     case KV_ISA_AVX2:
         __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && kv_has_f16c();
     case KV_ISA_AVX512:
         __builtin_cpu_init();
         return kvc_isa_supported(KV_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&

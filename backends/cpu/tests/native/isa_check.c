@@ -20,7 +20,7 @@ int kvc_attention(int isa, int threads, int split, int kfmt, int vfmt, const flo
 static const int BB[8] = {4, 2, 2, 34, 18, 20, 22, 24};
 static int64_t row_bytes(int fmt, int d) { return fmt >= 3 ? d / 32 * BB[fmt] : (int64_t)d * BB[fmt]; }
 static float randn(void) {
-    float u = (rand() + 1.0f) / (RAND_MAX + 2.0f), v = (rand() + 1.0f) / (RAND_MAX + 2.0f);
+    float u = (float)((rand() + 1.0) / (RAND_MAX + 2.0)), v = (float)((rand() + 1.0) / (RAND_MAX + 2.0));
     return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
 }
 
