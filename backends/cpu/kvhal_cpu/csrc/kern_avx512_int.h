@@ -2,9 +2,9 @@
  *
  * K.q: each query row (already scaled by softmax scale * log2 e) is quantized to 16 bits with one
  * scale per row, split into a signed high byte and a signed low byte, qi = 256*qh + ql. Stored K
- * values are made unsigned (q8_0: k^0x80 = k+128; nibbles as they are) and VPDPBUSD runs on 8 tokens
- * at once: 8 K rows of one 32-value block are transposed by dwords so each lane is one token, and
- * the 4-byte groups of qh/ql are broadcast. The offset (128, 8 or 16 times sum qi) is an integer
+ * values are made unsigned (q8_0: k^0x80 = k+128; nibbles as they are) and VPDPBUSD runs on 16
+ * tokens at once: 16 K rows of one 32-value block are transposed by dwords so each lane is one
+ * token, and the 4-byte groups of qh/ql are broadcast. The offset (128, 8 or 16 times sum qi) is an integer
  * constant per row and block, so the block sum is exact in int32 until it meets the fp16 scales.
  *
  * P.V: p*d_v for each row, block and token of the tile is quantized to int16 with one scale per row
@@ -12,6 +12,8 @@
  * int32; the tile's sum is scaled back to f32 into the output accumulator.
  *
  * Both quantizations keep ~1e-4 of the f32 result (attention_tolerance). No f32 copy of K or V is made.
+ * Decode with 4 query rows per KV head (GQA 4) has fused kernels that keep a K block of 16 tokens
+ * and the V pair vectors in registers; other row counts stage them in L1 (kt, vx).
  */
 
 #define INT_PATH_K(fmt) ((fmt) >= KV_Q8_0)
@@ -33,7 +35,6 @@ typedef struct {
     float *qsum;      /* [R][nb]: dq * sum qi over the block (min term of q4_1/q5_1) */
     float *dq;        /* [R] */
     float *kd, *km, *vd, *vm; /* [nb][KV_T] per-token block scales and mins */
-    uint16_t *h16;            /* [2][nb][KV_T] fp16 staging */
     int16_t *w;               /* [R][nb][KV_T] quantized p*d_v */
     float *wc;                /* [R][nb] weight scales */
     int32_t *wsum;            /* [R][nb] sum of quantized weights */
@@ -59,7 +60,6 @@ static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     TAKE(km, float, nb * KV_T);
     TAKE(vd, float, nb * KV_T);
     TAKE(vm, float, nb * KV_T);
-    TAKE(h16, uint16_t, 2 * nb * KV_T);
     TAKE(w, int16_t, r * nb * KV_T);
     TAKE(wc, float, r * nb);
     TAKE(wsum, int32_t, r * nb);
@@ -169,8 +169,7 @@ static void int_scales_d128(int fmt, const uint8_t *const *rows, float *dst) {
 }
 
 /* fp16 field at byte offset `off` of every block of every tile row, as f32 [nb][KV_T] */
-static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, uint16_t *h16, float *dst) {
-    (void)h16;
+static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, float *dst) {
     if (off == 0 && nb == 4 && (bb == 34 || bb == 18)) {
         int_scales_d128(bb == 34 ? KV_Q8_0 : KV_Q4_0, rows, dst);
         return;
@@ -179,9 +178,9 @@ static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, uint
 }
 
 /* mins of q4_1/q5_1 moved to the centred values: m + off*d */
-static void int_centre_min(const uint8_t *const *rows, int nb, int bb, int off, uint16_t *h16, const float *d,
+static void int_centre_min(const uint8_t *const *rows, int nb, int bb, int off, const float *d,
                            float *m) {
-    int_scales(rows, nb, bb, 2, h16, m);
+    int_scales(rows, nb, bb, 2, m);
     const __m512 o = _mm512_set1_ps((float)off);
     for (int i = 0; i < nb * KV_T; i += 16)
         _mm512_storeu_ps(m + i, _mm512_fmadd_ps(_mm512_loadu_ps(d + i), o, _mm512_loadu_ps(m + i)));
@@ -310,8 +309,8 @@ static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
     const int D = c->head_dim, nb = D / KV_QK, fmt = c->kfmt, bb = kv_block_bytes[fmt];
     int_ws L = int_get(c, ws, RT);
     const int has_min = int_has_min(fmt);
-    int_scales(rows, nb, bb, 0, L.h16, L.kd);
-    if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.kd, L.km);
+    int_scales(rows, nb, bb, 0, L.kd);
+    if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.kd, L.km);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
     if (R == 4 && (fmt == KV_Q8_0 || fmt == KV_Q4_0)) {
         for (int g = 0; g < KV_T / 16; g++) int_k_fused4(fmt, rows + 16 * g, &L, r0, nb, g, ws->s);
@@ -462,8 +461,8 @@ static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
     const int D = c->head_dim, nb = D / KV_QK, fmt = c->vfmt, bb = kv_block_bytes[fmt];
     int_ws L = int_get(c, ws, RT);
     const int has_min = int_has_min(fmt);
-    int_scales(rows, nb, bb, 0, L.h16, L.vd);
-    if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.h16, L.vd, L.vm);
+    int_scales(rows, nb, bb, 0, L.vd);
+    if (has_min) int_centre_min(rows, nb, bb, int_koff(fmt), L.vd, L.vm);
     if (fmt != KV_Q8_0 && fmt != KV_Q4_0) int_unpack(fmt, rows, D, L.u8);
     const __m512 sign = _mm512_set1_ps(-0.0f);
     enum { NC = KV_T / 16 };
