@@ -99,6 +99,7 @@ SHAPES = {
     "decode-gqa8-d128": (64, 8, 128, [300], [1], True, None, 16),
     "decode-gqa4-d128-bench-shape": (32, 8, 128, [333, 64], [1, 1], True, None, 16),  # the fused decode kernels
     "prefill-gqa4-d128": (8, 2, 128, [90], [20], True, None, 16),
+    "12-kv-heads-two-groups": (24, 12, 64, [150, 3], [2, 1], True, 100, 4),  # items split the heads 6 + 6
     "prefill-chunks-window": (8, 2, 64, [150, 40], [70, 40], True, 33, 8),
     "ragged-mqa-d256": (4, 1, 256, [5, 97, 1], [1, 2, 1], True, None, 32),
     "non-causal-bs7": (6, 3, 96, [61], [9], False, None, 7),
