@@ -52,7 +52,21 @@ def median_time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -
     return statistics.median(times)
 
 
-def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, threads: int | None = None) -> float:
+def cpu_model() -> str:
+    """The CPU's marketing name (platform.processor() is only "x86_64" on Linux)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 9, threads: int | None = None) -> float:
     """Host read bandwidth in bytes/s: numpy sums over disjoint chunks, one thread per core (reductions drop the GIL)."""
     threads = threads or os.cpu_count() or 1
     data = np.ones(nbytes // 8, np.int64)
@@ -110,7 +124,8 @@ def run(
 
     return {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
+            "arch": platform.machine(),
             "cores": os.cpu_count(),
             "read_bandwidth_gbps": bw / 1e9,
             "python": platform.python_version(),
