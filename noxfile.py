@@ -107,5 +107,108 @@ def bench(session: nox.Session) -> None:
     session.run("kvhal", "bench", *(session.posargs or default))
 
 
+# ==== GPU kernels, wheels (owner: the gpu branch; appended, the sessions above are untouched) ==========
+# compile-cuda13 / compile-cuda12 / compile-rocm: backends/cuda/build_kernels.py writes
+#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors.
+# test-cuda-host: the cuda backend's CPU tests plus tests/contract on kvhal.cu under the CPU SIMT emulator.
+# test-rocm: tests/contract on the rocm entry point (skips without a ROCm GPU, fails with --strict).
+# wheels: every row of wheels/variants.toml into dist/, then each wheel installed in a fresh venv runs `kvhal info`.
+
+CUDA_DIR = "backends/cuda"
+NVRTC12 = ["nvidia-cuda-nvrtc-cu12==12.9.*", "nvidia-cuda-runtime-cu12==12.9.*"]
+COMPILE_MISSING = 3  # build_kernels.py: the target's compiler is not installed
+
+
+def _compile(session: nox.Session, target: str, *extra: str) -> None:
+    out = session.run("python", f"{CUDA_DIR}/build_kernels.py", target, *extra,
+                      success_codes=[0, COMPILE_MISSING], silent=True)
+    text = str(out).strip()
+    print(text)
+    first = text.splitlines()[0] if text else ""
+    if ": skipped," in first:
+        if strict(session):
+            session.error(first + " (--strict)")
+        session.skip(first)
+
+
+@nox.session(name="compile-cuda13", tags=["cpu", "compile"])
+def compile_cuda13(session: nox.Session) -> None:
+    """nvcc 13 (on PATH): cubins sm_75..sm_121 + PTX compute_120, -Werror all-warnings (spills too)."""
+    _compile(session, "cuda13", *session.posargs)
+
+
+@nox.session(name="compile-cuda12", tags=["cpu", "compile"])
+def compile_cuda12(session: nox.Session) -> None:
+    """NVRTC 12.9 from the nvidia-cuda-nvrtc-cu12 wheel (no nvcc, no GPU): cubins sm_70..sm_90 + PTX."""
+    session.install(*NVRTC12)
+    _compile(session, "cuda12", *session.posargs)
+
+
+@nox.session(name="compile-rocm", tags=["cpu", "compile"])
+def compile_rocm(session: nox.Session) -> None:
+    """Debian hipcc (HIP_PLATFORM=amd): code objects for gfx908, gfx90a, gfx1030; skips without hipcc."""
+    _compile(session, "rocm", *[a for a in session.posargs if a != "--strict"])
+
+
+@nox.session(name="test-cuda-host", tags=["cpu"])
+def test_cuda_host(session: nox.Session) -> None:
+    """The cuda backend without a GPU: host logic, probe, and kvhal.cu (emulated) against the contract."""
+    session.install("-e", ".[test]", "-e", CUDA_DIR)
+    env = {"PYTHONPATH": f"{CUDA_DIR}/tests", "KVHAL_STRICT": "1"}
+    session.run("pytest", f"{CUDA_DIR}/tests", *pytest_args(session), env=env)
+    session.run("pytest", "-p", "cuda_emu_plugin", "tests/contract", *pytest_args(session),
+                env={**env, "KVHAL_TEST_BACKENDS": "cuda-emu"})
+
+
+@nox.session(name="test-rocm", tags=["gpu"])
+def test_rocm(session: nox.Session) -> None:
+    """tests/contract on the rocm backend (kvhal_cuda.RocmBackend; cupy for ROCm comes with the ROCm install)."""
+    session.install("-e", ".[test,bench]", "-e", CUDA_DIR, "cupy-rocm-7-0")  # imports only where ROCm is
+    probe = session.run("python", "-c", "import kvhal; i={b.name: b for b in kvhal.backends()}['rocm']; "
+                        "print('ok' if i.available else i.reason)", silent=True)
+    line = str(probe).strip().splitlines()[-1]
+    if line != "ok":
+        msg = f"test-rocm: backend rocm unavailable here: {line}"
+        if strict(session):
+            session.error(msg + " (--strict)")
+        session.skip(msg)
+    session.run("pytest", "tests/contract", f"{CUDA_DIR}/tests", *pytest_args(session),
+                env={"KVHAL_TEST_BACKENDS": "rocm", "KVHAL_STRICT": "1", "PYTHONPATH": f"{CUDA_DIR}/tests"})
+
+
+def _bench_cuda(session: nox.Session, variant: str) -> None:
+    session.install("-e", ".[bench]", TORCH, "-e", f"{CUDA_DIR}[{variant}]")
+    session.run("kvhal", "bench", "--backend", "cuda", *(session.posargs or ["--json", f"bench-{variant}.json"]))
+
+
+@nox.session(name="bench-cuda13", tags=["gpu"])
+def bench_cuda13(session: nox.Session) -> None:
+    """kvhal bench --backend cuda under cupy-cuda13x (a GPU runner; fails without a device)."""
+    _bench_cuda(session, "cuda13")
+
+
+@nox.session(name="bench-cuda12", tags=["gpu"])
+def bench_cuda12(session: nox.Session) -> None:
+    """kvhal bench --backend cuda under cupy-cuda12x."""
+    _bench_cuda(session, "cuda12")
+
+
+@nox.session(tags=["cpu", "wheels"])
+def wheels(session: nox.Session) -> None:
+    """Build every wheel of wheels/variants.toml into dist/ and check each in a fresh venv (`kvhal info`).
+
+    Prebuilt kernels are compiled first unless backends/cuda/kvhal_cuda/prebuilt/* already matches the source.
+    ``-- --strict``: a missing backend source dir or compiled artifact is an error instead of a skipped row.
+    """
+    session.install("build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
+    for target in ("cuda13", "cuda12", "rocm"):
+        session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
+                    success_codes=[0, COMPILE_MISSING])
+    # only `-- --strict`, not KVHAL_STRICT: a backend dir another branch has not merged yet is not a missing device
+    args = ["--strict"] if "--strict" in session.posargs else []
+    session.run("python", "wheels/build.py", *args, *pytest_args(session))
+    session.run("python", "wheels/build.py", "--smoke", *args)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("run with nox: nox -l")
