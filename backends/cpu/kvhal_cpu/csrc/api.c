@@ -292,7 +292,7 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
         ws[w].o = (float *)aligned(sizeof(float) * R * (size_t)D);
         ws[w].m = (float *)aligned(sizeof(float) * R);
         ws[w].l = (float *)aligned(sizeof(float) * R);
-        ws[w].s = (float *)aligned(sizeof(float) * R * KV_T);
+        ws[w].s = (float *)aligned(sizeof(float) * R * KV_T_MAX);
         ws[w].extra = aligned(extra);
         ws[w].extra_bytes = extra;
         ok = ws[w].qf && ws[w].o && ws[w].m && ws[w].l && ws[w].s && ws[w].extra;

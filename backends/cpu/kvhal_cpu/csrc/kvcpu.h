@@ -24,7 +24,15 @@ enum { KV_F32 = 0, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_Q4_1, KV_Q5_0, KV_Q5_1,
 enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_NISA };
 
 #define KV_QK 32 /* values per quantized block */
-#define KV_T 32  /* KV tokens per attention tile */
+/* KV tokens per attention tile, per ISA (each kern_*.c is its own translation unit and may define
+ * KV_T before including this); KV_T_MAX sizes the shared score buffer */
+#define KV_T_MAX 64
+#ifndef KV_T
+#define KV_T 32
+#endif
+#if KV_T > KV_T_MAX
+#error "KV_T exceeds KV_T_MAX"
+#endif
 
 static inline int kv_is_quant(int fmt) { return fmt >= KV_Q8_0; }
 
