@@ -36,6 +36,24 @@ def pytest_args(session: nox.Session) -> list[str]:
     return [a for a in session.posargs if a != "--strict"]
 
 
+def require_backend(session: nox.Session, session_name: str, backend: str, env: dict[str, str]) -> None:
+    """Skip the session with one line (fail under --strict) unless ``backend`` is available in its venv."""
+    probe = session.run(
+        "python", "-c",
+        "import kvhal,sys; i={b.name: b for b in kvhal.backends()}.get(sys.argv[1]); "
+        "r='ok' if i and i.available else (i.reason if i else 'not registered'); "
+        "print('probe:', ' '.join(r.split()))",
+        backend, silent=True, env=env,
+    )
+    # an SDK may print its own lines on import: take ours
+    probe = [line for line in str(probe).splitlines() if line.startswith("probe: ")][-1].removeprefix("probe: ")
+    if probe != "ok":
+        msg = f"{session_name}: backend {backend} unavailable here: {probe}"
+        if strict(session):
+            session.error(msg + " (--strict)")
+        session.skip(msg)
+
+
 def backend_table() -> dict[str, dict]:
     """name -> its [tool.kvhal] table (plus "dir"), for every backends/<name>/pyproject.toml."""
     out = {}
@@ -62,17 +80,7 @@ def _make_backend_session(session_name: str, backend: str, table: dict, variant:
     def _session(session: nox.Session) -> None:
         session.install("-e", ".[test,bench]", "-e", table["dir"], *spec.get("requires", []))
         # the probe runs in the session's venv: a backend absent here skips with its reason
-        probe = session.run(
-            "python", "-c",
-            "import kvhal,sys; i={b.name: b for b in kvhal.backends()}.get(sys.argv[1]); "
-            "print('ok' if i and i.available else (i.reason if i else 'not registered'))",
-            backend, silent=True, env=env,
-        ).strip().splitlines()[-1]
-        if probe != "ok":
-            msg = f"{session_name}: backend {backend} unavailable here: {probe}"
-            if strict(session):
-                session.error(msg + " (--strict)")
-            session.skip(msg)
+        require_backend(session, session_name, backend, env)
         tests = [p for p in (f"{table['dir']}/tests", f"tests/{backend}") if (ROOT / p).is_dir()]
         session.run("pytest", "tests/contract", *tests, *pytest_args(session),
                     env={**env, "KVHAL_TEST_BACKENDS": backend, "KVHAL_STRICT": "1"})
@@ -164,14 +172,7 @@ def test_cuda_host(session: nox.Session) -> None:
 def test_rocm(session: nox.Session) -> None:
     """tests/contract on the rocm backend (kvhal_cuda.RocmBackend; cupy for ROCm comes with the ROCm install)."""
     session.install("-e", ".[test,bench]", "-e", CUDA_DIR, "cupy-rocm-7-0")  # imports only where ROCm is
-    probe = session.run("python", "-c", "import kvhal; i={b.name: b for b in kvhal.backends()}['rocm']; "
-                        "print('ok' if i.available else i.reason)", silent=True)
-    line = str(probe).strip().splitlines()[-1]
-    if line != "ok":
-        msg = f"test-rocm: backend rocm unavailable here: {line}"
-        if strict(session):
-            session.error(msg + " (--strict)")
-        session.skip(msg)
+    require_backend(session, "test-rocm", "rocm", {})
     session.run("pytest", "tests/contract", f"{CUDA_DIR}/tests", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "rocm", "KVHAL_STRICT": "1", "PYTHONPATH": f"{CUDA_DIR}/tests"})
 
