@@ -71,6 +71,18 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def artifact(kind: str, arch: str, name: str, data: bytes, seconds: float) -> dict:
+    """One manifest entry for a compiled file."""
+    return {
+        "kind": kind,
+        "arch": arch,
+        "file": name,
+        "bytes": len(data),
+        "sha256": sha256(data),
+        "seconds": round(seconds, 2),
+    }
+
+
 def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -109,14 +121,7 @@ def build_nvcc(out: Path, spec: dict, jobs: int) -> dict:
         dt, _ = run([nvcc, *flags, *NVCC, "-o", str(out / name), str(SOURCE)])
         data = (out / name).read_bytes()
         check_defines_all(data, name)
-        return {
-            "kind": kind,
-            "arch": arch,
-            "file": name,
-            "bytes": len(data),
-            "sha256": sha256(data),
-            "seconds": round(dt, 2),
-        }
+        return artifact(kind, arch, name, data, dt)
 
     with ThreadPoolExecutor(jobs) as pool:
         artifacts = list(pool.map(one, jobs_list))
@@ -200,14 +205,7 @@ def build_nvrtc(out: Path, spec: dict, jobs: int) -> dict:
             raise RuntimeError(f"NVRTC {arch}: warning treated as error:\n{log}")
         check_defines_all(data, name)
         (out / name).write_bytes(data)
-        return {
-            "kind": kind,
-            "arch": arch,
-            "file": name,
-            "bytes": len(data),
-            "sha256": sha256(data),
-            "seconds": round(dt, 2),
-        }
+        return artifact(kind, arch, name, data, dt)
 
     with ThreadPoolExecutor(jobs) as pool:
         artifacts = list(pool.map(one, jobs_list))
@@ -232,14 +230,7 @@ def build_hipcc(out: Path, spec: dict, jobs: int) -> dict:
         dt, _ = run([hipcc, "--genco", f"--offload-arch={arch}", *HIPCC, "-o", str(out / name), str(SOURCE)], env)
         data = (out / name).read_bytes()
         check_defines_all(data, name)
-        return {
-            "kind": "hsaco",
-            "arch": arch,
-            "file": name,
-            "bytes": len(data),
-            "sha256": sha256(data),
-            "seconds": round(dt, 2),
-        }
+        return artifact("hsaco", arch, name, data, dt)
 
     with ThreadPoolExecutor(jobs) as pool:
         artifacts = list(pool.map(one, spec["gfx"]))
