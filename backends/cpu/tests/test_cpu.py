@@ -98,6 +98,11 @@ def make_kv(
 SHAPES = {
     "decode-gqa8-d128": (64, 8, 128, [300], [1], True, None, 16),
     "decode-gqa4-d128-bench-shape": (32, 8, 128, [333, 64], [1, 1], True, None, 16),  # the fused decode kernels
+    # the AVX-512 decode fast path (kern_avx512_decode.h): a window that starts mid-group, pages of
+    # 32 and 64 rows, lengths around the 16-row groups and 64-token tiles
+    "decode-d128-window-mid-group": (32, 8, 128, [300, 77], [1, 1], True, 45, 16),
+    "decode-d128-gqa8-bs32": (16, 2, 128, [129, 1, 16], [1, 1, 1], True, None, 32),
+    "decode-d128-bs64-edges": (8, 2, 128, [65, 15, 64, 200], [1, 1, 1, 1], True, None, 64),
     "prefill-gqa4-d128": (8, 2, 128, [90], [20], True, None, 16),
     "12-kv-heads-two-groups": (24, 12, 64, [150, 3], [2, 1], True, 100, 4),  # items split the heads 6 + 6
     "prefill-chunks-window": (8, 2, 64, [150, 40], [70, 40], True, 33, 8),
@@ -115,7 +120,7 @@ def test_attention_per_isa(isa, fmt, shape):
         pytest.skip("quantized formats need head_dim % 32 == 0")
     rng = np.random.default_rng(11)
     be = CpuBackend(isa=isa, kv_split=64)  # small splits: the merge runs in every shape
-    c = cache(fmt, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + 64)
+    c = cache(fmt, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens))
     seqs, ks, vs = make_kv(rng, fmt, lens, n_kv, dim, c)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
@@ -133,6 +138,24 @@ def test_mixed_formats_all_isas(kf, vf):
         q = rng.standard_normal((3, 8, 64), dtype=np.float32)
         err = np.abs(c.attention(0, q, seqs, [3]) - attention_f64(q, ks, vs, [3])).max()
         assert err <= CpuBackend.attention_tolerance, isa
+
+
+@pytest.mark.parametrize("kf,vf", [("q8_0", "q4_0"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize("split", [0, 100])
+def test_decode_fast_path_mixed_formats(kf, vf, split):
+    """Decode with head_dim 128 and GQA 4 (the AVX-512 fast path where it runs), K and V in different
+    formats, slices that start mid-group (split 100), against float64 and the AVX2 kernels."""
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((4, 16, 128), dtype=np.float32)
+    outs = {}
+    for isa in ISAS:
+        c = cache(kf, CpuBackend(isa=isa, kv_split=split), heads=4, dim=128, cap=1400, vfmt=vf)
+        seqs, ks, vs = make_kv(np.random.default_rng(4), kf, [700, 1, 17, 450], 4, 128, c, vfmt=vf)
+        outs[isa] = c.attention(0, q, seqs, [1, 1, 1, 1], window=None if split else 300)
+        want = attention_f64(q, ks, vs, [1, 1, 1, 1], window=None if split else 300)
+        assert float(np.abs(outs[isa] - want).max()) <= c.backend.attention_tolerance, isa
+    for isa, out in outs.items():
+        assert float(np.abs(out - outs[ISAS[0]]).max()) <= 2 * CpuBackend.INT_TOLERANCE, isa
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f16"])

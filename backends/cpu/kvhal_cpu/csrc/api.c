@@ -3,6 +3,7 @@
  * runs them on the thread pool and merges split-KV partials with a log-sum-exp. */
 #define _GNU_SOURCE
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,7 +25,7 @@ static int kv_has_f16c(void) {
 
 KV_EXPORT int kvc_abi_version(void) { return 1; }
 
-KV_EXPORT int kvc_isa_supported(int isa) {
+static int isa_probe(int isa) {
     switch (isa) {
     case KV_ISA_SCALAR:
         return 1;
@@ -34,7 +35,7 @@ KV_EXPORT int kvc_isa_supported(int isa) {
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && kv_has_f16c();
     case KV_ISA_AVX512:
         __builtin_cpu_init();
-        return kvc_isa_supported(KV_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+        return isa_probe(KV_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
 #endif
@@ -45,6 +46,18 @@ KV_EXPORT int kvc_isa_supported(int isa) {
     default:
         return 0;
     }
+}
+
+/* cpuid traps to the hypervisor in a VM (microseconds each): probe once, then answer from the cache */
+KV_EXPORT int kvc_isa_supported(int isa) {
+    static _Atomic int known[KV_NISA]; /* 0: not probed yet, 1: no, 2: yes */
+    if (isa < 0 || isa >= KV_NISA) return 0;
+    int k = atomic_load_explicit(&known[isa], memory_order_relaxed);
+    if (!k) {
+        k = isa_probe(isa) ? 2 : 1;
+        atomic_store_explicit(&known[isa], k, memory_order_relaxed);
+    }
+    return k == 2;
 }
 
 KV_EXPORT int kvc_best_isa(void) {

@@ -12,6 +12,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))), apply_to = function)
@@ -57,6 +58,7 @@ static inline __m512 kv_exp2_512(__m512 x) {
 #define F32_TO_F16_1(x) ((uint16_t)_cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT))
 
 #include "kern_avx512_int.h"
+#include "kern_avx512_decode.h"
 
 /* q8_0 / q4_0 rows, 16 lanes at a time, bit-exact with the template's scalar loops (same operations in
  * the same order: x*id, exact roundf via trunc and the exact fraction, trunc(x*id + 8.5)) */
