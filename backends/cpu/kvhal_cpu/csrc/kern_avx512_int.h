@@ -26,6 +26,9 @@
 #define VNNI_BCAST(op, acc, a, m) __asm__(op " %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(m))
 #define DPBUSD_B(acc, a, m) VNNI_BCAST("vpdpbusd", acc, a, m)
 #define DPWSSD_B(acc, a, m) VNNI_BCAST("vpdpwssd", acc, a, m)
+/* the same ops with the broadcast already in a register */
+#define INT_DPB(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#define INT_DPW(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 
 static const int kv_block_bytes[KV_NFMT] = {0, 0, 0, 34, 18, 20, 22, 24};
 
@@ -404,16 +407,22 @@ static __attribute__((noinline)) void int_v_dot4(const __m512i *vx, const int32_
 }
 
 /* decode (4 rows per KV head): interleave and accumulate in one pass, no staging of vx */
+/* each weight pair is broadcast into a register once and feeds both VNNI ops of its row: a memory
+ * broadcast per op made the loop bound by load ports (also used by kern_avx512_decode.h) */
 #define INT_V_ACC4(X0, X1, U)                                                                              \
     do {                                                                                                   \
-        DPWSSD_B(a0, X0, w0[U]);                                                                           \
-        DPWSSD_B(a1, X1, w0[U]);                                                                           \
-        DPWSSD_B(a2, X0, w1[U]);                                                                           \
-        DPWSSD_B(a3, X1, w1[U]);                                                                           \
-        DPWSSD_B(a4, X0, w2[U]);                                                                           \
-        DPWSSD_B(a5, X1, w2[U]);                                                                           \
-        DPWSSD_B(a6, X0, w3[U]);                                                                           \
-        DPWSSD_B(a7, X1, w3[U]);                                                                           \
+        __m512i wb = _mm512_set1_epi32(w0[U]);                                                             \
+        INT_DPW(a0, X0, wb);                                                                               \
+        INT_DPW(a1, X1, wb);                                                                               \
+        wb = _mm512_set1_epi32(w1[U]);                                                                     \
+        INT_DPW(a2, X0, wb);                                                                               \
+        INT_DPW(a3, X1, wb);                                                                               \
+        wb = _mm512_set1_epi32(w2[U]);                                                                     \
+        INT_DPW(a4, X0, wb);                                                                               \
+        INT_DPW(a5, X1, wb);                                                                               \
+        wb = _mm512_set1_epi32(w3[U]);                                                                     \
+        INT_DPW(a6, X0, wb);                                                                               \
+        INT_DPW(a7, X1, wb);                                                                               \
     } while (0)
 
 static __attribute__((noinline)) void int_v_fused4(int fmt, const uint8_t *const *rows, int b, const int32_t *w,
