@@ -258,7 +258,7 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             /* the next step's rows (next head of this tile, else the next tile's first head): its K
              * during this step's K work, its V during this step's V work */
             dec_pf pfk = {{0}, 0, 0, 0, 16 * krb}, pfv = {{0}, 0, 0, 0, 16 * vrb};
-            {
+            if (c->prefetch) {
                 const int last = hh + 1 == it->nheads, n = last ? ng1 : ng;
                 const int64_t *rows = last ? nxt : cur, ph = last ? it->head0 : h + 1;
                 for (int g = 0; g < n; g++) {

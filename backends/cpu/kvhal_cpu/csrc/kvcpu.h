@@ -53,6 +53,7 @@ typedef struct {
     const uint8_t *kpool, *vpool;
     const int32_t *block_table, *seq_lens, *q_lens;
     const int64_t *q_start; /* first q row of each sequence */
+    int prefetch;           /* software prefetch of the rows ahead: the call's K/V outgrows the cache */
 } kv_call;
 
 /* One unit of work: query positions [pos0, pos0+npos) of one sequence and KV heads
