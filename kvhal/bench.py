@@ -40,9 +40,17 @@ class Row:
     speedup_vs_sdpa_bf16: float | None = None
 
 
+WARMUP_S = 0.02  # steady state, as in a decode loop: pools awake, clocks up, caches warm
+
+
 def median_time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
-    fn()
-    sync()
+    # one warm-up call left the first timed calls of a figure ~25% slow on a VM (a thread pool that
+    # slept through the previous figure, clocks ramping): warm up for at least 3 calls and WARMUP_S
+    start, calls = time.perf_counter(), 0
+    while calls < 3 or time.perf_counter() - start < WARMUP_S:
+        fn()
+        sync()
+        calls += 1
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
