@@ -5,8 +5,8 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "kvcpu.h"
 
@@ -254,21 +254,21 @@ static void *aligned(size_t n) {
 /* Software prefetch of the next rows pays only when the call's K/V comes from DRAM: with it all in
  * the last-level cache it cost 6-25% (Zen 5, 2 threads: q4_0 8k, 9.4 MB, 487 vs 552 us without; q4_0
  * 12k, 14 MB, 843 vs 945 us with). The crossover sat near a third of the 32 MiB L3. */
-static int prefetch_pays(const kv_call *c) {
-    /* the L3 this core shares (sysfs; glibc's sysconf sums every CCX of the socket on AMD) */
-    static int64_t llc = -1;
-    if (llc < 0) {
+static int prefetch_pays(int64_t kv_bytes) {
+    /* the L3 this core shares, read once (sysfs; glibc's sysconf sums every CCX of the socket on AMD) */
+    static _Atomic int64_t llc;
+    int64_t n = atomic_load_explicit(&llc, memory_order_relaxed);
+    if (!n) {
         long kib = 0;
         FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
         if (f) {
             if (fscanf(f, "%ldK", &kib) != 1) kib = 0;
             fclose(f);
         }
-        llc = kib > 0 ? (int64_t)kib << 10 : (int64_t)32 << 20;
+        n = kib > 0 ? (int64_t)kib << 10 : (int64_t)32 << 20;
+        atomic_store_explicit(&llc, n, memory_order_relaxed);
     }
-    int64_t bytes = 0;
-    for (int s = 0; s < c->n_seqs; s++) bytes += (int64_t)c->seq_lens[s] * c->n_kv_heads * (c->krow + c->vrow);
-    return bytes > llc / 3;
+    return kv_bytes > n / 3;
 }
 
 KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vfmt, const float *q, float *out,
@@ -290,12 +290,11 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
         q_start[s] = acc;
         acc += q_lens[s];
     }
-    c.prefetch = prefetch_pays(&c);
     /* positions per item: enough GQA rows to share each K/V byte read, and all of one decode step */
     int npc = KV_ROWS_TARGET / G > 0 ? KV_ROWS_TARGET / G : 1;
     int n_hg = (n_kv_heads + KV_HEAD_GROUP - 1) / KV_HEAD_GROUP, hg = (n_kv_heads + n_hg - 1) / n_hg;
     int rows_max = 0;
-    int64_t n_items = 0, n_parts = 0, n_groups = 0;
+    int64_t n_items = 0, n_parts = 0, n_groups = 0, kv_bytes = 0;
     for (int s = 0; s < n_seqs; s++) {
         int n_kv = seq_lens[s], n_q = q_lens[s];
         for (int p0 = 0; p0 < n_q; p0 += npc) {
@@ -305,6 +304,7 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
             kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
             hi = hi2;
             if (np * G * hg > rows_max) rows_max = np * G * hg;
+            if (hi >= lo) kv_bytes += (int64_t)(hi - lo + 1) * n_kv_heads * (c.krow + c.vrow); /* what the items read */
             int pieces = 1;
             if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
             n_items += (int64_t)pieces * n_hg;
@@ -314,6 +314,7 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
             }
         }
     }
+    c.prefetch = prefetch_pays(kv_bytes);
     kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
     kv_group *groups = (kv_group *)malloc(sizeof(kv_group) * (size_t)(n_groups + 1));
     float *pm = (float *)aligned(sizeof(float) * (size_t)(n_parts * rows_max + 1));
