@@ -258,6 +258,7 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             /* the next step's rows (next head of this tile, else the next tile's first head): its K
              * during this step's K work, its V during this step's V work */
             dec_pf pfk = {{0}, 0, 0, 0, 16 * krb}, pfv = {{0}, 0, 0, 0, 16 * vrb};
+            int kq = 0, vq = 0; /* lines per K block / per V call; 0 (and no divisions) with prefetch off */
             if (c->prefetch) {
                 const int last = hh + 1 == it->nheads, n = last ? ng1 : ng;
                 const int64_t *rows = last ? nxt : cur, ph = last ? it->head0 : h + 1;
@@ -265,9 +266,9 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                     pfk.p[pfk.n++] = c->kpool + (rows[g] + ph * head_rows) * krb;
                     pfv.p[pfv.n++] = c->vpool + (rows[g] + ph * head_rows) * vrb;
                 }
+                kq = (pfk.n * 16 * krb / 64 + 2 * DEC_NB - 1) / (2 * DEC_NB);
+                vq = (pfv.n * 16 * vrb / 64 + DEC_NB * ng * (R / 4) - 1) / (DEC_NB * ng * (R / 4));
             }
-            const int kq = (pfk.n * 16 * krb / 64 + 2 * DEC_NB - 1) / (2 * DEC_NB); /* lines per K block */
-            const int vq = (pfv.n * 16 * vrb / 64 + DEC_NB * ng * (R / 4) - 1) / (DEC_NB * ng * (R / 4));
             /* K: scales, then scores of 32 tokens at a time */
             for (int g = 0; g < KV_T / 16; g++) dec_scales16(kf, kg[g], L.kd + 16 * g);
             for (int u = 0; u < KV_T / 32; u++) dec_k_unit(kf, kg[2 * u], kg[2 * u + 1], &L, r0, R, 32 * u, ws->s, &pfk, kq);
