@@ -11,7 +11,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_neon.c"]
+SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_avx512_t128.c", "kern_neon.c"]
 
 
 class BuildLib(build_ext):

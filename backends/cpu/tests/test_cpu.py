@@ -21,6 +21,10 @@ from tests.oracle import attention_f64
 kvhal_cpu = pytest.importorskip("kvhal_cpu")
 CpuBackend = kvhal_cpu.CpuBackend
 ISAS = kvhal_cpu.available_isas()
+# (isa, tile): AVX-512 has a 64- and a 128-token build; small calls (all of these tests) take 128 by
+# default, so the 64-token one is forced here
+PATHS = [(isa, 0) for isa in ISAS] + ([("avx512", 64)] if "avx512" in ISAS else [])
+PATH_IDS = [f"{isa}-tile{tile}" if tile else isa for isa, tile in PATHS]
 FORMATS = formats.names()
 F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and use FMA
 
@@ -111,15 +115,15 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,tile", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_attention_per_isa(isa, fmt, shape):
+def test_attention_per_isa(isa, tile, fmt, shape):
     n_heads, n_kv, dim, lens, q_lens, causal, window, bs = SHAPES[shape]
     if dim % 32 and fmt.startswith("q"):
         pytest.skip("quantized formats need head_dim % 32 == 0")
     rng = np.random.default_rng(11)
-    be = CpuBackend(isa=isa, kv_split=64)  # small splits: the merge runs in every shape
+    be = CpuBackend(isa=isa, kv_split=64, tile=tile)  # small splits: the merge runs in every shape
     c = cache(fmt, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens))
     seqs, ks, vs = make_kv(rng, fmt, lens, n_kv, dim, c)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
@@ -148,14 +152,39 @@ def test_decode_fast_path_mixed_formats(kf, vf, split):
     rng = np.random.default_rng(21)
     q = rng.standard_normal((4, 16, 128), dtype=np.float32)
     outs = {}
-    for isa in ISAS:
-        c = cache(kf, CpuBackend(isa=isa, kv_split=split), heads=4, dim=128, cap=1400, vfmt=vf)
+    for isa, tile in PATHS:
+        c = cache(kf, CpuBackend(isa=isa, kv_split=split, tile=tile), heads=4, dim=128, cap=1400, vfmt=vf)
         seqs, ks, vs = make_kv(np.random.default_rng(4), kf, [700, 1, 17, 450], 4, 128, c, vfmt=vf)
-        outs[isa] = c.attention(0, q, seqs, [1, 1, 1, 1], window=None if split else 300)
+        outs[isa, tile] = c.attention(0, q, seqs, [1, 1, 1, 1], window=None if split else 300)
         want = attention_f64(q, ks, vs, [1, 1, 1, 1], window=None if split else 300)
-        assert float(np.abs(outs[isa] - want).max()) <= c.backend.attention_tolerance, isa
-    for isa, out in outs.items():
-        assert float(np.abs(out - outs[ISAS[0]]).max()) <= 2 * CpuBackend.INT_TOLERANCE, isa
+        assert float(np.abs(outs[isa, tile] - want).max()) <= c.backend.attention_tolerance, (isa, tile)
+    for path, out in outs.items():
+        assert float(np.abs(out - outs[PATHS[0]]).max()) <= 2 * CpuBackend.INT_TOLERANCE, path
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="only the AVX-512 kernels have two tile sizes")
+def test_tile_auto_takes_128_for_cache_resident_calls():
+    """tile 0 picks the 128-token build when K/V fits in a third of the L3 (every call here does):
+    the same bits as tile=128, and within tolerance of tile=64, which rounds p*d_v per 64 tokens."""
+    q = np.random.default_rng(6).standard_normal((2, 32, 128), dtype=np.float32)
+    outs = {}
+    for tile in (0, 64, 128):
+        c = cache("q4_0", CpuBackend(isa="avx512", tile=tile), heads=8, dim=128, cap=1200)
+        seqs, ks, vs = make_kv(np.random.default_rng(8), "q4_0", [900, 200], 8, 128, c)
+        outs[tile] = c.attention(0, q, seqs, [1, 1])
+    np.testing.assert_array_equal(outs[0], outs[128])
+    assert 0 < float(np.abs(outs[64] - outs[128]).max()) <= CpuBackend.INT_TOLERANCE
+
+
+def test_tile_option_is_checked(monkeypatch):
+    for bad in (32, 256, -1, True, 64.0):
+        with pytest.raises(kvhal.SpecError, match="tile must be one of 0, 64, 128"):
+            CpuBackend(tile=bad)
+    monkeypatch.setenv("KVHAL_CPU_TILE", "64")
+    assert CpuBackend().tile == 64 and CpuBackend(tile=128).tile == 128
+    monkeypatch.setenv("KVHAL_CPU_TILE", "big")
+    with pytest.raises(kvhal.BackendUnavailableError, match="KVHAL_CPU_TILE"):
+        CpuBackend()
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f16"])
@@ -272,7 +301,7 @@ def test_instance_tolerance_names_the_path_taken(isa):
 
 NATIVE = Path(__file__).parent / "native" / "isa_check.c"
 CSRC = Path(kvhal_cpu.__file__).parent / "csrc"
-SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_neon.c"]
+SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_avx512_t128.c", "kern_neon.c"]
 
 
 def _build_and_run(cc: str, runner: list[str], tmp_path: Path) -> str:

@@ -24,7 +24,7 @@ static int kv_has_f16c(void) {
 }
 #endif
 
-KV_EXPORT int kvc_abi_version(void) { return 1; }
+KV_EXPORT int kvc_abi_version(void) { return 2; }
 
 static int isa_probe(int isa) {
     switch (isa) {
@@ -274,10 +274,11 @@ static int prefetch_pays(int64_t kv_bytes) {
 KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vfmt, const float *q, float *out,
                             const uint8_t *kpool, const uint8_t *vpool, const int32_t *block_table,
                             const int32_t *seq_lens, const int32_t *q_lens, int n_seqs, int max_blocks,
-                            int n_heads, int n_kv_heads, int D, int bs, float scale, int causal, int window) {
+                            int n_heads, int n_kv_heads, int D, int bs, float scale, int causal, int window,
+                            int tile) {
     const kv_isa *isa = get_isa(isa_id);
     if (!isa) return KV_EUNSUPPORTED;
-    if (n_seqs <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads) return KV_EARG;
+    if (n_seqs <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads || (tile && tile != 64 && tile != 128)) return KV_EARG;
     if (threads < 1) threads = 1;
     const int G = n_heads / n_kv_heads;
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
@@ -315,6 +316,11 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
         }
     }
     c.prefetch = prefetch_pays(kv_bytes);
+#if defined(__x86_64__) || defined(_M_X64)
+    /* AVX-512 tiles (tile 0: by where K/V sits): 128 tokens from the LLC, 64 with prefetch from DRAM
+     * (kern_avx512_t128.c says why) */
+    if (isa == &kv_isa_avx512 && (tile == 128 || (tile == 0 && !c.prefetch))) isa = &kv_isa_avx512_t128;
+#endif
     kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
     kv_group *groups = (kv_group *)malloc(sizeof(kv_group) * (size_t)(n_groups + 1));
     float *pm = (float *)aligned(sizeof(float) * (size_t)(n_parts * rows_max + 1));

@@ -26,7 +26,7 @@ enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_NISA };
 #define KV_QK 32 /* values per quantized block */
 /* KV tokens per attention tile, per ISA (each kern_*.c is its own translation unit and may define
  * KV_T before including this); KV_T_MAX sizes the shared score buffer */
-#define KV_T_MAX 64
+#define KV_T_MAX 128
 #ifndef KV_T
 #define KV_T 32
 #endif
@@ -89,6 +89,7 @@ extern const kv_isa kv_isa_scalar;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const kv_isa kv_isa_avx2;
 extern const kv_isa kv_isa_avx512;
+extern const kv_isa kv_isa_avx512_t128; /* the same kernels with 128-token tiles */
 #endif
 #if defined(__aarch64__)
 extern const kv_isa kv_isa_neon;

@@ -15,7 +15,7 @@ int kvc_load(int isa, int threads, int fmt, const uint8_t *pool, const int64_t *
 int kvc_attention(int isa, int threads, int split, int kfmt, int vfmt, const float *q, float *out, const uint8_t *kpool,
                   const uint8_t *vpool, const int32_t *block_table, const int32_t *seq_lens, const int32_t *q_lens,
                   int n_seqs, int max_blocks, int n_heads, int n_kv_heads, int D, int bs, float scale, int causal,
-                  int window);
+                  int window, int tile);
 
 static const int BB[8] = {4, 2, 2, 34, 18, 20, 22, 24};
 static int64_t row_bytes(int fmt, int d) { return fmt >= 3 ? d / 32 * BB[fmt] : (int64_t)d * BB[fmt]; }
@@ -67,18 +67,20 @@ int main(void) {
             }
             /* attention on unit-scale K (the edge-case blocks above are for the quantizers only) */
             kvc_store(0, 1, fmt, fmt, k + 4 * 32, v, N - 1, H, D, p[0], p[1], slots, BS);
-            for (int causal = 0; causal < 2; causal++) {
-                kvc_attention(0, 1, 0, fmt, fmt, q, o0, p[0], p[1], table, lens, qlens, 2, NB, HQ, H, D, BS, 0.125f,
-                              causal, causal ? 0 : 20);
-                kvc_attention(isa, 2, 32, fmt, fmt, q, o1, p[0], p[1], table, lens, qlens, 2, NB, HQ, H, D, BS, 0.125f,
-                              causal, causal ? 0 : 20);
-                float err = 0.0f;
-                for (int i = 0; i < 3 * HQ * D; i++) err = fmaxf(err, fabsf(o0[i] - o1[i]));
-                if (!(err <= (isa == 2 && fmt >= 3 ? 3e-4f : 1e-5f))) { /* avx512: integer kernels */
-                    printf("isa %d fmt %d causal %d: attention differs by %g\n", isa, fmt, causal, err);
-                    fails++;
+            /* tiles 64 and 128: the two AVX-512 builds (other ISAs have one tile size) */
+            for (int causal = 0; causal < 2; causal++)
+                for (int tile = 64; tile <= 128; tile += 64) {
+                    kvc_attention(0, 1, 0, fmt, fmt, q, o0, p[0], p[1], table, lens, qlens, 2, NB, HQ, H, D, BS,
+                                  0.125f, causal, causal ? 0 : 20, 0);
+                    kvc_attention(isa, 2, 32, fmt, fmt, q, o1, p[0], p[1], table, lens, qlens, 2, NB, HQ, H, D, BS,
+                                  0.125f, causal, causal ? 0 : 20, tile);
+                    float err = 0.0f;
+                    for (int i = 0; i < 3 * HQ * D; i++) err = fmaxf(err, fabsf(o0[i] - o1[i]));
+                    if (!(err <= (isa == 2 && fmt >= 3 ? 3e-4f : 1e-5f))) { /* avx512: integer kernels */
+                        printf("isa %d fmt %d causal %d tile %d: attention differs by %g\n", isa, fmt, causal, tile, err);
+                        fails++;
+                    }
                 }
-            }
             for (int j = 0; j < 4; j++) free(p[j]);
             checked++;
         }
