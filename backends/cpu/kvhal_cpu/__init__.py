@@ -11,8 +11,8 @@ Options (``backend_options`` of ``KVCache``, or ``CpuBackend(...)``):
   kv_split  KV tokens per split-KV slice (0: never split); default 1024. Slices depend only on the
             shapes, never on the thread count, so results do not change with ``threads``.
   tile      KV tokens per tile of the AVX-512 kernels: 64, 128, or 0 (default ``KVHAL_CPU_TILE`` or 0: 128
-            when the call's K/V fits in a third of the L3, else 64 with software prefetch). Other ISAs
-            have one tile size and ignore it.
+            when K and V are both quantized and the call's K/V fits in a third of the L3, else 64).
+            Other ISAs have one tile size and ignore it.
 """
 
 from __future__ import annotations

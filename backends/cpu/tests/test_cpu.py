@@ -163,16 +163,19 @@ def test_decode_fast_path_mixed_formats(kf, vf, split):
 
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="only the AVX-512 kernels have two tile sizes")
-def test_tile_auto_takes_128_for_cache_resident_calls():
-    """tile 0 picks the 128-token build when K/V fits in a third of the L3 (every call here does):
-    the same bits as tile=128, and within tolerance of tile=64, which rounds p*d_v per 64 tokens."""
+@pytest.mark.parametrize(
+    "kf,vf,auto", [("q4_0", "q4_0", 128), ("q8_0", "q5_1", 128), ("f16", "f16", 64), ("q8_0", "bf16", 64)]
+)
+def test_tile_auto_picks_by_format_for_cache_resident_calls(kf, vf, auto):
+    """tile 0 picks the 128-token build for quantized K and V when K/V fits in a third of the L3 (every
+    call here does), else 64: the same bits as that tile, and within tolerance of the other one."""
     q = np.random.default_rng(6).standard_normal((2, 32, 128), dtype=np.float32)
     outs = {}
     for tile in (0, 64, 128):
-        c = cache("q4_0", CpuBackend(isa="avx512", tile=tile), heads=8, dim=128, cap=1200)
-        seqs, ks, vs = make_kv(np.random.default_rng(8), "q4_0", [900, 200], 8, 128, c)
+        c = cache(kf, CpuBackend(isa="avx512", tile=tile), heads=8, dim=128, cap=1200, vfmt=vf)
+        seqs, ks, vs = make_kv(np.random.default_rng(8), kf, [900, 200], 8, 128, c, vfmt=vf)
         outs[tile] = c.attention(0, q, seqs, [1, 1])
-    np.testing.assert_array_equal(outs[0], outs[128])
+    np.testing.assert_array_equal(outs[0], outs[auto])
     assert 0 < float(np.abs(outs[64] - outs[128]).max()) <= CpuBackend.INT_TOLERANCE
 
 

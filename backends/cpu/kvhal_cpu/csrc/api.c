@@ -317,9 +317,11 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
     }
     c.prefetch = prefetch_pays(kv_bytes);
 #if defined(__x86_64__) || defined(_M_X64)
-    /* AVX-512 tiles (tile 0: by where K/V sits): 128 tokens from the LLC, 64 with prefetch from DRAM
-     * (kern_avx512_t128.c says why) */
-    if (isa == &kv_isa_avx512 && (tile == 128 || (tile == 0 && !c.prefetch))) isa = &kv_isa_avx512_t128;
+    /* AVX-512 tiles (tile 0: by format and where K/V sits): 128 tokens for quantized K and V from the
+     * LLC, else 64 (kern_avx512_t128.c says why) */
+    if (isa == &kv_isa_avx512 &&
+        (tile == 128 || (tile == 0 && !c.prefetch && kv_is_quant(kfmt) && kv_is_quant(vfmt))))
+        isa = &kv_isa_avx512_t128;
 #endif
     kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
     kv_group *groups = (kv_group *)malloc(sizeof(kv_group) * (size_t)(n_groups + 1));
