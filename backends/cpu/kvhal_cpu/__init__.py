@@ -224,16 +224,8 @@ class CpuBackend(Backend):
         if tile is None:
             tile = 0
         if not isinstance(tile, int) or isinstance(tile, bool) or tile not in TILES:
-            raise SpecError(f"tile must be one of {', '.join(map(str, TILES))} (0: by where K/V sits), got {tile!r}")
+            raise SpecError(f"tile must be one of {', '.join(map(str, TILES))} (0: chosen per call), got {tile!r}")
         self.tile = tile
-        self._pool_ptrs: dict[int, tuple[LayerPools, int, int]] = {}
-
-    def _pools(self, pools: LayerPools) -> tuple[int, int]:
-        """The K and V pool addresses, looked up once per pool pair (they never move)."""
-        hit = self._pool_ptrs.get(id(pools))
-        if hit is None or hit[0] is not pools:
-            hit = self._pool_ptrs[id(pools)] = (pools, _ptr(pools.k), _ptr(pools.v))
-        return hit[1], hit[2]
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -302,10 +294,9 @@ class CpuBackend(Backend):
         bt = np.ascontiguousarray(block_table, dtype=np.int32)
         sl = np.ascontiguousarray(seq_lens, dtype=np.int32)
         ql = np.ascontiguousarray(q_lens, dtype=np.int32)
-        kp, vp = self._pools(pools)
         rc = self._lib.kvc_attention(
-            self._isa, self.threads, self.kv_split, self._kf, self._vf, _ptr(q), _ptr(out), kp, vp, _ptr(bt),
-            _ptr(sl), _ptr(ql), sl.shape[0], bt.shape[1], q.shape[1], spec.n_kv_heads, spec.head_dim,
+            self._isa, self.threads, self.kv_split, self._kf, self._vf, _ptr(q), _ptr(out), _ptr(pools.k),
+            _ptr(pools.v), _ptr(bt), _ptr(sl), _ptr(ql), sl.shape[0], bt.shape[1], q.shape[1], spec.n_kv_heads, spec.head_dim,
             spec.block_size, scale, int(causal), int(window or 0), self.tile,
         )  # fmt: skip
         self._check(rc, "attention")
