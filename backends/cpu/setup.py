@@ -6,12 +6,16 @@ cpuid; so the wheel is one per platform (abi3: any CPython >= 3.10) and first us
 
 from __future__ import annotations
 
+import glob
 import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["api.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_avx512_t128.c", "kern_neon.c"]
+# every .c in csrc is one translation unit (each ISA file carries its own target pragmas)
+SOURCES = sorted(glob.glob("kvhal_cpu/csrc/*.c"))
+if not SOURCES:
+    raise SystemExit("kvhal_cpu/csrc/*.c not found: build from backends/cpu (pip install backends/cpu)")
 
 
 class BuildLib(build_ext):
@@ -30,7 +34,7 @@ setup(
     ext_modules=[
         Extension(
             "kvhal_cpu._kvcpu",
-            sources=[f"kvhal_cpu/csrc/{s}" for s in SOURCES],
+            sources=SOURCES,
             extra_compile_args=args,
             extra_link_args=["-pthread"],
             libraries=["m"],
