@@ -20,6 +20,7 @@ from .errors import (
     SequenceError,
     ShapeError,
     SpecError,
+    TierError,
     UnsupportedError,
 )
 from .interop import to_numpy
@@ -46,6 +47,7 @@ __all__ = [
     "SequenceError",
     "ShapeError",
     "SpecError",
+    "TierError",
     "UnsupportedError",
     "backends",
     "formats",

@@ -48,3 +48,7 @@ class PositionError(KVHalError, IndexError):
 
 class SpecError(KVHalError, ValueError):
     """An invalid CacheSpec or KVCache argument."""
+
+
+class TierError(KVHalError):
+    """A block tier (kvhal.tiers) got a bad argument or cannot be set up; lookups themselves never raise."""
