@@ -30,16 +30,20 @@ class HostTier(Tier):
         return out
 
     def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]:
+        pending: dict[BlockKey, bytes | memoryview] = {}
         for k, p in zip(keys, payloads):
-            if k in self._data:
+            if k in self._lru:
                 self._lru.touch(k)
             elif len(p) <= self._lru.max_bytes:
-                self._data[k] = bytes(p)  # no copy for bytes; a view is copied so the caller may reuse its buffer
-                self._stats.puts += 1
+                pending[k] = p
                 for old in self._lru.add(k, len(p)):
-                    del self._data[old]
-                    self._evicted()
-        return [k in self._data for k in keys]
+                    if pending.pop(old, None) is None:  # else: pushed out by a later block of this call
+                        del self._data[old]
+                        self._evicted()
+        for k, p in pending.items():
+            self._data[k] = bytes(p)  # no copy for bytes; a view is copied so the caller may reuse its buffer
+        self._stats.puts += len(pending)
+        return [k in self._lru for k in keys]
 
     def _delete(self, keys: list[BlockKey]) -> int:
         n = 0

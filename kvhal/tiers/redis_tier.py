@@ -116,7 +116,11 @@ class RedisTier(Tier):
         groups: dict[bytes, list[int]] = {}  # one MGET per namespace: one slot each on a Cluster
         for i, k in enumerate(keys):
             groups.setdefault(k.namespace, []).append(i)
-        res = self._pipeline(lambda p: [p.mget([redis_key(keys[i]) for i in idx]) for idx in groups.values()])
+        # execute_command: redis-py's Cluster pipeline refuses its mget() method, but routes an MGET whose keys
+        # share a slot, as one namespace's do
+        res = self._pipeline(
+            lambda p: [p.execute_command("MGET", *[redis_key(keys[i]) for i in idx]) for idx in groups.values()]
+        )
         out: list[bytes | None] = [None] * len(keys)
         if res is None:
             return out

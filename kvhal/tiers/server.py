@@ -51,8 +51,9 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = (self.workdir / "redis.log").read_text(errors="replace")[-500:]
-                raise TierError(f"redis-server exited at start (port {self.port} taken?): {tail}")
+                log = (self.workdir / "redis.log").read_text(errors="replace").splitlines()
+                why = " | ".join(line for line in log if " # " in line)[-400:]  # its warnings
+                raise TierError(f"redis-server on port {self.port} exited at start: {why}")
             if self.ping():
                 return self
             time.sleep(0.02)
