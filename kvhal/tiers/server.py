@@ -51,8 +51,8 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = (self.workdir / "redis.log").read_text(errors="replace").splitlines()
-                why = " | ".join(line for line in log if " # " in line)[-400:]  # its warnings
+                lines = (self.workdir / "redis.log").read_text(errors="replace").splitlines()
+                why = " | ".join(line for line in lines if " # " in line)[-400:]  # its warnings
                 raise TierError(f"redis-server on port {self.port} exited at start: {why}")
             if self.ping():
                 return self
