@@ -1,4 +1,4 @@
-"""The kvhal command: ``kvhal info`` and ``kvhal bench`` (``--json`` on both)."""
+"""The kvhal command: ``kvhal info``, ``kvhal bench`` and ``kvhal tiers bench`` (``--json`` on each)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
+    from .tiers import bench as tiers_bench
+
+    tiers_bench.add_arguments(sub.add_parser("tiers", help="block tiers (host RAM, disk, Redis): `kvhal tiers bench`"))
     args = p.parse_args(argv)
     try:
+        if args.cmd == "tiers":
+            return tiers_bench.main(args)
         if args.cmd == "info":
             data = info_data()
             print(json.dumps(data, indent=2) if args.json else info_text(data))

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import TierError
 from .keys import BlockKey, Payload, check_keys, check_payloads
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,9 +47,12 @@ class Tier(ABC):
     """A store of blocks by BlockKey. Arguments are checked before anything changes (TierError); after that no
     call raises for a store's failure: a missing, corrupt or unreachable block is a miss, counted in stats()."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 1) -> None:
+        """``workers`` > 1: threads that checksum and do file I/O for the blocks of one call in parallel
+        (both release the GIL)."""
         self._stats = TierStats()
         self._closed = False
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvhal-tier") if workers > 1 else None
 
     def contains(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys``, from the first, the tier holds: the length of the prefix it can serve."""
@@ -87,6 +93,8 @@ class Tier(ABC):
         if not self._closed:
             self._closed = True
             self._close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
     def __enter__(self) -> Tier:
         return self
@@ -101,6 +109,12 @@ class Tier(ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"this {type(self).__name__} is closed; open a new one")
+
+    def _map(self, fn: Callable[..., T], args: list[tuple[Any, ...]]) -> list[T]:
+        """``[fn(*a) for a in args]``, on the worker threads when there are several."""
+        if self._pool is None or len(args) < 2:
+            return [fn(*a) for a in args]
+        return list(self._pool.map(fn, *zip(*args)))
 
     def _evicted(self, n: int = 1) -> None:
         self._stats.evictions = (self._stats.evictions or 0) + n

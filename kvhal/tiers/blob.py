@@ -24,27 +24,44 @@ def blob_size(payload_len: int) -> int:
     return HEADER_SIZE + payload_len
 
 
+def blob_header(key: BlockKey, payload: bytes | memoryview) -> bytes:
+    """The header of ``payload``'s blob (a writer may send it and the payload without joining them)."""
+    return _HEADER.pack(
+        MAGIC, VERSION, 0, key.namespace, key.block_hash, len(payload), hashlib.sha256(payload).digest()
+    )
+
+
+def payload_length(key: BlockKey, header: bytes | memoryview) -> int | None:
+    """The payload length ``header`` announces if it is a current-version header of ``key``'s blob, else None."""
+    if len(header) < HEADER_SIZE:
+        return None
+    magic, version, reserved, namespace, block_hash, length, _ = _HEADER.unpack_from(header)
+    if (magic, version, reserved, namespace, block_hash) != (MAGIC, VERSION, 0, key.namespace, key.block_hash):
+        return None
+    return int(length)
+
+
+def payload_matches(header: bytes | memoryview, payload: bytes | memoryview) -> bool:
+    """Whether ``payload`` is whole and intact: the length and sha256 ``header`` (already checked) records."""
+    _, _, _, _, _, length, digest = _HEADER.unpack_from(header)
+    return len(payload) == length and hashlib.sha256(payload).digest() == digest
+
+
 def encode_blob(key: BlockKey, payload: Payload) -> bytes:
-    if not isinstance(key, BlockKey):
-        raise TierError(f"key must be a BlockKey, got {type(key).__name__}")
+    _check_key(key)
     data = check_payload(payload)
-    header = _HEADER.pack(MAGIC, VERSION, 0, key.namespace, key.block_hash, len(data), hashlib.sha256(data).digest())
-    return b"".join((header, data))
+    return b"".join((blob_header(key, data), data))
 
 
 def decode_blob(key: BlockKey, blob: Payload) -> bytes | None:
     """The payload of ``blob`` if it is an intact blob of ``key``, else None (foreign, torn, corrupt, other version)."""
+    _check_key(key)
+    view = memoryview(check_payload(blob, "blob"))
+    if payload_length(key, view) is None or not payload_matches(view, view[HEADER_SIZE:]):
+        return None
+    return bytes(view[HEADER_SIZE:])
+
+
+def _check_key(key: object) -> None:
     if not isinstance(key, BlockKey):
         raise TierError(f"key must be a BlockKey, got {type(key).__name__}")
-    view = check_payload(blob, "blob")
-    if len(view) < HEADER_SIZE:
-        return None
-    magic, version, reserved, namespace, block_hash, length, digest = _HEADER.unpack_from(view)
-    if (magic, version, reserved, namespace, block_hash) != (MAGIC, VERSION, 0, key.namespace, key.block_hash):
-        return None
-    if len(view) != HEADER_SIZE + length:
-        return None
-    payload = memoryview(view)[HEADER_SIZE:]
-    if hashlib.sha256(payload).digest() != digest:
-        return None
-    return bytes(payload)

@@ -3,7 +3,8 @@
 Layout: ``<root>/<namespace hex[:16]>/<block hash hex>.kvb``, each file one blob (blob.py). A write goes to a
 temp file in the same directory, is fsynced, renamed over the final name and the directory fsynced, so a reader
 (or a restart after kill -9) sees a whole blob or none. The LRU order lives in memory and is rebuilt from file
-mtimes at start (a hit touches its file's mtime), so a restart keeps every block in the same order.
+mtimes at start (a hit refreshes a file's mtime once it is a minute old), so a restart keeps every block, in
+the order of use to the minute.
 One writing process per directory: temp files of a live writer are left alone, those of a dead one removed.
 """
 
@@ -12,13 +13,13 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from concurrent.futures import ThreadPoolExecutor
+import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import TierError
 from .base import ByteLRU, Tier
-from .blob import HEADER_SIZE, blob_size, decode_blob, encode_blob
+from .blob import HEADER_SIZE, blob_header, blob_size, payload_length, payload_matches
 from .keys import BlockKey, check_count
 
 _DIR = re.compile(r"[0-9a-f]{16}")
@@ -26,6 +27,7 @@ _FILE = re.compile(r"[0-9a-f]{64}\.kvb")
 _TEMP = re.compile(r"\.[0-9a-f]{64}\.(\d+)\.[0-9a-f]+\.tmp")
 
 _OK, _MISSING, _CORRUPT, _ERROR = range(4)
+TOUCH_AFTER_S = 60.0
 
 
 def _rel(key: BlockKey) -> str:
@@ -51,34 +53,45 @@ def _fsync_dir(path: str) -> None:
 
 
 def _read(path: str, key: BlockKey) -> tuple[int, Any]:
-    """(state, payload or exception); runs in a worker thread (file I/O and sha256 release the GIL)."""
+    """(state, payload or exception); header and payload are read apart so the payload is not copied again."""
     try:
-        with open(path, "rb", buffering=0) as fh:
-            blob = fh.readall()
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return _MISSING, None
     except OSError as e:
         return _ERROR, e
-    payload = decode_blob(key, blob)
-    if payload is None:
-        return _CORRUPT, None
     try:
-        os.utime(path)  # the LRU order a restart rebuilds
-    except OSError:
-        pass  # deleted meanwhile: the bytes read are still whole and checked
+        st = os.fstat(fd)
+        header = os.read(fd, HEADER_SIZE)
+        n = payload_length(key, header)
+        if n is None or st.st_size != HEADER_SIZE + n:
+            return _CORRUPT, None
+        payload = os.read(fd, n)
+        while len(payload) < n and (more := os.read(fd, n - len(payload))):
+            payload += more
+        if not payload_matches(header, payload):
+            return _CORRUPT, None
+        if time.time() - st.st_mtime > TOUCH_AFTER_S:
+            os.utime(fd)  # the order a restart rebuilds follows use, at one metadata write per block per minute
+    except OSError as e:
+        return _ERROR, e
+    finally:
+        os.close(fd)
     return _OK, payload
 
 
 def _write(path: str, key: BlockKey, payload: bytes | memoryview) -> BaseException | None:
     """Write one blob crash-safe (temp, fsync, rename); the caller fsyncs the directory once per call."""
-    blob = memoryview(encode_blob(key, payload))
+    header = blob_header(key, payload)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name[:-4]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            while blob:
-                blob = blob[os.write(fd, blob) :]
+            done = os.writev(fd, [header, payload])
+            rest = memoryview(header + payload)[done:] if done < len(header) + len(payload) else b""
+            while rest:
+                rest = rest[os.write(fd, rest) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -100,11 +113,11 @@ class DiskTier(Tier):
     """
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, workers: int = 16) -> None:
-        super().__init__()
         if not isinstance(path, str | os.PathLike):
             raise TierError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
-        self._lru: ByteLRU[str] = ByteLRU(check_count("max_bytes", max_bytes))
-        workers = check_count("workers", workers)
+        budget = check_count("max_bytes", max_bytes)
+        super().__init__(check_count("workers", workers))
+        self._lru: ByteLRU[str] = ByteLRU(budget)
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -112,7 +125,6 @@ class DiskTier(Tier):
             raise TierError(f"cannot create the disk tier directory {self.path}: {e}; pass a writable directory") from e
         self._root = str(self.path)
         self._scan()
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvhal-disk")
 
     def _abs(self, rel: str) -> str:
         return os.path.join(self._root, rel)
@@ -162,11 +174,6 @@ class DiskTier(Tier):
             pass
         except OSError as e:
             self._error(e)
-
-    def _map(self, fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
-        if len(args) == 1:
-            return [fn(*args[0])]
-        return list(self._pool.map(fn, *zip(*args)))
 
     def _contains(self, keys: list[BlockKey]) -> int:
         for n, k in enumerate(keys):
@@ -264,6 +271,3 @@ class DiskTier(Tier):
 
     def _usage(self) -> tuple[int | None, int | None]:
         return len(self._lru), self._lru.total
-
-    def _close(self) -> None:
-        self._pool.shutdown(wait=True)

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import TierError
 from .base import Tier
 from .blob import decode_blob, encode_blob
-from .keys import BlockKey, check_seconds
+from .keys import BlockKey, check_count, check_seconds
 
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -31,6 +31,7 @@ class RedisTier(Tier):
     ``cluster``: True for Redis Cluster, False for one server, None to ask the server now (``INFO cluster``;
     TierError if it cannot be reached: pass True/False to connect on first use instead).
     ``socket_timeout`` / ``connect_timeout``: seconds before a call gives up on the server (then: a miss).
+    ``workers``: threads that checksum the blocks of one call in parallel.
     """
 
     def __init__(
@@ -40,8 +41,9 @@ class RedisTier(Tier):
         cluster: bool | None = None,
         socket_timeout: float = 1.0,
         connect_timeout: float = 1.0,
+        workers: int = 4,
     ) -> None:
-        super().__init__()
+        super().__init__(check_count("workers", workers))
         self._stats.evictions = None  # the server evicts; a block it dropped shows as a miss
         if not isinstance(url, str):
             raise TierError(f"url must be a str such as 'redis://127.0.0.1:6379', got {type(url).__name__}")
@@ -124,22 +126,22 @@ class RedisTier(Tier):
         out: list[bytes | None] = [None] * len(keys)
         if res is None:
             return out
-        bad = []
+        found = []
         for idx, blobs in zip(groups.values(), res):
-            if isinstance(blobs, Exception):
-                continue
-            for i, blob in zip(idx, blobs):
-                if blob is not None:
-                    out[i] = decode_blob(keys[i], blob)
-                    if out[i] is None:
-                        bad.append(keys[i])
+            if not isinstance(blobs, Exception):
+                found += [(i, blob) for i, blob in zip(idx, blobs) if blob is not None]
+        bad = []
+        for (i, _), payload in zip(found, self._map(decode_blob, [(keys[i], blob) for i, blob in found])):
+            out[i] = payload
+            if payload is None:
+                bad.append(keys[i])
         if bad:
             deleted = self._pipeline(lambda p: [p.delete(redis_key(k)) for k in bad])
             self._stats.corrupt_dropped += sum(r == 1 for r in deleted or [])
         return out
 
     def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]:
-        blobs = [encode_blob(k, p) for k, p in zip(keys, payloads)]
+        blobs = self._map(encode_blob, list(zip(keys, payloads)))
         res = self._pipeline(lambda p: [p.set(redis_key(k), b, nx=True) for k, b in zip(keys, blobs)])
         if res is None:
             return [False] * len(keys)

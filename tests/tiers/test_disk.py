@@ -31,19 +31,25 @@ def test_restart_keeps_every_block_and_the_lru_order(tmp_path: Path):
     ks = keys(4)
     data = [payload(i, 3000) for i in range(4)]
     with DiskTier(tmp_path, 10 * blob_size(3000)) as t:
-        for k, d in zip(ks, data):
-            assert t.put([k], [d]) == [True]
-            time.sleep(0.02)  # distinct mtimes (the kernel's clock is coarse)
-        assert t.get([ks[0]]) == [data[0]]  # touches block 0: now the most recent
+        assert t.put(ks, data) == [True] * 4
+    now = time.time()
+    for i, f in enumerate(block_files_of(tmp_path, ks)):  # written 40, 30, 20, 10 minutes ago
+        os.utime(f, (now - 2400 + 600 * i, now - 2400 + 600 * i))
     with DiskTier(tmp_path, 4 * blob_size(3000)) as t:
-        assert t.contains(ks) == 4  # (a get would touch them all again)
+        assert t.contains(ks) == 4
         s = t.stats()
         assert (s.blocks, s.bytes_stored, s.corrupt_dropped) == (4, 4 * blob_size(3000), 0)
-    # restart with room for 3: the oldest by use (block 1; block 0 was read last) goes at start
+        assert t.get(ks[:1]) == data[:1]  # block 0 read now: its mtime is refreshed (it was over a minute old)
+    assert block_files_of(tmp_path, ks)[0].stat().st_mtime > now - 60
+    # restart with room for 3: the least recently used (block 1: written before 2 and 3, read never) goes
     with DiskTier(tmp_path, 3 * blob_size(3000)) as t:
         assert [t.contains([k]) for k in ks] == [1, 0, 1, 1]
         assert t.stats().evictions == 1 and len(block_files(tmp_path)) == 3
         assert t.get(ks) == [data[0], None, data[2], data[3]]
+
+
+def block_files_of(root: Path, ks: list) -> list[Path]:  # type: ignore[type-arg]
+    return [root / k.namespace.hex()[:16] / f"{k.block_hash.hex()}.kvb" for k in ks]
 
 
 def test_blocks_written_by_one_process_are_read_by_another(tmp_path: Path):
