@@ -4,7 +4,9 @@ Ceilings move the same payload bytes in the same batches with nothing of kvhal i
 disk: one file written sequentially with an fsync after every batch (``dd conv=fsync`` per put call), then read
 back sequentially, both from the device (the page cache is dropped for the file, as for the tier's files, before
 every read); redis: pipelined SET / GET of values of the block size through the same client library and server.
-The host tier has no ceiling. Figures are medians of ``repeats`` runs after one warm-up run; ceiling and tier
+Disk rows also show the tier's own file pattern in plain I/O ("files": one file per block, temp + fsync + rename,
+the same number of threads, a directory fsync per call; no header, checksum or index): what kvhal adds on top of
+the one-file-per-block layout. The host tier has no ceiling. Figures are medians of ``repeats`` runs after one warm-up run; ceiling and tier
 runs alternate.
 """
 
@@ -20,6 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,13 +30,14 @@ from typing import Any
 from ..errors import KVHalError
 from ..progress import progress
 from .base import Tier
-from .disk import DiskTier
+from .disk import WORKERS, DiskTier, _fsync_dir
 from .host import HostTier
 from .keys import BlockKey
 from .redis_tier import RedisTier
 from .server import RedisServer, redis_server_path
 
 TIERS = ("host", "disk", "redis")
+Times = tuple[float, float]  # put, get seconds
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -143,6 +147,41 @@ def disk_ceiling(w: Workload, root: Path) -> tuple[float, float]:
     return put, get
 
 
+def disk_files(w: Workload, root: Path) -> tuple[float, float]:
+    d = root / "files"
+    d.mkdir()
+    paths = [str(d / f"{i}.blk") for i in range(w.n)]
+
+    def write(i: int) -> None:
+        fd = os.open(paths[i] + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, w.payloads[i])
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(paths[i] + ".tmp", paths[i])
+
+    def read(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY)
+        os.read(fd, w.block)
+        os.close(fd)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+
+        def put() -> None:
+            for b in w.batches:
+                list(pool.map(write, b))
+                _fsync_dir(str(d))
+
+        def get() -> None:
+            for b in w.batches:
+                list(pool.map(read, b))
+
+        put_s = _timed(put)
+        _drop_page_cache(paths)
+        get_s = _timed(get)
+    shutil.rmtree(d)
+    return put_s, get_s
+
+
 def disk_tier(w: Workload, root: Path) -> tuple[float, float]:
     d = root / "tier"
     with DiskTier(d, 2 * w.n * (w.block + 4096)) as tier:
@@ -168,6 +207,32 @@ def redis_ceiling(w: Workload, client: Any) -> tuple[float, float]:
 
     out = _timed(put), _timed(get)
     client.delete(*keys)
+    return out
+
+
+def _rows(tier: str, w: Workload, runs: list[tuple[Times, Times | None, Times | None]]) -> list[dict[str, Any]]:
+    """Median GB/s of the tier, its ceiling and (disk) its plain-file pattern, put and get."""
+    out = []
+    for j, op in enumerate(("put", "get")):
+        gbps = []
+        for k in range(3):
+            times = [t[j] for r in runs if (t := r[k]) is not None]
+            gbps.append(w.n * w.block / statistics.median(times) / 1e9 if times else None)
+        tier_gbps, ceiling, files = gbps
+        assert tier_gbps is not None
+        out.append(
+            {
+                "tier": tier,
+                "block_bytes": w.block,
+                "op": op,
+                "gbps": tier_gbps,
+                "blocks_per_s": tier_gbps * 1e9 / w.block,
+                "ceiling_gbps": ceiling,
+                "ratio": tier_gbps / ceiling if ceiling else None,
+                "files_gbps": files,
+                "of_files": tier_gbps / files if files else None,
+            }
+        )
     return out
 
 
@@ -203,35 +268,19 @@ def run(
     try:
         for name, bs in progress(jobs, len(jobs), "tiers bench", show_progress):
             w = Workload(bs, total, batch)
-            runs: list[tuple[tuple[float, float], tuple[float, float] | None]] = []
+            runs: list[tuple[Times, Times | None, Times | None]] = []  # tier, ceiling, files
             for _ in range(repeats + 1):  # the first run warms up (pools, page cache, server) and is dropped
                 if name == "host":
                     with HostTier(2 * w.n * bs) as host:
-                        runs.append((w.tier_run(host), None))
+                        runs.append((w.tier_run(host), None, None))
                 elif name == "disk":
-                    ceiling = disk_ceiling(w, root)
-                    runs.append((disk_tier(w, root), ceiling))
+                    ceiling, files = disk_ceiling(w, root), disk_files(w, root)
+                    runs.append((disk_tier(w, root), ceiling, files))
                 else:
                     assert redis_tier is not None
                     ceiling = redis_ceiling(w, client)
-                    runs.append((w.tier_run(redis_tier), ceiling))
-            runs = runs[1:]
-            for j, op in enumerate(("put", "get")):
-                secs = statistics.median(r[0][j] for r in runs)
-                ceil = statistics.median(r[1][j] for r in runs if r[1]) if runs[0][1] else None
-                gbps = w.n * bs / secs / 1e9
-                ceil_gbps = w.n * bs / ceil / 1e9 if ceil else None
-                rows.append(
-                    {
-                        "tier": name,
-                        "block_bytes": bs,
-                        "op": op,
-                        "gbps": gbps,
-                        "blocks_per_s": w.n / secs,
-                        "ceiling_gbps": ceil_gbps,
-                        "ratio": gbps / ceil_gbps if ceil_gbps else None,
-                    }
-                )
+                    runs.append((w.tier_run(redis_tier), ceiling, None))
+            rows += _rows(name, w, runs[1:])
     finally:
         if redis_tier:
             redis_tier.close()
@@ -247,14 +296,18 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"machine: {m['machine']}, {m['cores']} cores; disk: {m['disk_path']}; redis: {m['redis']}; "
         f"{p['total_bytes'] >> 20} MiB per figure in calls of {p['batch']} blocks, median of {p['repeats']}",
-        f"{'tier':<6} {'block':>6} {'op':<4} {'GB/s':>7} {'blocks/s':>9} {'ceiling':>8} {'ratio':>6}",
+        f"{'tier':<6} {'block':>6} {'op':<4} {'GB/s':>7} {'blocks/s':>9} {'ceiling':>8} {'ratio':>6} {'files':>7} "
+        f"{'of files':>8}",
     ]
+
+    def opt(x: float | None, fmt: str) -> str:
+        return format(x, fmt) if x else "-"
+
     for r in result["rows"]:
-        ceil = f"{r['ceiling_gbps']:.3f}" if r["ceiling_gbps"] else "-"
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         lines.append(
             f"{r['tier']:<6} {str(r['block_bytes'] >> 10) + 'K':>6} {r['op']:<4} {r['gbps']:>7.3f} "
-            f"{r['blocks_per_s']:>9.0f} {ceil:>8} {ratio:>6}"
+            f"{r['blocks_per_s']:>9.0f} {opt(r['ceiling_gbps'], '.3f'):>8} {opt(r['ratio'], '.2f'):>6} "
+            f"{opt(r['files_gbps'], '.3f'):>7} {opt(r['of_files'], '.2f'):>8}"
         )
     return "\n".join(lines)
 

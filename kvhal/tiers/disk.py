@@ -28,6 +28,7 @@ _TEMP = re.compile(r"\.[0-9a-f]{64}\.(\d+)\.[0-9a-f]+\.tmp")
 
 _OK, _MISSING, _CORRUPT, _ERROR = range(4)
 TOUCH_AFTER_S = 60.0
+WORKERS = 16
 
 
 def _rel(key: BlockKey) -> str:
@@ -112,7 +113,7 @@ class DiskTier(Tier):
     one, and an SSD needs a queue deeper than one to reach its bandwidth.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, workers: int = 16) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, workers: int = WORKERS) -> None:
         if not isinstance(path, str | os.PathLike):
             raise TierError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
         budget = check_count("max_bytes", max_bytes)

@@ -30,6 +30,10 @@ def test_bench_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
             assert r["ceiling_gbps"] is None and r["ratio"] is None
         else:
             assert r["ceiling_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["ceiling_gbps"])
+        if tier == "disk":
+            assert r["files_gbps"] > 0 and r["of_files"] == pytest.approx(r["gbps"] / r["files_gbps"])
+        else:
+            assert r["files_gbps"] is None and r["of_files"] is None
     assert list(tmp_path.iterdir()) == [out]  # its temp files are gone
 
 
@@ -37,7 +41,8 @@ def test_bench_table_and_errors(tmp_path: Path):
     cmd = [sys.executable, "-m", "kvhal.cli", "tiers", "bench", "--tier", "disk", "--block-sizes", "16K", "--total",
            "64K", "--repeats", "1", "--disk-path", str(tmp_path), "--redis", "none"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    assert r.stdout.splitlines()[1].split() == ["tier", "block", "op", "GB/s", "blocks/s", "ceiling", "ratio"]
+    head = ["tier", "block", "op", "GB/s", "blocks/s", "ceiling", "ratio", "files", "of", "files"]
+    assert r.stdout.splitlines()[1].split() == head
     assert [line.split()[:3] for line in r.stdout.splitlines()[2:]] == [["disk", "16K", "put"], ["disk", "16K", "get"]]
     bad = subprocess.run([*cmd[:-6], "--block-sizes", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "positive byte count" in bad.stderr
