@@ -48,3 +48,5 @@ def test_bench_table_and_errors(tmp_path: Path):
     assert bad.returncode == 2 and "positive byte count" in bad.stderr
     bad = subprocess.run([*cmd, "--disk-path", str(tmp_path / "nope")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a directory" in bad.stderr
+    bad = subprocess.run([*cmd, "--tier", "redis"], capture_output=True, text=True)  # with --redis none
+    assert bad.returncode == 2 and "cannot bench the redis tier: --redis none" in bad.stderr
