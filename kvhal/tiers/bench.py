@@ -6,8 +6,9 @@ back sequentially, both from the device (the page cache is dropped for the file,
 every read); redis: pipelined SET / GET of values of the block size through the same client library and server.
 Disk rows also show the tier's own file pattern in plain I/O ("files": one file per block, temp + fsync + rename,
 the same number of threads, a directory fsync per call; no header, checksum or index): what kvhal adds on top of
-the one-file-per-block layout. The host tier has no ceiling. Figures are medians of ``repeats`` runs after one warm-up run; ceiling and tier
-runs alternate.
+the one-file-per-block layout. The host tier has no ceiling.
+Figures are medians of ``repeats`` runs after one warm-up run. Within a run the tier and its references take turns
+batch by batch, so other work on the machine slows them alike and the ratios stay comparable.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,16 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("-o", "--output", help="also write the JSON result to this file")
 
 
-def _batches(n: int, batch: int) -> list[range]:
-    return [range(i, min(i + batch, n)) for i in range(0, n, batch)]
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def _drop_page_cache(paths: list[str]) -> None:
     """Evict these files' clean pages so the next read comes from the device (no root needed)."""
     for p in paths:
@@ -87,6 +79,151 @@ def _drop_page_cache(paths: list[str]) -> None:
             os.close(fd)
 
 
+class Workload:
+    """``n`` random blocks of ``block`` bytes, moved in calls of ``batch`` blocks."""
+
+    def __init__(self, block: int, total: int, batch: int) -> None:
+        self.block = block
+        self.n = max(batch, total // block)
+        buf = os.urandom(block * self.n)
+        self.payloads = [buf[i * block : (i + 1) * block] for i in range(self.n)]
+        self.batches = [range(i, min(i + batch, self.n)) for i in range(0, self.n, batch)]
+
+
+class Arm(ABC):
+    """One way of moving the workload: ``put``/``get`` one batch (timed), the rest untimed."""
+
+    def __init__(self, w: Workload) -> None:
+        self.w = w
+
+    @abstractmethod
+    def put(self, b: range) -> None: ...
+
+    @abstractmethod
+    def get(self, b: range) -> None: ...
+
+    def before_get(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class TierArm(Arm):
+    def __init__(self, w: Workload, tier: Tier, files: Path | None = None) -> None:
+        super().__init__(w)
+        self.tier, self.files = tier, files
+        self.got: list[bytes | None] = []
+        ns = os.urandom(32)  # fresh keys every run: nothing is already there
+        self.keys = [BlockKey(ns, hashlib.sha256(i.to_bytes(8, "little")).digest()) for i in range(w.n)]
+
+    def put(self, b: range) -> None:
+        self.tier.put([self.keys[i] for i in b], [self.w.payloads[i] for i in b])
+
+    def before_get(self) -> None:
+        if self.files:
+            _drop_page_cache([str(p) for p in self.files.glob("*/*.kvb")])
+
+    def get(self, b: range) -> None:
+        self.got += self.tier.get([self.keys[i] for i in b])
+
+    def finish(self) -> None:
+        if self.got != self.w.payloads:
+            raise KVHalError(f"{type(self.tier).__name__} returned wrong or missing blocks: {self.tier.stats()}")
+        self.tier.delete(self.keys)
+        if self.files:
+            _settle(*self.files.iterdir())
+
+
+class DiskCeiling(Arm):
+    """One file written sequentially with an fsync per batch, then read back sequentially from the device."""
+
+    def __init__(self, w: Workload, root: Path) -> None:
+        super().__init__(w)
+        self.root, self.path = root, str(root / "ceiling.bin")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def put(self, b: range) -> None:
+        for i in b:
+            os.write(self.fd, self.w.payloads[i])
+        os.fsync(self.fd)
+
+    def before_get(self) -> None:
+        os.close(self.fd)
+        _drop_page_cache([self.path])
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def get(self, b: range) -> None:
+        for _ in b:
+            os.read(self.fd, self.w.block)
+
+    def finish(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        _settle(self.root)
+
+
+class DiskFiles(Arm):
+    """The tier's pattern in plain I/O: a file per block (temp, fsync, rename) by as many threads, a directory
+    fsync per batch; no header, checksum or index."""
+
+    def __init__(self, w: Workload, root: Path, pool: ThreadPoolExecutor) -> None:
+        super().__init__(w)
+        self.root, self.dir, self.pool = root, root / "files", pool
+        self.dir.mkdir()
+        self.paths = [str(self.dir / f"{i}.blk") for i in range(w.n)]
+
+    def _write(self, i: int) -> None:
+        fd = os.open(self.paths[i] + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, self.w.payloads[i])
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(self.paths[i] + ".tmp", self.paths[i])
+
+    def _read(self, i: int) -> None:
+        fd = os.open(self.paths[i], os.O_RDONLY)
+        os.read(fd, self.w.block)
+        os.close(fd)
+
+    def put(self, b: range) -> None:
+        list(self.pool.map(self._write, b))
+        _fsync_dir(str(self.dir))
+
+    def before_get(self) -> None:
+        _drop_page_cache(self.paths)
+
+    def get(self, b: range) -> None:
+        list(self.pool.map(self._read, b))
+
+    def finish(self) -> None:
+        shutil.rmtree(self.dir)
+        _settle(self.root)
+
+
+class RedisCeiling(Arm):
+    """Pipelined SET / GET of values of the block size, through the tier's own client (library, pool, server)."""
+
+    def __init__(self, w: Workload, client: Any) -> None:
+        super().__init__(w)
+        self.client = client
+        self.keys = [f"kvhal-bench:{{raw}}:{i}" for i in range(w.n)]
+
+    def put(self, b: range) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i in b:
+            pipe.set(self.keys[i], self.w.payloads[i])
+        pipe.execute()
+
+    def get(self, b: range) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i in b:
+            pipe.get(self.keys[i])
+        pipe.execute()
+
+    def finish(self) -> None:
+        self.client.delete(*self.keys)
+
+
 def _settle(*dirs: Path) -> None:
     """Commit the deletions just made under ``dirs`` (and, mounted with ``discard``, their trims) now, untimed,
     rather than in the next timed phase's first fsync."""
@@ -94,155 +231,43 @@ def _settle(*dirs: Path) -> None:
         _fsync_dir(str(d))
 
 
-class Workload:
-    def __init__(self, block: int, total: int, batch: int) -> None:
-        self.block, self.batch = block, batch
-        self.n = max(batch, total // block)
-        buf = os.urandom(block * self.n)
-        self.payloads = [buf[i * block : (i + 1) * block] for i in range(self.n)]
-        self.batches = _batches(self.n, batch)
-
-    def keys(self) -> list[BlockKey]:
-        ns = os.urandom(32)  # fresh keys every run: nothing is already there
-        return [BlockKey(ns, hashlib.sha256(i.to_bytes(8, "little")).digest()) for i in range(self.n)]
-
-    def tier_run(self, tier: Tier, before_get: Callable[[], None] = lambda: None) -> tuple[float, float]:
-        ks, ps = self.keys(), self.payloads
-        got: list[bytes | None] = []
-
-        def put() -> None:
-            for b in self.batches:
-                tier.put([ks[i] for i in b], [ps[i] for i in b])
-
-        def get() -> None:
-            for b in self.batches:
-                got.extend(tier.get([ks[i] for i in b]))
-
-        put_s = _timed(put)
-        before_get()
-        get_s = _timed(get)
-        if got != ps:
-            raise KVHalError(f"{type(tier).__name__} returned wrong or missing blocks: {tier.stats()}")
-        tier.delete(ks)
-        return put_s, get_s
+def _interleaved(arms: list[Arm]) -> list[Times]:
+    """(put, get) seconds per arm; batch by batch the arms take turns, in rotating order, so a machine busy with
+    other work slows each of them alike."""
+    put, get = [0.0] * len(arms), [0.0] * len(arms)
+    for phase, acc in (("put", put), ("get", get)):
+        if phase == "get":
+            for arm in arms:
+                arm.before_get()
+        for j, b in enumerate(arms[0].w.batches):
+            for k in [(j + r) % len(arms) for r in range(len(arms))]:
+                step = getattr(arms[k], phase)
+                t = time.perf_counter()
+                step(b)
+                acc[k] += time.perf_counter() - t
+    for arm in arms:
+        arm.finish()
+    return list(zip(put, get))
 
 
-def disk_ceiling(w: Workload, root: Path) -> tuple[float, float]:
-    path = str(root / "ceiling.bin")
-
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for b in w.batches:
-                for i in b:
-                    os.write(fd, w.payloads[i])
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def read() -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while os.read(fd, w.block):
-                pass
-        finally:
-            os.close(fd)
-
-    put = _timed(write)
-    _drop_page_cache([path])
-    get = _timed(read)
-    os.unlink(path)
-    _settle(root)
-    return put, get
-
-
-def disk_files(w: Workload, root: Path) -> tuple[float, float]:
-    d = root / "files"
-    d.mkdir()
-    paths = [str(d / f"{i}.blk") for i in range(w.n)]
-
-    def write(i: int) -> None:
-        fd = os.open(paths[i] + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, w.payloads[i])
-        os.fsync(fd)
-        os.close(fd)
-        os.replace(paths[i] + ".tmp", paths[i])
-
-    def read(i: int) -> None:
-        fd = os.open(paths[i], os.O_RDONLY)
-        os.read(fd, w.block)
-        os.close(fd)
-
-    with ThreadPoolExecutor(WORKERS) as pool:
-
-        def put() -> None:
-            for b in w.batches:
-                list(pool.map(write, b))
-                _fsync_dir(str(d))
-
-        def get() -> None:
-            for b in w.batches:
-                list(pool.map(read, b))
-
-        put_s = _timed(put)
-        _drop_page_cache(paths)
-        get_s = _timed(get)
-    shutil.rmtree(d)
-    _settle(root)
-    return put_s, get_s
-
-
-def disk_tier(w: Workload, root: Path) -> tuple[float, float]:
-    d = root / "tier"
-    with DiskTier(d, 2 * w.n * (w.block + 4096)) as tier:
-        out = w.tier_run(tier, lambda: _drop_page_cache([str(p) for p in d.glob("*/*.kvb")]))
-    _settle(*d.iterdir())
-    return out
-
-
-def redis_ceiling(w: Workload, client: Any) -> tuple[float, float]:
-    keys = [f"kvhal-bench:{{raw}}:{i}" for i in range(w.n)]
-
-    def put() -> None:
-        for b in w.batches:
-            pipe = client.pipeline(transaction=False)
-            for i in b:
-                pipe.set(keys[i], w.payloads[i])
-            pipe.execute()
-
-    def get() -> None:
-        for b in w.batches:
-            pipe = client.pipeline(transaction=False)
-            for i in b:
-                pipe.get(keys[i])
-            pipe.execute()
-
-    out = _timed(put), _timed(get)
-    client.delete(*keys)
-    return out
-
-
-def _rows(tier: str, w: Workload, runs: list[tuple[Times, Times | None, Times | None]]) -> list[dict[str, Any]]:
-    """Median GB/s of the tier, its ceiling and (disk) its plain-file pattern, put and get."""
+def _rows(tier: str, w: Workload, runs: list[list[Times]], refs: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Median GB/s of the tier and of each reference arm (ceiling, files), put and get."""
     out = []
     for j, op in enumerate(("put", "get")):
-        gbps = []
-        for k in range(3):
-            times = [t[j] for r in runs if (t := r[k]) is not None]
-            gbps.append(w.n * w.block / statistics.median(times) / 1e9 if times else None)
-        tier_gbps, ceiling, files = gbps
-        assert tier_gbps is not None
+        gbps = [w.n * w.block / statistics.median(r[k][j] for r in runs) / 1e9 for k in range(len(runs[0]))]
+        ref = dict(zip(refs, gbps[1:]))
+        ceiling, files = ref.get("ceiling"), ref.get("files")
         out.append(
             {
                 "tier": tier,
                 "block_bytes": w.block,
                 "op": op,
-                "gbps": tier_gbps,
-                "blocks_per_s": tier_gbps * 1e9 / w.block,
+                "gbps": gbps[0],
+                "blocks_per_s": gbps[0] * 1e9 / w.block,
                 "ceiling_gbps": ceiling,
-                "ratio": tier_gbps / ceiling if ceiling else None,
+                "ratio": gbps[0] / ceiling if ceiling else None,
                 "files_gbps": files,
-                "of_files": tier_gbps / files if files else None,
+                "of_files": gbps[0] / files if files else None,
             }
         )
     return out
@@ -273,24 +298,27 @@ def run(
     root = Path(tempfile.mkdtemp(prefix="kvhal-tiers-bench-", dir=disk_path))
     redis_tier = RedisTier(redis, cluster=False) if "redis" in tiers and redis else None
     client = redis_tier._connect() if redis_tier else None  # the tier's own client: same library, same pool
+    pool = ThreadPoolExecutor(WORKERS)
     jobs = [(t, bs) for bs in block_sizes for t in tiers if t != "redis" or redis_tier]
     try:
         for name, bs in progress(jobs, len(jobs), "tiers bench", show_progress):
             w = Workload(bs, total, batch)
-            runs: list[tuple[Times, Times | None, Times | None]] = []  # tier, ceiling, files
-            for _ in range(repeats + 1):  # the first run warms up (pools, page cache, server) and is dropped
+            refs = {"host": (), "disk": ("ceiling", "files"), "redis": ("ceiling",)}[name]
+            runs = []
+            for _ in range(repeats + 1):  # the first run warms up (threads, page cache, server) and is dropped
                 if name == "host":
                     with HostTier(2 * w.n * bs) as host:
-                        runs.append((w.tier_run(host), None, None))
+                        runs.append(_interleaved([TierArm(w, host)]))
                 elif name == "disk":
-                    ceiling, files = disk_ceiling(w, root), disk_files(w, root)
-                    runs.append((disk_tier(w, root), ceiling, files))
+                    with DiskTier(root / "tier", 2 * w.n * (bs + 4096)) as disk:
+                        arms = [TierArm(w, disk, root / "tier"), DiskCeiling(w, root), DiskFiles(w, root, pool)]
+                        runs.append(_interleaved(arms))
                 else:
                     assert redis_tier is not None
-                    ceiling = redis_ceiling(w, client)
-                    runs.append((w.tier_run(redis_tier), ceiling, None))
-            rows += _rows(name, w, runs[1:])
+                    runs.append(_interleaved([TierArm(w, redis_tier), RedisCeiling(w, client)]))
+            rows += _rows(name, w, runs[1:], refs)
     finally:
+        pool.shutdown()
         if redis_tier:
             redis_tier.close()
         shutil.rmtree(root, ignore_errors=True)
