@@ -52,6 +52,7 @@ class Tier(ABC):
         (both release the GIL)."""
         self._stats = TierStats()
         self._closed = False
+        self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvhal-tier") if workers > 1 else None
 
     def contains(self, keys: Sequence[BlockKey]) -> int:
@@ -111,10 +112,13 @@ class Tier(ABC):
             raise TierError(f"this {type(self).__name__} is closed; open a new one")
 
     def _map(self, fn: Callable[..., T], args: list[tuple[Any, ...]]) -> list[T]:
-        """``[fn(*a) for a in args]``, on the worker threads when there are several."""
+        """``[fn(*a) for a in args]``, split into one contiguous chunk per worker thread when there are several
+        (a future per item would cost as much as checksumming a 64 KiB block)."""
         if self._pool is None or len(args) < 2:
             return [fn(*a) for a in args]
-        return list(self._pool.map(fn, *zip(*args)))
+        size = -(-len(args) // self._workers)
+        chunks = [args[i : i + size] for i in range(0, len(args), size)]
+        return [r for part in self._pool.map(lambda c: [fn(*a) for a in c], chunks) for r in part]
 
     def _evicted(self, n: int = 1) -> None:
         self._stats.evictions = (self._stats.evictions or 0) + n

@@ -43,8 +43,6 @@ class RedisTier(Tier):
         connect_timeout: float = 1.0,
         workers: int = 4,
     ) -> None:
-        super().__init__(check_count("workers", workers))
-        self._stats.evictions = None  # the server evicts; a block it dropped shows as a miss
         if not isinstance(url, str):
             raise TierError(f"url must be a str such as 'redis://127.0.0.1:6379', got {type(url).__name__}")
         scheme = url.split("://", 1)[0] if "://" in url else ""
@@ -54,25 +52,34 @@ class RedisTier(Tier):
             raise TierError(f"cluster must be True, False or None (ask the server), got {type(cluster).__name__}")
         if cluster and scheme == "unix":
             raise TierError("a Redis Cluster is reached over TCP: use a redis:// or rediss:// url")
+        options: dict[str, Any] = {
+            "socket_timeout": check_seconds("socket_timeout", socket_timeout),
+            "socket_connect_timeout": check_seconds("connect_timeout", connect_timeout),
+        }
+        super().__init__(check_count("workers", workers))
+        self._stats.evictions = None  # the server evicts; a block it dropped shows as a miss
         try:
             import redis
         except ImportError as e:
             raise TierError("RedisTier needs the redis client: pip install 'kvhal[tiers]'") from e
         from redis.backoff import NoBackoff
+        from redis.connection import parse_url
         from redis.retry import Retry
 
+        try:
+            parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as e:
+            raise TierError(f"url {url!r} is malformed: {e}") from e
         self.url = url
         self._redis = redis
         # one retry: the first command after a server restart meets a dead pooled connection, the retry reconnects
-        self._options: dict[str, Any] = {
-            "socket_timeout": check_seconds("socket_timeout", socket_timeout),
-            "socket_connect_timeout": check_seconds("connect_timeout", connect_timeout),
-            "retry": Retry(NoBackoff(), 1),
-        }
+        self._options = options | {"retry": Retry(NoBackoff(), 1)}
         self._failures = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+        # a plain client connects on first use; a Cluster client on creation, so it is made on first use
         self._client: Any = None
-        if cluster is None:
+        if not cluster:
             self._client = redis.Redis.from_url(url, **self._options)
+        if cluster is None:
             try:
                 cluster = bool(self._client.info("cluster").get("cluster_enabled"))
             except self._failures as e:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvhal.tiers import DiskTier, blob_size, encode_blob
+from kvhal.tiers import BlockKey, DiskTier, blob_size, encode_blob
 
 from .conftest import NS_B, key, keys, payload
 
@@ -48,7 +48,7 @@ def test_restart_keeps_every_block_and_the_lru_order(tmp_path: Path):
         assert t.get(ks) == [data[0], None, data[2], data[3]]
 
 
-def block_files_of(root: Path, ks: list) -> list[Path]:  # type: ignore[type-arg]
+def block_files_of(root: Path, ks: list[BlockKey]) -> list[Path]:
     return [root / k.namespace.hex()[:16] / f"{k.block_hash.hex()}.kvb" for k in ks]
 
 
@@ -112,7 +112,7 @@ def test_corrupt_truncated_foreign_and_missing_files_are_misses_and_deleted(tmp_
     data = [payload(i, 2000) for i in range(6)]
     t = DiskTier(tmp_path, 1 << 20)
     assert t.put(ks, data) == [True] * 6
-    files = {k: tmp_path / k.namespace.hex()[:16] / f"{k.block_hash.hex()}.kvb" for k in ks}
+    files = dict(zip(ks, block_files_of(tmp_path, ks)))
     assert sorted(files.values()) == block_files(tmp_path)
     raw = bytearray(files[ks[0]].read_bytes())
     raw[-7] ^= 1
