@@ -50,6 +50,15 @@ def test_round_trip_and_consecutive_hits(tier: Tier):
     assert tier.stats().deletes == 1
 
 
+def test_first_writer_wins_and_no_aliasing(tier: Tier):
+    buf = bytearray(payload(1))
+    assert tier.put([key(1)], [buf]) == [True]
+    buf[0] ^= 0xFF  # the caller reuses its buffer: the stored block must not change
+    assert tier.put([key(1)], [bytes(buf)]) == [True]  # a block's bytes never change: the first write stays
+    assert tier.get([key(1)]) == [payload(1)]
+    assert tier.stats().puts == 1
+
+
 def test_numpy_block_through_memoryview(tier: Tier):
     block = np.random.default_rng(0).integers(0, 255, (4, 16, 34), dtype=np.uint8)
     assert tier.put([key(1)], [memoryview(block)]) == [True]
