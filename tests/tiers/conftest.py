@@ -36,7 +36,7 @@ def payload(i: int, size: int = 4096) -> bytes:
     return (seed * (size // 32 + 1))[:size]
 
 
-def _unavailable(why: str) -> None:
+def unavailable(why: str) -> None:
     if os.environ.get("KVHAL_STRICT") == "1":
         pytest.fail(f"{why} (KVHAL_STRICT=1)")
     pytest.skip(why)
@@ -44,11 +44,11 @@ def _unavailable(why: str) -> None:
 
 def require_redis() -> None:
     if redis_server_path() is None:
-        _unavailable("redis-server not installed: apt-get install redis-server")
+        unavailable("redis-server not installed: apt-get install redis-server")
     try:
         import redis  # noqa: F401
     except ImportError:
-        _unavailable("redis client not installed: pip install 'kvhal[tiers]'")
+        unavailable("redis client not installed: pip install 'kvhal[tiers]'")
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Three cluster-enabled redis-server nodes on loopback, slots split by redis-cli; yields a node's url."""
     require_redis()
     if shutil.which("redis-cli") is None:
-        _unavailable("redis-cli not installed (Debian package redis-tools): needed to create a cluster")
+        unavailable("redis-cli not installed (Debian package redis-tools): needed to create a cluster")
     base = tmp_path_factory.mktemp("cluster")
     nodes = []
     try:
@@ -76,7 +76,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         create = ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes]]
         r = subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True)
         if r.returncode != 0:
-            _unavailable(f"redis-cli --cluster create failed here: {(r.stdout + r.stderr).strip()[-300:]}")
+            unavailable(f"redis-cli --cluster create failed here: {(r.stdout + r.stderr).strip()[-300:]}")
         _wait_cluster_ok(nodes[0].port)
         yield nodes[0].url
     finally:

@@ -3,6 +3,7 @@ corrupt values, two OS processes sharing blocks, a unix socket, and a 3-node Red
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from kvhal.tiers import RedisTier, encode_blob
 from kvhal.tiers.redis_tier import redis_key
 from kvhal.tiers.server import RedisServer, free_port
 
-from .conftest import NS_B, key, keys, payload, require_redis
+from .conftest import NS_B, key, keys, payload, require_redis, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,6 +122,48 @@ def test_unix_socket(tmp_path: Path):
         assert t.put(keys(3), [payload(i) for i in range(3)]) == [True] * 3
         assert t.get(keys(3)) == [payload(i) for i in range(3)] and t.contains(keys(4)) == 3
         t.close()
+
+
+class TLSRedisServer(RedisServer):
+    """redis-server answering only TLS on its port (self-signed certificate made by openssl)."""
+
+    def __init__(self, workdir: Path) -> None:
+        cert, key = workdir / "cert.pem", workdir / "key.pem"
+        workdir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                        str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        port = free_port()
+        tls = ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+               "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+        super().__init__(workdir, port=port, args=tls)
+        self.cert = cert
+
+    def ping(self) -> bool:
+        import socket
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=str(self.cert))
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                    s.sendall(b"PING\r\n")
+                    return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def test_tls(tmp_path: Path):
+    require_redis()
+    if shutil.which("openssl") is None:
+        unavailable("openssl not installed: needed to make the test's TLS certificate")
+    with TLSRedisServer(tmp_path) as server:
+        t = RedisTier(f"rediss://127.0.0.1:{server.port}?ssl_ca_certs={server.cert}")
+        assert t.put(keys(2), [payload(0), payload(1)]) == [True, True]
+        assert t.get(keys(3)) == [payload(0), payload(1), None] and t.stats().errors == 0
+        t.close()
+        with pytest.raises(kvhal.TierError, match="cannot reach Redis"):  # a server it cannot verify
+            RedisTier(f"rediss://127.0.0.1:{server.port}")
 
 
 def test_arguments_and_unreachable_server():
