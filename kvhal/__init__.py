@@ -7,7 +7,7 @@ that backend is first used.
 from __future__ import annotations
 
 from . import formats
-from .backend import Backend, LayerPools, Probe
+from .backend import Backend, HostPoolsBackend, Pools, Probe
 from .cache import CacheStats, KVCache
 from .errors import (
     BackendUnavailableError,
@@ -39,7 +39,8 @@ __all__ = [
     "FormatError",
     "KVCache",
     "KVHalError",
-    "LayerPools",
+    "HostPoolsBackend",
+    "Pools",
     "NonFiniteError",
     "PositionError",
     "Probe",

@@ -24,6 +24,11 @@ from .errors import CapacityError, PositionError, SequenceError, ShapeError, Spe
 from .spec import CacheSpec
 
 
+def _is_int(x: Any) -> bool:
+    """A real integer: int or numpy integer, never a bool (True is not layer 1) nor an integral float."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclass(frozen=True)
 class CacheStats:
     backend: str
@@ -76,16 +81,13 @@ class KVCache:
     ) -> None:
         if not isinstance(spec, CacheSpec):
             raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
-        if not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
+        if not _is_int(capacity_tokens) or capacity_tokens <= 0:
             raise SpecError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
+        if not isinstance(allow_fallback, bool):
+            raise SpecError(f"allow_fallback must be a bool, got {allow_fallback!r}")
         self.spec = spec
-        fmts = sorted({spec.k_format, spec.v_format})
-        if isinstance(backend, Backend):
-            self.backend = backend
-        else:
-            cls = registry.resolve(backend, fmts, allow_fallback)
-            self.backend = cls(**(backend_options or {}))
-        self.n_blocks = math.ceil(capacity_tokens / spec.block_size)
+        self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
+        self.n_blocks = math.ceil(int(capacity_tokens) / spec.block_size)
         self.pools = self.backend.allocate(spec, self.n_blocks)
         self._ref = np.zeros(self.n_blocks, np.int32)
         self._free = list(range(self.n_blocks - 1, -1, -1))  # pop() hands out block 0 first
@@ -120,7 +122,7 @@ class KVCache:
         for other in [o for o in self._seqs if o != seq]:
             self.free_seq(other)
 
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+    def seq_rm(self, seq: int, p0: int = -1, p1: int | None = -1) -> None:
         """Remove positions ``[p0, p1)`` (llama.cpp: p0 < 0 is the start, p1 < 0 the end).
 
         Sequences are dense: removing a middle range shifts the later tokens down by ``p1 - p0``
@@ -143,13 +145,13 @@ class KVCache:
             if sh:
                 src = self._slots(s, b, L)
                 dst = self._slots(s, a, a + L - b)
-                self.backend.copy_slots(self.pools[layer], src, dst)
+                self.backend.copy_slots(self.pools, layer, src, dst)
         s.lens = new_lens
         self._release(s.blocks[n_keep:])
         del s.blocks[n_keep:]
         s.changed()
 
-    def seq_cp(self, seq: int, p0: int = -1, p1: int = -1) -> int:
+    def seq_cp(self, seq: int, p0: int = -1, p1: int | None = -1) -> int:
         """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
         s = self._seq(seq)
         lo, hi = self._range(p0, p1)
@@ -167,7 +169,7 @@ class KVCache:
             for layer, n in enumerate(lens):
                 if n:
                     src = self._slots(s, lo, lo + n)
-                    self.backend.copy_slots(self.pools[layer], src, self._slots(t, 0, n))
+                    self.backend.copy_slots(self.pools, layer, src, self._slots(t, 0, n))
         sid = self._next_id
         self._next_id += 1
         self._seqs[sid] = t
@@ -208,7 +210,7 @@ class KVCache:
             s.blocks.extend(added)
             s.changed()
         try:
-            self.backend.store(self.pools[layer], k, v, self._slots(s, p0, p1))
+            self.backend.store(self.pools, layer, k, v, self._slots(s, p0, p1))
         except BaseException:
             self._release(added)
             if added:
@@ -222,6 +224,8 @@ class KVCache:
         s = self._seq(seq)
         layer = self._layer(layer)
         L = s.lens[layer]
+        p0 = self._position(p0, "p0", allow_none=False)
+        p1 = self._position(p1, "p1")
         hi = L if p1 is None or p1 < 0 else p1
         if not (0 <= p0 <= hi <= L):
             raise PositionError(
@@ -230,7 +234,7 @@ class KVCache:
         bs = self.spec.block_size
         first = p0 // bs
         blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
-        k, v = self.backend.load(self.pools[layer], blocks, hi - first * bs)
+        k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
         skip = p0 - first * bs
         return k[skip:], v[skip:]
 
@@ -249,6 +253,8 @@ class KVCache:
         The queries of a sequence are its last ``q_len`` stored tokens (store before attending).
         """
         layer = self._layer(layer)
+        if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
+            raise SequenceError(f"seqs must be a list of sequence ids, got {type(seqs).__name__}")
         seq_objs = [self._seq(x) for x in seqs]
         if not seq_objs:
             raise ShapeError("attention needs at least one sequence in seqs")
@@ -256,7 +262,7 @@ class KVCache:
         if len(q.shape) != 3 or q.shape[2] != self.spec.head_dim:
             raise ShapeError(f"q has shape {tuple(q.shape)}; expected [sum(q_lens), n_heads, {self.spec.head_dim}]")
         n_heads = int(q.shape[1])
-        if n_heads % self.spec.n_kv_heads:
+        if n_heads == 0 or n_heads % self.spec.n_kv_heads:
             raise ShapeError(
                 f"q has {n_heads} heads, not a multiple of the cache's {self.spec.n_kv_heads} KV heads (GQA needs one)"
             )
@@ -264,6 +270,10 @@ class KVCache:
             if len(seq_objs) != 1 and q.shape[0] != len(seq_objs):
                 raise ShapeError("pass q_lens when attending over several sequences with more than one query each")
             q_lens = [int(q.shape[0])] if len(seq_objs) == 1 else [1] * len(seq_objs)
+        if isinstance(q_lens, (str, bytes)) or not isinstance(q_lens, (Sequence, np.ndarray)):
+            raise ShapeError(f"q_lens must be a list of ints, got {type(q_lens).__name__}")
+        if not all(_is_int(n) for n in q_lens):
+            raise ShapeError(f"q_lens must hold ints, got {list(q_lens)!r}")
         # plain ints: numpy calls on these few-element arrays cost more than the checks themselves
         qls = [int(n) for n in q_lens]
         if len(qls) != len(seq_objs) or min(qls) < 1:
@@ -279,10 +289,18 @@ class KVCache:
                     f"sequence {seqs[i]} has {n} tokens at layer {layer} but {n_q} queries; "
                     "store the new tokens' K/V before attending"
                 )
-        if window is not None and (not isinstance(window, int) or window < 1):
+        if window is not None and (not _is_int(window) or window < 1):
             raise ShapeError(f"window must be a positive int or None, got {window!r}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise ShapeError(f"causal must be a bool, got {causal!r}")
         if scale is None:
             scale = 1.0 / math.sqrt(self.spec.head_dim)
+        elif (
+            not isinstance(scale, (int, float, np.integer, np.floating))
+            or isinstance(scale, (bool, np.bool_))
+            or not math.isfinite(scale)
+        ):
+            raise ShapeError(f"scale must be a finite real number or None, got {scale!r}")
         bs = self.spec.block_size
         n_pages = [-(-n // bs) for n in lens]
         if len(seq_objs) == 1:  # a view of the cached page list, no copy
@@ -292,7 +310,8 @@ class KVCache:
             for i, (s, nb) in enumerate(zip(seq_objs, n_pages)):
                 table[i, :nb] = s.table()[:nb]
         lens_arr, ql = np.array(lens, np.int32), np.array(qls, np.int32)
-        return self.backend.attention(q, self.pools[layer], table, lens_arr, ql, float(scale), bool(causal), window)
+        win = None if window is None else int(window)
+        return self.backend.attention(q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
 
     def stats(self) -> CacheStats:
         spec = self.spec
@@ -313,29 +332,43 @@ class KVCache:
             v_format=spec.v_format,
             k_bytes=per_block_k * self.n_blocks,
             v_bytes=per_block_v * self.n_blocks,
-            bytes_allocated=sum(p.nbytes for p in self.pools),
+            bytes_allocated=self.pools.nbytes,
             bytes_per_token=spec.bytes_per_token,
         )
 
     # -- internals -----------------------------------------------------------------------------------
 
     def _seq(self, seq: int) -> _Seq:
-        try:
-            return self._seqs[seq]
-        except (KeyError, TypeError):
+        s = self._seqs.get(int(seq)) if _is_int(seq) else None
+        if s is None:
+            what = f"{type(seq).__name__} {seq!r}" if not _is_int(seq) else repr(seq)
             raise SequenceError(
-                f"no sequence {seq!r} in this cache (live: {sorted(self._seqs)}); create one with new_seq()"
-            ) from None
+                f"no sequence {what} in this cache (live: {sorted(self._seqs)}); ids are the ints new_seq() returns"
+            )
+        return s
 
     def _layer(self, layer: int) -> int:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.n_layers:
+        if not _is_int(layer):
+            raise PositionError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        if not 0 <= layer < self.spec.n_layers:
             raise PositionError(f"layer {layer!r} is out of range; the cache has layers 0..{self.spec.n_layers - 1}")
         return int(layer)
 
     @staticmethod
-    def _range(p0: int, p1: int) -> tuple[int, int]:
+    def _position(p: Any, what: str, allow_none: bool = True) -> Any:
+        if p is None and allow_none:
+            return None
+        if not _is_int(p):
+            extra = " or None" if allow_none else ""
+            raise PositionError(f"{what} must be an int{extra}, got {type(p).__name__} {p!r}")
+        return int(p)
+
+    @classmethod
+    def _range(cls, p0: int, p1: int | None) -> tuple[int, int]:
+        p0 = cls._position(p0, "p0", allow_none=False)
+        p1 = cls._position(p1, "p1")
         lo = 0 if p0 < 0 else p0
-        hi = 2**62 if p1 < 0 else p1
+        hi = 2**62 if p1 is None or p1 < 0 else p1
         if hi < lo:
             raise PositionError(f"range [{p0}, {p1}) is empty backwards; need p0 <= p1 (or p1 < 0 for the end)")
         return lo, hi
@@ -362,8 +395,8 @@ class KVCache:
             new = self._free.pop()
             src = np.arange(old * bs, old * bs + bs, dtype=np.int64)
             dst = np.arange(new * bs, new * bs + bs, dtype=np.int64)
-            for pools in self.pools:
-                self.backend.copy_slots(pools, src, dst)
+            for layer in range(self.spec.n_layers):
+                self.backend.copy_slots(self.pools, layer, src, dst)
             self._ref[old] -= 1
             self._ref[new] = 1
             s.blocks[i] = new

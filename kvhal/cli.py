@@ -3,29 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from . import formats
 from .backend import OPS
-from .errors import KVHalError
+from .errors import KVHalError, SpecError
 from .registry import backends
+from .spec import CacheSpec
+
+SPEC_DEFAULTS: dict[str, Any] = {"n_layers": 32, "n_kv_heads": 8, "head_dim": 128, "k_format": "f16", "v_format": "f16"}
 
 
-def info_data() -> dict[str, Any]:
+def parse_spec(text: str) -> CacheSpec:
+    """``head_dim=512,k_format=q8_0`` over a Llama-8B-like default spec."""
+    fields = dict(SPEC_DEFAULTS)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in CacheSpec.__dataclass_fields__:
+            names = ", ".join(CacheSpec.__dataclass_fields__)
+            raise SpecError(f"--spec item {item!r} is not FIELD=VALUE with a CacheSpec field ({names})")
+        fields[key] = value if key.endswith("_format") else _int_field(key, value)
+    return CacheSpec(**fields)
+
+
+def _int_field(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"--spec {key}={value!r}: {key} takes an integer") from None
+
+
+def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
     out = []
     for b in backends():
-        out.append(
-            {
-                "name": b.name,
-                "available": b.available,
-                "score": b.score,
-                "device": b.device,
-                "reason": b.reason,
-                "formats": {f: [op for op in OPS if b.supports(f, op)] for f in formats.names()},
-            }
-        )
+        row: dict[str, Any] = {
+            "name": b.name,
+            "available": b.available,
+            "score": b.score,
+            "device": b.device,
+            "reason": b.reason,
+            "formats": {f: list(OPS) if f in b.formats else [] for f in formats.names()},
+        }
+        if spec is not None:
+            row["spec_refused"] = b.refusal(spec)  # None: takes it
+        out.append(row)
     fmts = [
         {
             "name": f.name,
@@ -36,7 +60,10 @@ def info_data() -> dict[str, Any]:
         }
         for f in map(formats.get, formats.names())
     ]
-    return {"backends": out, "formats": fmts}
+    data: dict[str, Any] = {"backends": out, "formats": fmts}
+    if spec is not None:
+        data["spec"] = dataclasses.asdict(spec)
+    return data
 
 
 def info_text(data: dict[str, Any]) -> str:
@@ -54,6 +81,13 @@ def info_text(data: dict[str, Any]) -> str:
         lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>5}" for c in cells))
     lines.append("")
     lines.append("formats: " + ", ".join(f"{f['name']} {f['bits_per_element']:g} bits" for f in data["formats"]))
+    if "spec" in data:
+        lines.append("")
+        lines.append("spec " + ", ".join(f"{k}={v}" for k, v in data["spec"].items()) + ":")
+        for b in data["backends"]:
+            lines.append(
+                f"  {b['name']:<10} " + ("takes it" if b["spec_refused"] is None else f"refuses: {b['spec_refused']}")
+            )
     return "\n".join(lines)
 
 
@@ -62,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="backends, why any is unavailable, and the formats each runs")
     pi.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pi.add_argument(
+        "--spec",
+        metavar="FIELD=VALUE,...",
+        help="also show which backends take this CacheSpec and why the others refuse "
+        f"(over {','.join(f'{k}={v}' for k, v in SPEC_DEFAULTS.items())})",
+    )
     pb = sub.add_parser("bench", help="store/load/decode attention per backend and format")
     pb.add_argument(
         "--backend", action="append", help="backend to run, or 'auto' (repeatable; default: every available one)"
@@ -77,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "info":
-            data = info_data()
+            data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
             return 0
         from . import bench
@@ -87,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if "auto" in names:  # the backend KVCache(backend="auto") would pick for f16
             from .registry import resolve
 
-            names = [resolve("auto", ["f16"]).name if n == "auto" else n for n in names]
+            auto_spec = CacheSpec(**SPEC_DEFAULTS)
+            names = [resolve("auto", auto_spec).name if n == "auto" else n for n in names]
         by_name = {b.name: b for b in backends()}
         jobs_formats = args.formats or formats.names()
         for n in names:
@@ -95,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 why = by_name[n].reason if n in by_name else "not installed"
                 raise KVHalError(f"backend {n!r} is unavailable: {why} (see `kvhal info`)")
         contexts = [int(c) for c in args.contexts.split(",") if c]
-        jobs = [(n, f) for n in names for f in jobs_formats if by_name[n].supports(f, "attention")]
+        jobs = [(n, f) for n in names for f in jobs_formats if f in by_name[n].formats]
         result = bench.run(jobs, contexts, args.repeats, show_progress=not args.json, sdpa=not args.no_sdpa)
         if args.output:
             with open(args.output, "w") as fh:
