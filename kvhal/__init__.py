@@ -13,15 +13,20 @@ from .errors import (
     BackendUnavailableError,
     CapacityError,
     DTypeError,
+    FingerprintMismatchError,
     FormatError,
     KVHalError,
     NonFiniteError,
     PositionError,
     SequenceError,
     ShapeError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotVersionError,
     SpecError,
     UnsupportedError,
 )
+from .fingerprint import Fingerprint
 from .interop import to_numpy
 from .registry import BackendInfo, backends
 from .spec import CacheSpec
@@ -36,6 +41,8 @@ __all__ = [
     "CacheStats",
     "CapacityError",
     "DTypeError",
+    "Fingerprint",
+    "FingerprintMismatchError",
     "FormatError",
     "KVCache",
     "KVHalError",
@@ -46,6 +53,9 @@ __all__ = [
     "Probe",
     "SequenceError",
     "ShapeError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotVersionError",
     "SpecError",
     "UnsupportedError",
     "backends",

@@ -12,6 +12,7 @@ anything, so a call that raises leaves the cache as it was.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,7 +21,9 @@ import numpy as np
 
 from . import registry
 from .backend import Backend
-from .errors import CapacityError, PositionError, SequenceError, ShapeError, SpecError
+from .blocks import BlockAllocator
+from .errors import PositionError, SequenceError, ShapeError, SpecError
+from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .spec import CacheSpec
 
 
@@ -46,6 +49,16 @@ class CacheStats:
     v_bytes: int
     bytes_allocated: int  # what the backend reports for its pools
     bytes_per_token: int  # K+V over all layers and heads
+    blocks_cached: int = 0  # blocks carrying a prefix hash (held or free)
+    blocks_cached_free: int = 0  # free blocks still matchable (counted in blocks_free too)
+    prefix_queries: int = 0  # match_prefix calls
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_miss_blocks: int = 0
+    prefix_recomputed_tokens: int = 0  # tokens of those queries the caller had to store again
+    prefix_evicted_blocks: int = 0  # cached blocks whose space was reused
+    prefix_invalidated_blocks: int = 0  # hashed blocks rewritten in place by their only holder
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,7 +68,12 @@ class CacheStats:
 class _Seq:
     blocks: list[int]
     lens: list[int]  # tokens stored per layer
-    extra: dict[str, Any] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)  # token ids of positions 0.. (append_tokens)
+    hashes: list[bytes] = field(default_factory=list)  # chain of the leading full, fully stored blocks
+    extra: bytes = bytes(32)  # digest of the sequence's extra keys (tenant, LoRA)
+    # blocks at or past this index hold rows moved from other positions (a middle seq_rm, a copy
+    # from an offset): they are not what a prefill of their tokens stores, so they never get a hash
+    sealable: int | None = None
     _table: np.ndarray | None = field(default=None, repr=False)
 
     def table(self) -> np.ndarray:
@@ -78,6 +96,7 @@ class KVCache:
         *,
         allow_fallback: bool = False,
         backend_options: dict[str, Any] | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         if not isinstance(spec, CacheSpec):
             raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
@@ -85,22 +104,84 @@ class KVCache:
             raise SpecError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
         if not isinstance(allow_fallback, bool):
             raise SpecError(f"allow_fallback must be a bool, got {allow_fallback!r}")
+        if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
+            raise SpecError(f"fingerprint must be a kvhal.Fingerprint, got {type(fingerprint).__name__}")
         self.spec = spec
+        self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
+        self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
         self.n_blocks = math.ceil(int(capacity_tokens) / spec.block_size)
         self.pools = self.backend.allocate(spec, self.n_blocks)
-        self._ref = np.zeros(self.n_blocks, np.int32)
-        self._free = list(range(self.n_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._blocks = BlockAllocator(self.n_blocks, spec.block_size)
+        self._ref = self._blocks.ref
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
 
     # -- sequences -----------------------------------------------------------------------------------
 
-    def new_seq(self) -> int:
+    def new_seq(self, extra: dict[str, Any] | None = None) -> int:
+        """A new empty sequence. ``extra`` keys (LoRA id, cache salt) enter its block hashes, so
+        sequences with different extra keys never share cached blocks."""
+        return self._add_seq(_Seq([], [0] * self.spec.n_layers, extra=extra_digest(extra)))
+
+    def _add_seq(self, s: _Seq) -> int:
         sid = self._next_id
         self._next_id += 1
-        self._seqs[sid] = _Seq([], [0] * self.spec.n_layers)
+        self._seqs[sid] = s
         return sid
+
+    # -- token ids and the prefix cache --------------------------------------------------------------
+
+    def append_tokens(self, seq: int, token_ids: Any) -> None:
+        """Record the token ids of ``seq``'s next positions (before or after their layers are stored).
+
+        A full block whose token ids are known and whose every layer is stored gets its hash and
+        becomes matchable by ``match_prefix``."""
+        s = self._seq(seq)
+        ids = _token_ids(token_ids)
+        s.tokens.extend(ids)
+        self._seal(s)
+
+    def tokens(self, seq: int) -> list[int]:
+        """The token ids recorded for ``seq``."""
+        return list(self._seq(seq).tokens)
+
+    def match_prefix(self, token_ids: Any, extra: dict[str, Any] | None = None) -> tuple[int, int]:
+        """A new sequence sharing the longest cached prefix of ``token_ids``, and its token count.
+
+        Only whole blocks are shared, and at most ``len(token_ids) - 1`` tokens, so the caller always
+        computes the last token (its logits are needed). The new sequence holds the matched tokens'
+        ids; the caller appends and stores the rest."""
+        ids = _token_ids(token_ids)
+        ex = extra_digest(extra)
+        bs = self.spec.block_size
+        usable = max(len(ids) - 1, 0) // bs
+        chain = hash_chain(self.root_hash, ids[: usable * bs], bs, ex)
+        blocks = self._blocks.lookup(chain)
+        for b in blocks:
+            self._blocks.acquire(b)
+        n = len(blocks) * bs
+        c = self._blocks.counters
+        c.queries += 1
+        c.query_tokens += len(ids)
+        c.hit_tokens += n
+        c.hit_blocks += len(blocks)
+        c.miss_blocks += len(ids) // bs - len(blocks)
+        c.recomputed_tokens += len(ids) - n
+        t = _Seq(list(blocks), [n] * self.spec.n_layers, tokens=ids[:n], hashes=chain[: len(blocks)], extra=ex)
+        return self._add_seq(t), n
+
+    def _seal(self, s: _Seq) -> None:
+        """Hash every newly complete block of ``s`` (token ids known, every layer stored)."""
+        bs = self.spec.block_size
+        n_full = min(len(s.tokens), min(s.lens)) // bs
+        if s.sealable is not None:
+            n_full = min(n_full, s.sealable)
+        for i in range(len(s.hashes), n_full):
+            parent = s.hashes[-1] if s.hashes else self.root_hash
+            h = block_hash(parent, s.tokens[i * bs : (i + 1) * bs], s.extra)
+            s.hashes.append(h)
+            self._blocks.register(s.blocks[i], h)
 
     def seq_len(self, seq: int, layer: int | None = None) -> int:
         """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
@@ -113,8 +194,8 @@ class KVCache:
 
     def free_seq(self, seq: int) -> None:
         s = self._seq(seq)
-        self._release(s.blocks)
-        del self._seqs[seq]
+        self._release(s.blocks[::-1])  # tail first: a chain's tail is evicted before its head
+        del self._seqs[int(seq)]
 
     def seq_keep(self, seq: int) -> None:
         """Free every sequence but ``seq``."""
@@ -147,9 +228,14 @@ class KVCache:
                 dst = self._slots(s, a, a + L - b)
                 self.backend.copy_slots(self.pools, layer, src, dst)
         s.lens = new_lens
-        self._release(s.blocks[n_keep:])
+        self._release(s.blocks[n_keep:][::-1])
         del s.blocks[n_keep:]
         s.changed()
+        del s.tokens[lo:hi]
+        del s.hashes[lo // bs :]
+        if any(shifting):
+            s.sealable = min(s.sealable if s.sealable is not None else lo // bs, lo // bs)
+        self._seal(s)
 
     def seq_cp(self, seq: int, p0: int = -1, p1: int | None = -1) -> int:
         """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
@@ -158,22 +244,22 @@ class KVCache:
         bs = self.spec.block_size
         lens = [max(0, min(hi, L) - min(lo, L)) for L in s.lens]
         n_blocks = math.ceil(max(lens, default=0) / bs)
+        tokens = s.tokens[lo:hi]
         if lo % bs == 0:  # page-aligned: share
             blocks = s.blocks[lo // bs : lo // bs + n_blocks]
-            self._ref[blocks] += 1
-            t = _Seq(list(blocks), lens)
+            for b in blocks:
+                self._blocks.acquire(b)
+            hashes = s.hashes[: min(len(tokens), min(lens)) // bs] if lo == 0 else []
+            t = _Seq(list(blocks), lens, tokens=tokens, hashes=hashes, extra=s.extra)
         else:  # unaligned start: the rows move to other offsets, so copy them
-            self._reserve(n_blocks)
-            t = _Seq([self._free.pop() for _ in range(n_blocks)], lens)
-            self._ref[t.blocks] = 1
+            t = _Seq(self._blocks.alloc(n_blocks), lens, tokens=tokens, extra=s.extra)
             for layer, n in enumerate(lens):
                 if n:
                     src = self._slots(s, lo, lo + n)
                     self.backend.copy_slots(self.pools, layer, src, self._slots(t, 0, n))
-        sid = self._next_id
-        self._next_id += 1
-        self._seqs[sid] = t
-        return sid
+        t.sealable = s.sealable if lo == 0 else 0  # rows from an offset sit at other positions now
+        self._seal(t)
+        return self._add_seq(t)
 
     # -- data ----------------------------------------------------------------------------------------
 
@@ -204,8 +290,7 @@ class KVCache:
         n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
         self._reserve(n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched))
         self._own(s, touched)
-        added = [self._free.pop() for _ in range(n_new)]
-        self._ref[added] = 1
+        added = self._blocks.alloc(n_new)
         if added:
             s.blocks.extend(added)
             s.changed()
@@ -218,6 +303,8 @@ class KVCache:
                 s.changed()
             raise
         s.lens[layer] = p1
+        if len(s.tokens) > len(s.hashes) * bs and s.lens[layer] == min(s.lens):
+            self._seal(s)
 
     def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
         """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
@@ -313,17 +400,33 @@ class KVCache:
         win = None if window is None else int(window)
         return self.backend.attention(q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
 
+    # -- snapshots -----------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str], seqs: list[int] | None = None) -> None:
+        """Write ``seqs`` (default: every sequence) to a crash-safe snapshot file (see ``kvhal.snapshot``)."""
+        from . import snapshot
+
+        snapshot.save(self, path, seqs)
+
+    def restore(self, path: str | os.PathLike[str]) -> list[int]:
+        """Add the snapshot's sequences to this cache and return their new ids. Everything is checked
+        first; a ``SnapshotError`` or ``CapacityError`` leaves the cache exactly as it was."""
+        from . import snapshot
+
+        return snapshot.restore(self, path)
+
     def stats(self) -> CacheStats:
         spec = self.spec
         per_block_k = spec.n_layers * spec.n_kv_heads * spec.block_size * spec.k_row_bytes
         per_block_v = spec.n_layers * spec.n_kv_heads * spec.block_size * spec.v_row_bytes
         used = int((self._ref > 0).sum())
+        c = self._blocks.counters
         return CacheStats(
             backend=self.backend.name,
             n_blocks=self.n_blocks,
             block_size=spec.block_size,
             blocks_used=used,
-            blocks_free=len(self._free),
+            blocks_free=self._blocks.n_free,
             blocks_shared=int((self._ref > 1).sum()),
             capacity_tokens=self.n_blocks * spec.block_size,
             n_seqs=len(self._seqs),
@@ -334,6 +437,16 @@ class KVCache:
             v_bytes=per_block_v * self.n_blocks,
             bytes_allocated=self.pools.nbytes,
             bytes_per_token=spec.bytes_per_token,
+            blocks_cached=len(self._blocks.hash_of),
+            blocks_cached_free=self._blocks.n_cached_free,
+            prefix_queries=c.queries,
+            prefix_query_tokens=c.query_tokens,
+            prefix_hit_tokens=c.hit_tokens,
+            prefix_hit_blocks=c.hit_blocks,
+            prefix_miss_blocks=c.miss_blocks,
+            prefix_recomputed_tokens=c.recomputed_tokens,
+            prefix_evicted_blocks=c.evicted_blocks,
+            prefix_invalidated_blocks=c.invalidated_blocks,
         )
 
     # -- internals -----------------------------------------------------------------------------------
@@ -379,31 +492,47 @@ class KVCache:
         return s.table()[pos // bs].astype(np.int64) * bs + pos % bs
 
     def _reserve(self, n: int | np.integer) -> None:
-        if n > len(self._free):
-            raise CapacityError(
-                f"need {int(n)} free blocks of {self.spec.block_size} tokens but {len(self._free)} of {self.n_blocks} "
-                "are free; free sequences (free_seq/seq_rm) or create the cache with a larger capacity_tokens"
-            )
+        self._blocks.reserve(n)
 
     def _own(self, s: _Seq, indices: list[int]) -> None:
-        """Copy-on-write: give ``s`` its own copy of each shared block at ``indices`` (blocks reserved)."""
+        """Make the blocks at ``indices`` writable by ``s``: a shared block is copied first (blocks
+        reserved), a block ``s`` holds alone loses its hash (its bytes are about to change)."""
         bs = self.spec.block_size
         for i in indices:
             old = s.blocks[i]
             if self._ref[old] <= 1:
+                self._blocks.unhash(old)
                 continue
-            new = self._free.pop()
+            [new] = self._blocks.alloc(1)
             src = np.arange(old * bs, old * bs + bs, dtype=np.int64)
             dst = np.arange(new * bs, new * bs + bs, dtype=np.int64)
             for layer in range(self.spec.n_layers):
                 self.backend.copy_slots(self.pools, layer, src, dst)
-            self._ref[old] -= 1
-            self._ref[new] = 1
+            self._blocks.release([old])
             s.blocks[i] = new
             s.changed()
 
     def _release(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free.append(b)
+        self._blocks.release(blocks)
+
+
+def _token_ids(token_ids: Any) -> list[int]:
+    """Token ids as plain ints in [0, 2**31): a list/tuple of ints or a 1-d integer array."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise ShapeError(f"token_ids must be a 1-d integer array, got {token_ids.dtype} of shape {token_ids.shape}")
+        ids = token_ids.tolist()
+    elif hasattr(token_ids, "__dlpack__") or type(token_ids).__module__.startswith("torch"):
+        from .interop import to_numpy
+
+        return _token_ids(to_numpy(token_ids))
+    elif isinstance(token_ids, (list, tuple)):
+        if not all(_is_int(t) for t in token_ids):
+            bad = next(t for t in token_ids if not _is_int(t))
+            raise ShapeError(f"token_ids must hold ints, got {type(bad).__name__} {bad!r}")
+        ids = [int(t) for t in token_ids]
+    else:
+        raise ShapeError(f"token_ids must be a list of ints or a 1-d integer array, got {type(token_ids).__name__}")
+    if ids and (min(ids) < 0 or max(ids) >= 2**31):
+        raise ShapeError(f"token ids must be in [0, 2**31); got min {min(ids)}, max {max(ids)}")
+    return ids

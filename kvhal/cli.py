@@ -91,6 +91,22 @@ def info_text(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def snapshot_text(r: dict[str, Any]) -> str:
+    fp, spec = r["fingerprint"] or {}, r["spec"] or {}
+    lines = [
+        f"{r['path']}: {r['bytes']} bytes, snapshot v{r['snapshot_version']}, format v{r['format_version']}",
+        f"  fingerprint  model={fp.get('model')!r} extra={fp.get('extra')} digest={str(fp.get('digest'))[:16]}...",
+        "  spec         " + ", ".join(f"{k}={v}" for k, v in spec.items()),
+        f"  blocks       {r['n_blocks']}",
+    ]
+    for i, s in enumerate(r["seqs"]):
+        lines.append(f"  seq {i:<8} {s['tokens']} tokens, {s['hashed_blocks']} hashed blocks")
+    bad = {k: v for k, v in r["checksums"].items() if v != "ok"}
+    lines.append(f"  checksums    {len(r['checksums']) - len(bad)}/{len(r['checksums'])} tensors ok")
+    lines += [f"    {k}: {v}" for k, v in bad.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvhal", description="Quantized paged KV cache: backends and benchmarks")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -114,8 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
+    ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
+    ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
+    psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
+    psi.add_argument("file")
+    psi.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "snapshot":
+            from .snapshot import inspect
+
+            report = inspect(args.file)
+            print(json.dumps(report, indent=2) if args.json else snapshot_text(report))
+            return 0 if report["checksums_ok"] else 1
         if args.cmd == "info":
             data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
