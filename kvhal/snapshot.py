@@ -56,7 +56,7 @@ def _safetensors() -> Any:
 
 
 def _crc(a: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data)
 
 
 def _path(path: Any) -> Path:
