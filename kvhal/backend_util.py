@@ -4,6 +4,7 @@ KV range of each query, backend options (with their environment variables) and t
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ def pages_to_blocks(spec: CacheSpec, pages: Iterable[tuple[np.ndarray, np.ndarra
     parts = []
     for k, v in pages:
         n = k.shape[0]
-        parts += [np.asarray(k, np.uint8).reshape(n, -1), np.asarray(v, np.uint8).reshape(n, -1)]
+        parts += [np.asarray(x, np.uint8).reshape(n, math.prod(x.shape[1:])) for x in (k, v)]
     out = np.concatenate(parts, axis=1) if parts else np.zeros((0, spec.block_nbytes), np.uint8)
     assert out.shape[1] == spec.block_nbytes
     return out
