@@ -383,3 +383,58 @@ def test_read_write_blocks_round_trip_and_match_reference(backend_info, rng):
             np.testing.assert_array_equal(x[:4], y[:4])
     with pytest.raises(kvhal.ShapeError):
         dst.backend.write_blocks(dst.pools, all_ids[:1], np.zeros((1, 3), np.uint8))
+
+
+SNAPSHOT_CHILD = """
+import sys, numpy as np, kvhal
+spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=sys.argv[2], v_format=sys.argv[3], block_size=8)
+c = kvhal.KVCache(spec, 128, backend=sys.argv[1], fingerprint=kvhal.Fingerprint("contract"))
+[s] = c.restore(sys.argv[4])
+q = np.load(sys.argv[5])
+np.save(sys.argv[6], kvhal.to_numpy(c.attention(1, q, [s], [3])))
+"""
+
+
+def test_snapshot_restores_byte_identically_across_backends(backend_info, rng, tmp_path):
+    """A snapshot saved on this backend restores into the reference with identical bytes (and back), and
+    into a fresh process on this backend with bit-identical attention."""
+    import subprocess
+    import sys
+
+    fmts = claimed(backend_info)
+    fk, fv = fmts[-1], fmts[0]
+    fp = kvhal.Fingerprint("contract")
+
+    def cache(name: str) -> kvhal.KVCache:
+        spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fk, v_format=fv, block_size=8)
+        return kvhal.KVCache(spec, 128, backend=name, fingerprint=fp)
+
+    src = cache(backend_info.name)
+    k, v = kv(rng, 27)
+    s = src.new_seq()
+    src.append_tokens(s, list(range(27)))
+    for layer in (0, 1):
+        src.store(s, layer, k, v)
+    path = tmp_path / "c.kvs"
+    src.save(path, seqs=[s])
+    ref = cache("reference")
+    ref.new_seq()  # occupy nothing, but shift the ids
+    [r] = ref.restore(path)
+    for layer in (0, 1):
+        got = ref.backend.read_blocks(ref.pools, np.array(ref._seqs[r].blocks))
+        want = src.backend.read_blocks(src.pools, np.array(src._seqs[s].blocks))
+        np.testing.assert_array_equal(got, want)
+    ref.save(tmp_path / "back.kvs", seqs=[r])
+    back = cache(backend_info.name)
+    [b] = back.restore(tmp_path / "back.kvs")
+    np.testing.assert_array_equal(
+        back.backend.read_blocks(back.pools, np.array(back._seqs[b].blocks)),
+        src.backend.read_blocks(src.pools, np.array(src._seqs[s].blocks)),
+    )
+    assert back.match_prefix(list(range(30)))[1] == 24
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    np.save(tmp_path / "q.npy", q)
+    want = kvhal.to_numpy(src.attention(1, q, [s], [3]))
+    subprocess.run([sys.executable, "-c", SNAPSHOT_CHILD, backend_info.name, fk, fv, str(path), str(tmp_path / "q.npy"),
+                    str(tmp_path / "out.npy")], check=True)
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)
