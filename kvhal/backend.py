@@ -126,6 +126,27 @@ class Backend(ABC):
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
         """Write ``data`` (as ``read_blocks`` returns it) into the blocks ``block_ids``, all layers."""
 
+    def attention_mass(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+        tail: int,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per sequence, the attention weight each key received from all queries and from the last
+        ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
+        The default works on every backend (float64 over ``load``); a backend may fuse it."""
+        from .backend_util import attention_mass
+
+        args = (q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, tail)
+        return attention_mass(self, *args)
+
     def synchronize(self) -> None:
         """Wait for queued device work; host backends have none."""
 

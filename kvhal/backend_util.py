@@ -152,3 +152,44 @@ def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:
     if data.ndim != 2 or data.shape[1] != spec.block_nbytes:
         raise ShapeError(f"block data has shape {data.shape}; expected [n_blocks, {spec.block_nbytes}] for this spec")
     return data
+
+
+# -- attention mass (observe=True) -------------------------------------------------------------------
+
+
+def attention_mass(
+    backend: Any,
+    q: Any,
+    pools: Any,
+    layer: int,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    tail: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
+    ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``.
+
+    Computed in float64 from the backend's own dequantized K (``load``), so it works on every backend
+    and measures the keys as stored."""
+    spec = pools.spec
+    qh = np.asarray(backend.to_numpy(q), np.float64)
+    group = qh.shape[1] // spec.n_kv_heads
+    _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+    out, start = [], 0
+    for s, (n_kv, n_q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+        k, _ = backend.load(pools, layer, block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        k = np.repeat(np.asarray(backend.to_numpy(k), np.float64), group, axis=1)  # [n_kv, Hq, D]
+        rows = slice(start, start + n_q)
+        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * scale
+        j = np.arange(n_kv)[None, :]
+        scores = np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)  # [Hq, n_q, n_kv]
+        per_kv = p.reshape(spec.n_kv_heads, group, n_q, n_kv).sum(axis=1)  # [H, n_q, n_kv]
+        out.append((per_kv.sum(axis=1), per_kv[:, max(0, n_q - tail) :].sum(axis=1)))
+        start += n_q
+    return out

@@ -33,7 +33,7 @@ class PrefixCounters:
 
 
 class BlockAllocator:
-    def __init__(self, n_blocks: int, block_size: int) -> None:
+    def __init__(self, n_blocks: int, block_size: int, reuse_cached: bool = True) -> None:
         self.n_blocks = n_blocks
         self.block_size = block_size
         self.ref = np.zeros(n_blocks, np.int32)
@@ -43,16 +43,27 @@ class BlockAllocator:
         self.block_of: dict[bytes, int] = {}
         self.counters = PrefixCounters()
         self.on_evict: Callable[[int, bytes], None] | None = None  # before a cached block's space is reused
+        self.reuse_cached = reuse_cached  # False: allocation never takes a cached block (they stay matchable)
 
     @property
     def n_free(self) -> int:
         return len(self._plain) + len(self._cached)
 
+    @property
+    def n_usable(self) -> int:
+        return len(self._plain) + (len(self._cached) if self.reuse_cached else 0)
+
     def reserve(self, n: int | np.integer) -> None:
-        if n > self.n_free:
+        if n > self.n_usable:
+            held = (
+                ""
+                if self.reuse_cached
+                else f" ({len(self._cached)} more hold cached prefixes, kept by on_full='raise')"
+            )
             raise CapacityError(
-                f"need {int(n)} free blocks of {self.block_size} tokens but {self.n_free} of {self.n_blocks} "
-                "are free; free sequences (free_seq/seq_rm) or create the cache with a larger capacity_tokens"
+                f"need {int(n)} free blocks of {self.block_size} tokens but {self.n_usable} of {self.n_blocks} "
+                f"are free{held}; free sequences (free_seq/seq_rm/evict) or create the cache with a larger "
+                "capacity_tokens"
             )
 
     def alloc(self, n: int) -> list[int]:

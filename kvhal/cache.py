@@ -23,6 +23,7 @@ from . import registry
 from .backend import Backend
 from .blocks import BlockAllocator
 from .errors import PositionError, SequenceError, ShapeError, SpecError
+from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
 from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .spec import CacheSpec
 
@@ -59,6 +60,9 @@ class CacheStats:
     prefix_recomputed_tokens: int = 0  # tokens of those queries the caller had to store again
     prefix_evicted_blocks: int = 0  # cached blocks whose space was reused
     prefix_invalidated_blocks: int = 0  # hashed blocks rewritten in place by their only holder
+    evictions: int = 0  # evict() calls and full-cache evictions that dropped tokens
+    evicted_tokens_called: int = 0  # tokens dropped by evict()
+    evicted_tokens_on_full: int = 0  # tokens dropped because a store found no free block
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +78,16 @@ class _Seq:
     # blocks at or past this index hold rows moved from other positions (a middle seq_rm, a copy
     # from an offset): they are not what a prefill of their tokens stores, so they never get a hash
     sealable: int | None = None
+    # attention mass per layer (observe=True): [n_kv_heads, positions] float64, all queries / last window
+    mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def keep_mass(self, columns: np.ndarray) -> None:
+        """Positions moved (removed, compacted): the observed mass follows its keys (ascending old positions)."""
+        for d in (self.mass, self.window_mass):
+            for layer, m in d.items():
+                d[layer] = m[:, columns[columns < m.shape[1]]]
+
     _table: np.ndarray | None = field(default=None, repr=False)
 
     def table(self) -> np.ndarray:
@@ -97,7 +111,17 @@ class KVCache:
         allow_fallback: bool = False,
         backend_options: dict[str, Any] | None = None,
         fingerprint: Fingerprint | None = None,
+        on_full: str | EvictOnFull = "prefix_lru",
+        on_evict: OnEvict | None = None,
+        observe_window: int = 32,
     ) -> None:
+        """``on_full``: what a store does when no block is free. "prefix_lru" (default): free blocks
+        that still hold cached prefixes are reused, least recently released first (counted in
+        ``stats().prefix_evicted_blocks``), then ``CapacityError``; "raise": cached prefixes are never
+        reused by a store (``CapacityError`` instead); ``EvictOnFull(policy, keep_tokens)``: as
+        "prefix_lru", then the longest sequence is evicted with ``policy``. ``on_evict`` is called with
+        every ``EvictionResult``. ``observe_window``: the queries ``attention(observe=True)`` keeps
+        apart for ``SnapKV``."""
         if not isinstance(spec, CacheSpec):
             raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
         if not _is_int(capacity_tokens) or capacity_tokens <= 0:
@@ -111,8 +135,16 @@ class KVCache:
         self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
         self.n_blocks = math.ceil(int(capacity_tokens) / spec.block_size)
+        if not (on_full in ("prefix_lru", "raise") or isinstance(on_full, EvictOnFull)):
+            raise SpecError(f"on_full must be 'prefix_lru', 'raise' or a kvhal.eviction.EvictOnFull, got {on_full!r}")
+        if on_evict is not None and not callable(on_evict):
+            raise SpecError(f"on_evict must be callable or None, got {type(on_evict).__name__}")
+        if not _is_int(observe_window) or observe_window < 1:
+            raise SpecError(f"observe_window must be a positive int, got {observe_window!r}")
+        self.on_full, self.on_evict, self.observe_window = on_full, on_evict, int(observe_window)
+        self._evicted = {"evict": 0, "on_full": 0, "n": 0}
         self.pools = self.backend.allocate(spec, self.n_blocks)
-        self._blocks = BlockAllocator(self.n_blocks, spec.block_size)
+        self._blocks = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
         self._ref = self._blocks.ref
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
@@ -213,6 +245,7 @@ class KVCache:
         s = self._seq(seq)
         lo, hi = self._range(p0, p1)
         bs = self.spec.block_size
+        old_n = max(s.lens, default=0)
         new_lens = [L - max(0, min(hi, L) - min(lo, L)) for L in s.lens]
         moves = [(min(lo, L), min(hi, L), L) for L in s.lens]  # per layer: tokens [b, L) move to a
         shifting = [a < b < L for a, b, L in moves]
@@ -232,6 +265,7 @@ class KVCache:
         del s.blocks[n_keep:]
         s.changed()
         del s.tokens[lo:hi]
+        s.keep_mass(np.r_[np.arange(min(lo, old_n)), np.arange(min(hi, old_n), old_n)])
         del s.hashes[lo // bs :]
         if any(shifting):
             s.sealable = min(s.sealable if s.sealable is not None else lo // bs, lo // bs)
@@ -258,6 +292,8 @@ class KVCache:
                     src = self._slots(s, lo, lo + n)
                     self.backend.copy_slots(self.pools, layer, src, self._slots(t, 0, n))
         t.sealable = s.sealable if lo == 0 else 0  # rows from an offset sit at other positions now
+        t.mass = {layer: m[:, lo:hi].copy() for layer, m in s.mass.items()}
+        t.window_mass = {layer: m[:, lo:hi].copy() for layer, m in s.window_mass.items()}
         self._seal(t)
         return self._add_seq(t)
 
@@ -284,11 +320,15 @@ class KVCache:
         self.backend.check_values(self.spec.k_fmt, k)
         self.backend.check_values(self.spec.v_fmt, v)
         bs = self.spec.block_size
-        p0 = s.lens[layer]
-        p1 = p0 + n
-        touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
-        n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
-        self._reserve(n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched))
+        while True:  # with on_full=EvictOnFull, evict and retry until it fits or nothing more can go
+            p0 = s.lens[layer]
+            p1 = p0 + n
+            touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
+            n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
+            needed = n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched)
+            if needed <= self._blocks.n_usable or not self._make_room(needed, s):
+                break
+        self._reserve(needed)
         self._own(s, touched)
         added = self._blocks.alloc(n_new)
         if added:
@@ -303,7 +343,7 @@ class KVCache:
                 s.changed()
             raise
         s.lens[layer] = p1
-        if len(s.tokens) > len(s.hashes) * bs and s.lens[layer] == min(s.lens):
+        if len(s.tokens) > len(s.hashes) * bs:
             self._seal(s)
 
     def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
@@ -334,10 +374,13 @@ class KVCache:
         scale: float | None = None,
         causal: bool = True,
         window: int | None = None,
+        observe: bool = False,
     ) -> Any:
         """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over each sequence's cached K/V at ``layer``.
 
         The queries of a sequence are its last ``q_len`` stored tokens (store before attending).
+        ``observe=True`` also accumulates the attention mass each key receives (for ``H2O``; the
+        last ``observe_window`` queries' mass is kept apart for ``SnapKV``).
         """
         layer = self._layer(layer)
         if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
@@ -397,8 +440,92 @@ class KVCache:
             for i, (s, nb) in enumerate(zip(seq_objs, n_pages)):
                 table[i, :nb] = s.table()[:nb]
         lens_arr, ql = np.array(lens, np.int32), np.array(qls, np.int32)
+        if not isinstance(observe, (bool, np.bool_)):
+            raise ShapeError(f"observe must be a bool, got {observe!r}")
         win = None if window is None else int(window)
-        return self.backend.attention(q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
+        args = (q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
+        out = self.backend.attention(*args)
+        if observe:
+            for s, (total, tail) in zip(seq_objs, self.backend.attention_mass(*args, self.observe_window)):
+                old = s.mass.get(layer)
+                if old is not None:
+                    total[:, : old.shape[1]] += old[:, : total.shape[1]]
+                s.mass[layer], s.window_mass[layer] = total, tail
+        return out
+
+    # -- eviction ------------------------------------------------------------------------------------
+
+    def evict(self, seq: int, policy: Policy, keep_tokens: int) -> EvictionResult:
+        """Shrink ``seq`` to at most ``keep_tokens`` positions chosen by ``policy``; the kept rows are
+        moved byte for byte to positions 0.. (no re-quantization), whole blocks are freed, and
+        blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
+        s = self._seq(seq)
+        if not isinstance(policy, Policy):
+            raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {policy!r}")
+        if not _is_int(keep_tokens) or keep_tokens < 0:
+            raise PositionError(f"keep_tokens must be an int >= 0, got {keep_tokens!r}")
+        n = max(s.lens, default=0)
+        kept = np.arange(n) if n <= keep_tokens else policy.select(n, int(keep_tokens), self._scores(s, n))
+        return self._compact(int(seq), s, kept, policy.name, "evict")
+
+    def _scores(self, s: _Seq, n: int) -> Scores:
+        def total(d: dict[int, np.ndarray]) -> np.ndarray:
+            out = np.zeros(n)
+            for m in d.values():
+                w = min(n, m.shape[1])
+                out[:w] += m[:, :w].sum(axis=0)
+            return out
+
+        return Scores(total(s.mass), total(s.window_mass), self.observe_window, bool(s.mass))
+
+    def _compact(self, sid: int, s: _Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
+        bs = self.spec.block_size
+        n = max(s.lens, default=0)
+        kept = np.asarray(kept, np.int64)
+        moved = np.flatnonzero(kept != np.arange(len(kept)))
+        first = int(moved[0]) if moved.size else len(kept)  # rows before this stay where they are
+        new_lens = [int(np.searchsorted(kept, L)) for L in s.lens]
+        n_keep = math.ceil(max(new_lens, default=0) / bs)
+        touched = list(range(first // bs, n_keep)) if moved.size else []
+        self._reserve(sum(self._ref[s.blocks[i]] > 1 for i in touched))
+        free_before = self._blocks.n_free
+        self._own(s, touched)
+        for layer, L in enumerate(new_lens):
+            if L > first:
+                src = self._slots_at(s, kept[first:L])
+                self.backend.copy_slots(self.pools, layer, src, self._slots(s, first, L))
+        self._release(s.blocks[n_keep:][::-1])
+        del s.blocks[n_keep:]
+        s.changed()
+        s.lens = new_lens
+        s.tokens = [s.tokens[p] for p in kept.tolist() if p < len(s.tokens)]
+        del s.hashes[first // bs :]
+        if moved.size:
+            s.sealable = min(s.sealable if s.sealable is not None else first // bs, first // bs)
+        s.keep_mass(kept)
+        dropped = np.setdiff1d(np.arange(n), kept)
+        freed = self._blocks.n_free - free_before
+        if dropped.size:
+            self._evicted[cause] += int(dropped.size)
+            self._evicted["n"] += 1
+        result = EvictionResult(sid, policy, cause, kept, dropped, freed, freed * self.spec.block_nbytes)
+        if self.on_evict is not None and dropped.size:
+            self.on_evict(result)
+        return result
+
+    def _make_room(self, needed: int, storing: _Seq) -> bool:
+        """on_full=EvictOnFull: evict the longest sequence once; True if that freed anything."""
+        if not isinstance(self.on_full, EvictOnFull) or not self._seqs:
+            return False
+        sid, victim = max(self._seqs.items(), key=lambda kv: (max(kv[1].lens, default=0), -kv[0]))
+        n = max(victim.lens, default=0)
+        keep = self.on_full.keep_tokens
+        if n <= keep:
+            return False
+        kept = self.on_full.policy.select(n, keep, self._scores(victim, n))
+        before = self._blocks.n_usable
+        self._compact(sid, victim, kept, self.on_full.policy.name, "on_full")
+        return self._blocks.n_usable > before
 
     # -- snapshots -----------------------------------------------------------------------------------
 
@@ -447,6 +574,9 @@ class KVCache:
             prefix_recomputed_tokens=c.recomputed_tokens,
             prefix_evicted_blocks=c.evicted_blocks,
             prefix_invalidated_blocks=c.invalidated_blocks,
+            evictions=self._evicted["n"],
+            evicted_tokens_called=self._evicted["evict"],
+            evicted_tokens_on_full=self._evicted["on_full"],
         )
 
     # -- internals -----------------------------------------------------------------------------------
@@ -485,6 +615,10 @@ class KVCache:
         if hi < lo:
             raise PositionError(f"range [{p0}, {p1}) is empty backwards; need p0 <= p1 (or p1 < 0 for the end)")
         return lo, hi
+
+    def _slots_at(self, s: _Seq, pos: np.ndarray) -> np.ndarray:
+        bs = self.spec.block_size
+        return s.table()[pos // bs].astype(np.int64) * bs + pos % bs
 
     def _slots(self, s: _Seq, p0: int, p1: int) -> np.ndarray:
         pos = np.arange(p0, p1, dtype=np.int64)

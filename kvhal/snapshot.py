@@ -245,9 +245,9 @@ def restore(cache: KVCache, path: Any) -> list[int]:
             )
         np.add.at(uses, blocks, 1)
         staged.append(_Seq(blocks.tolist(), lens, tokens=tokens, hashes=hashes, extra=extra, sealable=sealable))
-    if n_blocks > cache._blocks.n_free:
+    if n_blocks > cache._blocks.n_usable:
         raise CapacityError(
-            f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {cache._blocks.n_free} of {cache.n_blocks} "
+            f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {cache._blocks.n_usable} of {cache.n_blocks} "
             "are free; free sequences first or create the cache with a larger capacity_tokens"
         )
     data = pages_to_blocks(spec, pages)
