@@ -420,10 +420,9 @@ def test_snapshot_restores_byte_identically_across_backends(backend_info, rng, t
     ref = cache("reference")
     ref.new_seq()  # occupy nothing, but shift the ids
     [r] = ref.restore(path)
-    for layer in (0, 1):
-        got = ref.backend.read_blocks(ref.pools, np.array(ref._seqs[r].blocks))
-        want = src.backend.read_blocks(src.pools, np.array(src._seqs[s].blocks))
-        np.testing.assert_array_equal(got, want)
+    got = ref.backend.read_blocks(ref.pools, np.array(ref._seqs[r].blocks))
+    want = src.backend.read_blocks(src.pools, np.array(src._seqs[s].blocks))
+    np.testing.assert_array_equal(got, want)
     ref.save(tmp_path / "back.kvs", seqs=[r])
     back = cache(backend_info.name)
     [b] = back.restore(tmp_path / "back.kvs")
@@ -438,3 +437,31 @@ def test_snapshot_restores_byte_identically_across_backends(backend_info, rng, t
     subprocess.run([sys.executable, "-c", SNAPSHOT_CHILD, backend_info.name, fk, fv, str(path), str(tmp_path / "q.npy"),
                     str(tmp_path / "out.npy")], check=True)
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)
+
+
+def test_evict_equals_a_fresh_cache_of_the_kept_tokens(backend_info, rng):
+    """After evict, attention over the kept tokens equals a fresh cache that stored only them, bit for bit."""
+    from kvhal.eviction import SinkWindow
+
+    fmt = claimed(backend_info)[-1]
+    k, v = kv(rng, 45)
+    c = make_cache(backend_info.name, fmt, layers=2, bs=8, cap=256)
+    s = c.new_seq()
+    for layer in (0, 1):
+        c.store(s, layer, k, v)
+    shared = c.seq_cp(s, 0, 16)  # the sinks' whole block stays shared with this copy
+    res = c.evict(s, SinkWindow(sinks=8, window=13), keep_tokens=17)  # the window shrinks to 9
+    kept = np.r_[np.arange(8), np.arange(36, 45)]
+    np.testing.assert_array_equal(res.kept, kept)
+    np.testing.assert_array_equal(res.dropped, np.setdiff1d(np.arange(45), kept))
+    assert c.seq_len(s) == 17 and c._seqs[s].blocks[0] == c._seqs[shared].blocks[0]
+    fresh = make_cache(backend_info.name, fmt, layers=2, bs=8, cap=256)
+    f = fresh.new_seq()
+    for layer in (0, 1):
+        fresh.store(f, layer, k[kept], v[kept])
+    q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    for layer in (0, 1):
+        got = kvhal.to_numpy(c.attention(layer, q, [s], [2]))
+        np.testing.assert_array_equal(got, kvhal.to_numpy(fresh.attention(layer, q, [f], [2])))
+        for x, y in zip(c.load(s, layer), fresh.load(f, layer)):
+            np.testing.assert_array_equal(kvhal.to_numpy(x), kvhal.to_numpy(y))
