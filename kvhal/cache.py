@@ -498,7 +498,8 @@ class KVCache:
         del s.blocks[n_keep:]
         s.changed()
         s.lens = new_lens
-        s.tokens = [s.tokens[p] for p in kept.tolist() if p < len(s.tokens)]
+        # token ids follow their rows; ids appended past the stored rows keep their order after them
+        s.tokens = [s.tokens[p] for p in kept.tolist() if p < len(s.tokens)] + s.tokens[n:]
         del s.hashes[first // bs :]
         if moved.size:
             s.sealable = min(s.sealable if s.sealable is not None else first // bs, first // bs)

@@ -130,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
+    pst = sub.add_parser("stress", help="audit a cache past its capacity: every surviving token's bytes checked")
+    pst.add_argument("--backend", default="reference", help="backend name (default: reference)")
+    pst.add_argument("--k-format", default="q8_0")
+    pst.add_argument("--v-format", default="q4_0")
+    pst.add_argument("--steps", type=int, default=2000)
+    pst.add_argument("--seed", type=int, default=0, help="replays a run exactly")
+    pst.add_argument("--capacity", type=int, default=512, help="capacity_tokens of the cache")
+    pst.add_argument("--block-size", type=int, default=8)
+    pst.add_argument("--json", action="store_true", help="print JSON instead of text")
     ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
     ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
@@ -137,6 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     psi.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "stress":
+            from . import stress
+
+            rep = stress.run(
+                args.backend,
+                args.k_format,
+                args.v_format,
+                args.steps,
+                args.seed,
+                args.capacity,
+                args.block_size,
+                show_progress=not args.json,
+            )
+            print(json.dumps(rep.as_dict(), indent=2) if args.json else stress.text(rep))
+            return 1 if rep.failure or rep.tokens_lost else 0
         if args.cmd == "snapshot":
             from .snapshot import inspect
 
