@@ -1,12 +1,8 @@
-"""Build matrix. Sessions: test-<backend> (one per backends/*/, generated), test-reference, lint, bench.
+"""Build matrix. Sessions: test-<variant> (one per backend variant, generated), test-reference, lint, bench,
+and the GPU build sessions (compile-*, test-cuda-host, test-rocm, bench-cuda*, wheels).
 
-A backend declares itself in ``backends/<name>/pyproject.toml`` under ``[tool.kvhal]``:
-
-    tags = ["cpu"]                  # cpu | gpu | npu: the hardware its session needs
-    apt = ["pocl-opencl-icd"]       # Debian packages .ci/run installs before the session
-    env = {KVHAL_VULKAN_ALLOW_CPU = "1"}
-    [tool.kvhal.variants]           # optional: one session per variant, extra pip requirements
-    cuda12 = ["cupy-cuda12x"]       # or a table: {requires = [...], env = {...}, tags = [...]}
+Each backend declares its sessions in ``backends/<name>/pyproject.toml`` under ``[tool.kvhal]``
+(tags, apt, env, variants; see ci/kvhal_tables.py, the one reader of those tables).
 
 A session whose backend is unavailable here skips with one line naming the probe's reason;
 ``nox -s test-<name> -- --strict`` (or ``KVHAL_STRICT=1``) makes that a failure.
@@ -16,10 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 import nox
+
+sys.path.insert(0, str(Path(__file__).parent / "ci"))
+import kvhal_tables  # noqa: E402  (ci/, stdlib only)
 
 ROOT = Path(__file__).parent
 nox.options.sessions = ["lint", "test-reference"]
@@ -54,15 +52,6 @@ def require_backend(session: nox.Session, session_name: str, backend: str, env: 
         session.skip(msg)
 
 
-def backend_table() -> dict[str, dict]:
-    """name -> its [tool.kvhal] table (plus "dir"), for every backends/<name>/pyproject.toml."""
-    out = {}
-    for pp in sorted(ROOT.glob("backends/*/pyproject.toml")):
-        table = tomllib.loads(pp.read_text()).get("tool", {}).get("kvhal", {})
-        out[pp.parent.name] = {**table, "dir": pp.parent.relative_to(ROOT).as_posix()}
-    return out
-
-
 @nox.session(name="test-reference", tags=["cpu"])
 def test_reference(session: nox.Session) -> None:
     """Unit tests, the stateful property test and the contract suite on the numpy reference."""
@@ -71,27 +60,21 @@ def test_reference(session: nox.Session) -> None:
                 env={"KVHAL_TEST_BACKENDS": "reference"})
 
 
-def _make_backend_session(session_name: str, backend: str, table: dict, variant: list[str] | dict) -> None:
-    spec = variant if isinstance(variant, dict) else {"requires": variant}
-    tags = list(spec.get("tags", table.get("tags", ["cpu"])))
-    env = {k: str(v) for k, v in (table.get("env", {}) | spec.get("env", {})).items()}
-
-    @nox.session(name=session_name, tags=tags)
+def _make_backend_session(variant: kvhal_tables.Variant) -> None:
+    @nox.session(name=variant.session, tags=list(variant.tags))
     def _session(session: nox.Session) -> None:
-        session.install("-e", ".[test,bench]", "-e", table["dir"], *spec.get("requires", []))
+        session.install("-e", ".[test,bench]", "-e", variant.dir, *variant.requires)
         # the probe runs in the session's venv: a backend absent here skips with its reason
-        require_backend(session, session_name, backend, env)
-        tests = [p for p in (f"{table['dir']}/tests", f"tests/{backend}") if (ROOT / p).is_dir()]
+        require_backend(session, variant.session, variant.backend, variant.env)
+        tests = [p for p in (f"{variant.dir}/tests", f"tests/{variant.backend}") if (ROOT / p).is_dir()]
         session.run("pytest", "tests/contract", *tests, *pytest_args(session),
-                    env={**env, "KVHAL_TEST_BACKENDS": backend, "KVHAL_STRICT": "1"})
+                    env={**variant.env, "KVHAL_TEST_BACKENDS": variant.backend, "KVHAL_STRICT": "1"})
 
-    _session.__doc__ = f"tests/contract on the {backend} backend ({table['dir']})"
+    _session.__doc__ = f"tests/contract on the {variant.backend} backend ({variant.dir})"
 
 
-for _name, _table in backend_table().items():
-    variants = _table.get("variants") or {_name: []}
-    for _variant, _spec in variants.items():
-        _make_backend_session(f"test-{_variant}", _name, _table, _spec)
+for _variant in kvhal_tables.variants():
+    _make_backend_session(_variant)
 
 
 @nox.session(tags=["lint"])
