@@ -86,24 +86,28 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
+# kvhal bench's figures: decode at 4k/16k/32k, prefill (512 queries over 4k and 16k, causal) and load,
+# for the quantized formats and f16/bf16, against PyTorch SDPA f32/bf16 and the measured read bandwidth
+BENCH = ["--format", "q8_0", "--format", "q4_0", "--format", "f16", "--format", "bf16", "--repeats", "7"]
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """kvhal bench on the host backends with PyTorch SDPA as the baseline (docs/benchmarks.md).
-
-    Default: the cpu backend's decode figures of issue 5; pass your own arguments after ``--``.
-    """
-    host = [t["dir"] for t in backend_table().values() if "cpu" in t.get("tags", ["cpu"])]
+    """kvhal bench on the cpu backend against PyTorch SDPA (docs/benchmarks.md); other arguments after ``--``."""
+    host = [b.dir for b in kvhal_tables.backends() if "cpu" in b.tags]
     session.install("-e", ".[bench]", TORCH, *[a for d in host for a in ("-e", d)])
-    default = ["--backend", "cpu", "--format", "q8_0", "--format", "q4_0", "--repeats", "7", "-o", "bench.json"]
+    default = ["--backend", "cpu", *BENCH, "-o", "bench.json"]
     session.run("kvhal", "bench", *(session.posargs or default))
 
 
-# ==== GPU kernels, wheels (owner: the gpu branch; appended, the sessions above are untouched) ==========
+# GPU kernels and wheels:
 # compile-cuda13 / compile-cuda12 / compile-rocm: backends/cuda/build_kernels.py writes
 #   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors.
 # test-cuda-host: the cuda backend's CPU tests plus tests/contract on kvhal.cu under the CPU SIMT emulator.
 # test-rocm: tests/contract on the rocm entry point (skips without a ROCm GPU, fails with --strict).
+# bench-cuda13 / bench-cuda12: kvhal bench on the GPU, bandwidth fractions of the measured HBM read bandwidth.
 # wheels: every row of wheels/variants.toml into dist/, then each wheel installed in a fresh venv runs `kvhal info`.
+# ci/gpu-check.sh runs the GPU rows in one command on a bare machine with an NVIDIA GPU.
 
 CUDA_DIR = "backends/cuda"
 NVRTC12 = ["nvidia-cuda-nvrtc-cu12==12.9.*", "nvidia-cuda-runtime-cu12==12.9.*"]
@@ -160,9 +164,14 @@ def test_rocm(session: nox.Session) -> None:
                 env={"KVHAL_TEST_BACKENDS": "rocm", "KVHAL_STRICT": "1", "PYTHONPATH": f"{CUDA_DIR}/tests"})
 
 
+GPU_CONTEXTS = ["--contexts", "4096,16384,32768,65536,131072"]
+
+
 def _bench_cuda(session: nox.Session, variant: str) -> None:
-    session.install("-e", ".[bench]", TORCH, "-e", f"{CUDA_DIR}[{variant}]")
-    session.run("kvhal", "bench", "--backend", "cuda", *(session.posargs or ["--json", f"bench-{variant}.json"]))
+    # no torch: the CUDA build is gigabytes and only adds SDPA ratios; the bandwidth fractions are the figure
+    session.install("-e", ".[bench]", "-e", f"{CUDA_DIR}[{variant}]")
+    session.run("kvhal", "bench", "--backend", "cuda", *GPU_CONTEXTS,
+                *(session.posargs or ["-o", f"bench-{variant}.json"]))
 
 
 @nox.session(name="bench-cuda13", tags=["gpu"])
@@ -188,7 +197,7 @@ def wheels(session: nox.Session) -> None:
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])
-    # only `-- --strict`, not KVHAL_STRICT: a backend dir another branch has not merged yet is not a missing device
+    # only `-- --strict`, not KVHAL_STRICT: a wheel whose source dir is absent is not a missing device
     args = ["--strict"] if "--strict" in session.posargs else []
     session.run("python", "wheels/build.py", *args, *pytest_args(session))
     session.run("python", "wheels/build.py", "--smoke", *args)

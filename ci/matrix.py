@@ -84,22 +84,25 @@ RUNNERS = [
 FIXED_HARDWARE = {"test-rocm", "bench-cuda13", "bench-cuda12"}
 
 
-def cpu_rows() -> list[Row]:
+def cpu_rows(root: Path = ROOT) -> list[Row]:
     """lint, test-reference, every cpu-tagged variant's test-<variant>, then the GPU build rows that need no GPU."""
-    variants = [Row(v.session, CPU) for v in kvhal_tables.variants() if "cpu" in v.tags]
+    variants = [Row(v.session, CPU) for v in kvhal_tables.variants(root) if "cpu" in v.tags]
     return [Row("lint", CPU), Row("test-reference", CPU), *variants, *FIXED_CPU]
 
 
-def hardware_rows() -> list[Row]:
+def hardware_rows(root: Path = ROOT) -> list[Row]:
     """RUNNERS, checked against the tables: each names a real session, each non-cpu variant has a runner."""
-    variants = {v.session for v in kvhal_tables.variants()}
-    unknown = [r.session for r in RUNNERS if r.session not in variants | FIXED_HARDWARE]
+    variants = kvhal_tables.variants(root)
+    problems = []
+    unknown = [r.session for r in RUNNERS if r.session not in {v.session for v in variants} | FIXED_HARDWARE]
     if unknown:
-        raise SystemExit(f"ci/matrix.py RUNNERS names sessions no [tool.kvhal] table makes: {unknown}")
+        problems.append(f"RUNNERS names sessions no [tool.kvhal] table makes: {unknown}")
     covered = {r.session for r in RUNNERS}
-    orphans = [v.session for v in kvhal_tables.variants() if "cpu" not in v.tags and v.session not in covered]
+    orphans = [v.session for v in variants if "cpu" not in v.tags and v.session not in covered]
     if orphans:
-        raise SystemExit(f"{orphans} need hardware (no cpu tag) but no runner in ci/matrix.py RUNNERS runs them")
+        problems.append(f"{orphans} need hardware (no cpu tag) but no runner in RUNNERS runs them")
+    if problems:
+        raise SystemExit("ci/matrix.py: " + "; ".join(problems))
     return RUNNERS
 
 
