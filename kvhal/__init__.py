@@ -7,21 +7,26 @@ that backend is first used.
 from __future__ import annotations
 
 from . import formats
-from .backend import Backend, LayerPools, Probe
+from .backend import Backend, HostPoolsBackend, Pools, Probe
 from .cache import CacheStats, KVCache
 from .errors import (
     BackendUnavailableError,
     CapacityError,
     DTypeError,
+    FingerprintMismatchError,
     FormatError,
     KVHalError,
     NonFiniteError,
     PositionError,
     SequenceError,
     ShapeError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotVersionError,
     SpecError,
     UnsupportedError,
 )
+from .fingerprint import Fingerprint
 from .interop import to_numpy
 from .registry import BackendInfo, backends
 from .spec import CacheSpec
@@ -36,15 +41,21 @@ __all__ = [
     "CacheStats",
     "CapacityError",
     "DTypeError",
+    "Fingerprint",
+    "FingerprintMismatchError",
     "FormatError",
     "KVCache",
     "KVHalError",
-    "LayerPools",
+    "HostPoolsBackend",
+    "Pools",
     "NonFiniteError",
     "PositionError",
     "Probe",
     "SequenceError",
     "ShapeError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotVersionError",
     "SpecError",
     "UnsupportedError",
     "backends",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -10,23 +11,46 @@ from typing import Any
 
 from . import formats
 from .backend import OPS
-from .errors import KVHalError
+from .errors import KVHalError, SpecError
 from .registry import backends
+from .spec import CacheSpec
+
+SPEC_DEFAULTS: dict[str, Any] = {"n_layers": 32, "n_kv_heads": 8, "head_dim": 128, "k_format": "f16", "v_format": "f16"}
 
 
-def info_data() -> dict[str, Any]:
+def parse_spec(text: str) -> CacheSpec:
+    """``head_dim=512,k_format=q8_0`` over a Llama-8B-like default spec."""
+    fields = dict(SPEC_DEFAULTS)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in CacheSpec.__dataclass_fields__:
+            names = ", ".join(CacheSpec.__dataclass_fields__)
+            raise SpecError(f"--spec item {item!r} is not FIELD=VALUE with a CacheSpec field ({names})")
+        fields[key] = value if key.endswith("_format") else _int_field(key, value)
+    return CacheSpec(**fields)
+
+
+def _int_field(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"--spec {key}={value!r}: {key} takes an integer") from None
+
+
+def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
     out = []
     for b in backends():
-        out.append(
-            {
-                "name": b.name,
-                "available": b.available,
-                "score": b.score,
-                "device": b.device,
-                "reason": b.reason,
-                "formats": {f: [op for op in OPS if b.supports(f, op)] for f in formats.names()},
-            }
-        )
+        row: dict[str, Any] = {
+            "name": b.name,
+            "available": b.available,
+            "score": b.score,
+            "device": b.device,
+            "reason": b.reason,
+            "formats": {f: list(OPS) if f in b.formats else [] for f in formats.names()},
+        }
+        if spec is not None:
+            row["spec_refused"] = b.refusal(spec)  # None: takes it
+        out.append(row)
     fmts = [
         {
             "name": f.name,
@@ -37,7 +61,10 @@ def info_data() -> dict[str, Any]:
         }
         for f in map(formats.get, formats.names())
     ]
-    return {"backends": out, "formats": fmts}
+    data: dict[str, Any] = {"backends": out, "formats": fmts}
+    if spec is not None:
+        data["spec"] = dataclasses.asdict(spec)
+    return data
 
 
 def info_text(data: dict[str, Any]) -> str:
@@ -55,6 +82,29 @@ def info_text(data: dict[str, Any]) -> str:
         lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>5}" for c in cells))
     lines.append("")
     lines.append("formats: " + ", ".join(f"{f['name']} {f['bits_per_element']:g} bits" for f in data["formats"]))
+    if "spec" in data:
+        lines.append("")
+        lines.append("spec " + ", ".join(f"{k}={v}" for k, v in data["spec"].items()) + ":")
+        for b in data["backends"]:
+            lines.append(
+                f"  {b['name']:<10} " + ("takes it" if b["spec_refused"] is None else f"refuses: {b['spec_refused']}")
+            )
+    return "\n".join(lines)
+
+
+def snapshot_text(r: dict[str, Any]) -> str:
+    fp, spec = r["fingerprint"] or {}, r["spec"] or {}
+    lines = [
+        f"{r['path']}: {r['bytes']} bytes, snapshot v{r['snapshot_version']}, format v{r['format_version']}",
+        f"  fingerprint  model={fp.get('model')!r} extra={fp.get('extra')} digest={str(fp.get('digest'))[:16]}...",
+        "  spec         " + ", ".join(f"{k}={v}" for k, v in spec.items()),
+        f"  blocks       {r['n_blocks']}",
+    ]
+    for i, s in enumerate(r["seqs"]):
+        lines.append(f"  seq {i:<8} {s['tokens']} tokens, {s['hashed_blocks']} hashed blocks")
+    bad = {k: v for k, v in r["checksums"].items() if v != "ok"}
+    lines.append(f"  checksums    {len(r['checksums']) - len(bad)}/{len(r['checksums'])} tensors ok")
+    lines += [f"    {k}: {v}" for k, v in bad.items()]
     return "\n".join(lines)
 
 
@@ -88,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="backends, why any is unavailable, and the formats each runs")
     pi.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pi.add_argument(
+        "--spec",
+        metavar="FIELD=VALUE,...",
+        help="also show which backends take this CacheSpec and why the others refuse "
+        f"(over {','.join(f'{k}={v}' for k, v in SPEC_DEFAULTS.items())})",
+    )
     pb = sub.add_parser("bench", help="store, load, decode and prefill attention per backend and format")
     pb.add_argument(
         "--backend",
@@ -116,10 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
+    ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
+    ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
+    psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
+    psi.add_argument("file")
+    psi.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "snapshot":
+            from .snapshot import inspect
+
+            report = inspect(args.file)
+            print(json.dumps(report, indent=2) if args.json else snapshot_text(report))
+            return 0 if report["checksums_ok"] else 1
         if args.cmd == "info":
-            data = info_data()
+            data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
             return 0
         from . import bench
@@ -130,14 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         if "auto" in names:  # the backend KVCache(backend="auto") would pick for f16
             from .registry import resolve
 
-            names = [resolve("auto", ["f16"]).name if n == "auto" else n for n in names]
+            auto_spec = CacheSpec(**SPEC_DEFAULTS)
+            names = [resolve("auto", auto_spec).name if n == "auto" else n for n in names]
         by_name = {b.name: b for b in backends()}
         jobs_formats = args.formats or formats.names()
         for n in names:
             if n not in by_name or not by_name[n].available:
                 why = by_name[n].reason if n in by_name else "not installed"
                 raise KVHalError(f"backend {n!r} is unavailable: {why} (see `kvhal info`)")
-        jobs = [(n, f) for n in names for f in jobs_formats if by_name[n].supports(f, "attention")]
+        jobs = [(n, f) for n in names for f in jobs_formats if f in by_name[n].formats]
         if not jobs:
             raise KVHalError(f"none of {names} runs attention on {jobs_formats} (see `kvhal info`)")
         result = bench.run(
