@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -107,6 +108,31 @@ def snapshot_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _ints(text: str) -> list[int]:
+    """A comma list of positive ints ('' is none)."""
+    return [_positive(c.strip()) for c in text.split(",") if c.strip()]
+
+
+def _threads(text: str) -> list[int]:
+    """A comma list of thread counts; 'all' is every core."""
+    counts = [
+        (os.cpu_count() or 1) if c.strip() == "all" else _positive(c.strip()) for c in text.split(",") if c.strip()
+    ]
+    if not counts:
+        raise argparse.ArgumentTypeError("expected thread counts such as 1,2,all")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvhal", description="Quantized paged KV cache: backends and benchmarks")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -118,15 +144,31 @@ def main(argv: list[str] | None = None) -> int:
         help="also show which backends take this CacheSpec and why the others refuse "
         f"(over {','.join(f'{k}={v}' for k, v in SPEC_DEFAULTS.items())})",
     )
-    pb = sub.add_parser("bench", help="store/load/decode attention per backend and format")
+    pb = sub.add_parser("bench", help="store, load, decode and prefill attention per backend and format")
     pb.add_argument(
-        "--backend", action="append", help="backend to run, or 'auto' (repeatable; default: every available one)"
+        "--backend",
+        action="append",
+        help="backend to run, or 'auto' (repeatable; default: every available one but the float64 reference)",
     )
     pb.add_argument(
         "--format", action="append", dest="formats", help="KV format (repeatable; default: all the backend runs)"
     )
-    pb.add_argument("--contexts", default="4096,16384,32768", help="comma list of context lengths")
-    pb.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median reported)")
+    pb.add_argument("--contexts", type=_ints, default="4096,16384,32768", help="decode context lengths (comma list)")
+    pb.add_argument(
+        "--prefill-contexts",
+        type=_ints,
+        default="4096,16384",
+        help="contexts the prefill queries attend over, causal (comma list; '' for none)",
+    )
+    pb.add_argument("--prefill-queries", type=_positive, default=512, help="queries per prefill call (default 512)")
+    pb.add_argument("--no-prefill", action="store_true", help="skip prefill attention")
+    pb.add_argument(
+        "--threads",
+        type=_threads,
+        help="re-run every figure at these host thread counts, e.g. 1,2,all (the cpu backend's threads option "
+        "and torch's; backends without the option run once)",
+    )
+    pb.add_argument("--repeats", type=_positive, default=5, help="timed runs per figure (median reported)")
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
@@ -174,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench
 
         available = [b for b in backends() if b.available]
-        names = args.backend or [b.name for b in available]
+        # the reference is the spec, not a contender: its float64 prefill at 16k takes minutes a call
+        names = args.backend or [b.name for b in available if b.name != "reference"] or ["reference"]
         if "auto" in names:  # the backend KVCache(backend="auto") would pick for f16
             from .registry import resolve
 
@@ -186,9 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             if n not in by_name or not by_name[n].available:
                 why = by_name[n].reason if n in by_name else "not installed"
                 raise KVHalError(f"backend {n!r} is unavailable: {why} (see `kvhal info`)")
-        contexts = [int(c) for c in args.contexts.split(",") if c]
         jobs = [(n, f) for n in names for f in jobs_formats if f in by_name[n].formats]
-        result = bench.run(jobs, contexts, args.repeats, show_progress=not args.json, sdpa=not args.no_sdpa)
+        if not jobs:
+            raise KVHalError(f"none of {names} runs attention on {jobs_formats} (see `kvhal info`)")
+        result = bench.run(
+            jobs,
+            args.contexts,
+            args.repeats,
+            show_progress=not args.json,
+            sdpa=not args.no_sdpa,
+            prefill_contexts=[] if args.no_prefill else args.prefill_contexts,
+            prefill_queries=args.prefill_queries,
+            threads=args.threads,
+        )
         if args.output:
             with open(args.output, "w") as fh:
                 json.dump(result, fh, indent=2)
