@@ -58,6 +58,17 @@ def test_reference(session: nox.Session) -> None:
     session.install("-e", ".[test,bench]", TORCH)  # torch: DLPack interop tests
     session.run("pytest", "tests/unit", "tests/contract", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference"})
+    stress(session, "reference")
+
+
+# the capacity audit after each backend's tests: the full run where the kernels are the product's default
+STRESS_STEPS = {"reference": 20000, "cpu": 20000}
+
+
+def stress(session: nox.Session, backend: str, env: dict[str, str] | None = None) -> None:
+    steps = STRESS_STEPS.get(backend, 2000)
+    session.run("kvhal", "stress", "--backend", backend, "--steps", str(steps), "--json", silent=True, env=env)
+    session.log(f"kvhal stress --backend {backend} --steps {steps}: no token lost")
 
 
 def _make_backend_session(variant: kvhal_tables.Variant) -> None:
@@ -69,6 +80,7 @@ def _make_backend_session(variant: kvhal_tables.Variant) -> None:
         tests = [p for p in (f"{variant.dir}/tests", f"tests/{variant.backend}") if (ROOT / p).is_dir()]
         session.run("pytest", "tests/contract", *tests, *pytest_args(session),
                     env={**variant.env, "KVHAL_TEST_BACKENDS": variant.backend, "KVHAL_STRICT": "1"})
+        stress(session, variant.backend, variant.env)
 
     _session.__doc__ = f"tests/contract on the {variant.backend} backend ({variant.dir})"
 
