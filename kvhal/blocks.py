@@ -40,7 +40,9 @@ class BlockAllocator:
         self._plain = list(range(n_blocks - 1, -1, -1))  # never-hashed free blocks; pop() hands out 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()  # free but hashed, oldest release first
         self.hash_of: dict[int, bytes] = {}
-        self.block_of: dict[bytes, int] = {}
+        # one hash may name several blocks (two sequences filled the same prefix apart): evicting one
+        # must not break the chain for the others
+        self.block_of: dict[bytes, dict[int, None]] = {}
         self.counters = PrefixCounters()
         self.on_evict: Callable[[int, bytes], None] | None = None  # before a cached block's space is reused
         self.reuse_cached = reuse_cached  # False: allocation never takes a cached block (they stay matchable)
@@ -102,10 +104,10 @@ class BlockAllocator:
     # -- hashes ----------------------------------------------------------------------------------------
 
     def register(self, b: int, h: bytes) -> None:
-        """Name block ``b`` by hash ``h`` unless either already has a name (the first block wins)."""
-        if b not in self.hash_of and h not in self.block_of:
+        """Name block ``b`` by hash ``h`` (unless it already has a name: a block has one hash)."""
+        if b not in self.hash_of:
             self.hash_of[b] = h
-            self.block_of[h] = b
+            self.block_of.setdefault(h, {})[b] = None
 
     def unhash(self, b: int) -> None:
         """``b`` is about to be written by its only holder: its bytes no longer match its hash."""
@@ -114,16 +116,21 @@ class BlockAllocator:
             self.counters.invalidated_blocks += 1
 
     def _drop_hash(self, b: int) -> None:
-        del self.block_of[self.hash_of.pop(b)]
+        h = self.hash_of.pop(b)
+        named = self.block_of[h]
+        del named[b]
+        if not named:
+            del self.block_of[h]
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         """Blocks of the longest run of ``hashes`` from the first that are cached."""
         out = []
         for h in hashes:
-            b = self.block_of.get(h)
-            if b is None:
+            named = self.block_of.get(h)
+            if not named:
                 break
-            out.append(b)
+            held = [b for b in named if self.ref[b] > 0]  # prefer a block in use: no cached block leaves the LRU
+            out.append(held[0] if held else next(iter(named)))
         return out
 
     @property

@@ -172,14 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
+    pb.add_argument(
+        "--lifecycle",
+        action="store_true",
+        help="instead: snapshot save/restore GB/s and prefix-hit time vs storing again (32x8x128 shape, q8_0 "
+        "unless --format)",
+    )
+    pb.add_argument("--lifecycle-tokens", type=_positive, default=16384, help="tokens of the --lifecycle sequence")
     pst = sub.add_parser("stress", help="audit a cache past its capacity: every surviving token's bytes checked")
     pst.add_argument("--backend", default="reference", help="backend name (default: reference)")
     pst.add_argument("--k-format", default="q8_0")
     pst.add_argument("--v-format", default="q4_0")
-    pst.add_argument("--steps", type=int, default=2000)
+    pst.add_argument("--steps", type=_positive, default=2000)
     pst.add_argument("--seed", type=int, default=0, help="replays a run exactly")
-    pst.add_argument("--capacity", type=int, default=512, help="capacity_tokens of the cache")
-    pst.add_argument("--block-size", type=int, default=8)
+    pst.add_argument("--capacity", type=_positive, default=512, help="capacity_tokens of the cache")
+    pst.add_argument("--block-size", type=_positive, default=8)
     pst.add_argument("--json", action="store_true", help="print JSON instead of text")
     ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
     ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
@@ -212,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "info":
             data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
+            return 0
+        if args.lifecycle:
+            from . import bench_lifecycle
+
+            backend = (args.backend or ["auto"])[0]
+            fmt = (args.formats or ["q8_0"])[0]
+            life = bench_lifecycle.run(backend, fmt, args.lifecycle_tokens, repeats=args.repeats)
+            if args.output:
+                with open(args.output, "w") as fh:
+                    json.dump(life, fh, indent=2)
+            print(json.dumps(life, indent=2) if args.json else bench_lifecycle.table(life))
             return 0
         from . import bench
 

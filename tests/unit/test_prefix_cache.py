@@ -221,3 +221,19 @@ def test_token_id_validation():
 def test_fingerprint_must_be_a_fingerprint():
     with pytest.raises(kvhal.SpecError):
         kvhal.KVCache(SPEC, 16, backend="reference", fingerprint="model")  # type: ignore[arg-type]
+
+
+def test_a_prefix_filled_twice_survives_evicting_either_copy():
+    c = make(cap=8 * BS)
+    tokens = list(range(8))
+    a = prefill(c, tokens)
+    b = prefill(c, tokens)  # the same prefix stored apart: both copies carry the hashes
+    assert c._seqs[a].hashes == c._seqs[b].hashes and c.stats().blocks_cached == 4
+    c.free_seq(a)  # a's blocks are cached-free, next to be evicted
+    filler = c.new_seq()
+    k, v = kv_for(list(range(100, 124)))
+    for layer in (0, 1):
+        c.store(filler, layer, k, v)  # 6 blocks: 4 plain + both of a's cached ones
+    assert c.stats().prefix_evicted_blocks == 2
+    t, n = c.match_prefix(tokens + [1])
+    assert n == 8 and c._seqs[t].blocks == c._seqs[b].blocks

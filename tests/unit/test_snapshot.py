@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def state(c: kvhal.KVCache) -> tuple:
     pools = [x.copy() for x in c.pools.k + c.pools.v]
     seqs = {s: (list(c._seqs[s].blocks), list(c._seqs[s].lens), c.tokens(s)) for s in c.seqs}
-    return pools, c.stats(), seqs, dict(c._blocks.block_of)
+    return pools, c.stats(), seqs, {h: list(b) for h, b in c._blocks.block_of.items()}
 
 
 def assert_unchanged(before: tuple, c: kvhal.KVCache) -> None:
