@@ -54,9 +54,10 @@ def require_backend(session: nox.Session, session_name: str, backend: str, env: 
 
 @nox.session(name="test-reference", tags=["cpu"])
 def test_reference(session: nox.Session) -> None:
-    """Unit tests, the stateful property test and the contract suite on the numpy reference."""
+    """Unit tests, the stateful property test, the contract suite on the numpy reference, and the tier tests
+    (they start their own redis-server: Debian package redis-server)."""
     session.install("-e", ".[test,bench]", TORCH)  # torch: DLPack interop tests
-    session.run("pytest", "tests/unit", "tests/contract", *pytest_args(session),
+    session.run("pytest", "tests/unit", "tests/contract", "tests/tiers", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference"})
     stress(session, "reference")
 

@@ -24,6 +24,7 @@ from .errors import (
     SnapshotError,
     SnapshotVersionError,
     SpecError,
+    TierError,
     UnsupportedError,
 )
 from .fingerprint import Fingerprint
@@ -57,6 +58,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotVersionError",
     "SpecError",
+    "TierError",
     "UnsupportedError",
     "backends",
     "formats",

@@ -1,4 +1,4 @@
-"""The kvhal command: ``kvhal info`` and ``kvhal bench`` (``--json`` on both)."""
+"""The kvhal command: ``kvhal info``, ``kvhal bench`` and ``kvhal tiers bench`` (``--json`` on each)."""
 
 from __future__ import annotations
 
@@ -193,8 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
     psi.add_argument("file")
     psi.add_argument("--json", action="store_true", help="print JSON instead of text")
+    from .tiers import bench as tiers_bench
+
+    tiers_bench.add_arguments(sub.add_parser("tiers", help="block tiers (host RAM, disk, Redis): `kvhal tiers bench`"))
     args = p.parse_args(argv)
     try:
+        if args.cmd == "tiers":
+            return tiers_bench.main(args)
         if args.cmd == "stress":
             from . import stress
 

@@ -64,3 +64,7 @@ class SnapshotVersionError(SnapshotError):
 
 class FingerprintMismatchError(SnapshotError):
     """The snapshot's K/V belong to another model, spec or format version than this cache's."""
+
+
+class TierError(KVHalError):
+    """A block tier (kvhal.tiers) got a bad argument or cannot be set up; lookups themselves never raise."""

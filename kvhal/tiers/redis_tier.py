@@ -1,0 +1,160 @@
+"""RedisTier: blocks in a Redis or Valkey server, or a Redis Cluster, shared by every process that reaches it.
+
+One key per block, ``kvhal:{<namespace hex[:16]>}:<block hash hex>``: the braces are a Cluster hash tag, so all
+blocks of one model/cache share a slot and one MGET fetches a whole prefix. Writes are ``SET NX`` (a block's bytes
+never change, the first writer wins); lookups are pipelined ``EXISTS``/``MGET``: one round trip per call.
+Memory is the server's business (``maxmemory`` + ``allkeys-lru``): an evicted block is a miss. A lost connection
+or a timeout is a miss (or a False flag) plus a counted error, and the next call reconnects.
+The ``redis`` package is imported here only when a RedisTier is made (``pip install 'kvhal[tiers]'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import TierError
+from .base import Tier
+from .blob import decode_blob, encode_blob
+from .keys import BlockKey, check_count, check_seconds
+
+SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_key(key: BlockKey) -> str:
+    return f"kvhal:{{{key.namespace.hex()[:16]}}}:{key.block_hash.hex()}"
+
+
+class RedisTier(Tier):
+    """``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path.sock``.
+
+    ``cluster``: True for Redis Cluster, False for one server, None to ask the server now (``INFO cluster``;
+    TierError if it cannot be reached: pass True/False to connect on first use instead).
+    ``socket_timeout`` / ``connect_timeout``: seconds before a call gives up on the server (then: a miss).
+    ``workers``: threads that checksum the blocks of one call in parallel.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cluster: bool | None = None,
+        socket_timeout: float = 1.0,
+        connect_timeout: float = 1.0,
+        workers: int = 4,
+    ) -> None:
+        super().__init__(check_count("workers", workers))
+        self._stats.evictions = None  # the server evicts; a block it dropped shows as a miss
+        if not isinstance(url, str):
+            raise TierError(f"url must be a str such as 'redis://127.0.0.1:6379', got {type(url).__name__}")
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in SCHEMES:
+            raise TierError(f"url {url!r} must start with redis://, rediss:// or unix://")
+        if cluster is not None and not isinstance(cluster, bool):
+            raise TierError(f"cluster must be True, False or None (ask the server), got {type(cluster).__name__}")
+        if cluster and scheme == "unix":
+            raise TierError("a Redis Cluster is reached over TCP: use a redis:// or rediss:// url")
+        try:
+            import redis
+        except ImportError as e:
+            raise TierError("RedisTier needs the redis client: pip install 'kvhal[tiers]'") from e
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = url
+        self._redis = redis
+        # one retry: the first command after a server restart meets a dead pooled connection, the retry reconnects
+        self._options: dict[str, Any] = {
+            "socket_timeout": check_seconds("socket_timeout", socket_timeout),
+            "socket_connect_timeout": check_seconds("connect_timeout", connect_timeout),
+            "retry": Retry(NoBackoff(), 1),
+        }
+        self._failures = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+        self._client: Any = None
+        if cluster is None:
+            self._client = redis.Redis.from_url(url, **self._options)
+            try:
+                cluster = bool(self._client.info("cluster").get("cluster_enabled"))
+            except self._failures as e:
+                self._client.close()
+                raise TierError(
+                    f"cannot reach Redis at {url} to tell whether it is a cluster ({type(e).__name__}: {e}); "
+                    "start the server, or pass cluster=True/False to connect on first use"
+                ) from e
+            if cluster:
+                self._client.close()
+                self._client = None
+        self.cluster: bool = cluster
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            cls = self._redis.cluster.RedisCluster if self.cluster else self._redis.Redis
+            self._client = cls.from_url(self.url, **self._options)
+        return self._client
+
+    def _pipeline(self, build: Callable[[Any], object]) -> list[Any] | None:
+        """Run the commands ``build`` queues in one round trip; None (error counted) if the server failed us.
+        A command the server refused comes back as its exception, in place."""
+        try:
+            pipe = self._connect().pipeline(transaction=False)
+            build(pipe)
+            results: list[Any] = pipe.execute(raise_on_error=False)
+        except self._failures as e:
+            self._error(e)
+            return None
+        for r in results:
+            if isinstance(r, Exception):
+                self._error(r)
+        return results
+
+    def _contains(self, keys: list[BlockKey]) -> int:
+        res = self._pipeline(lambda p: [p.exists(redis_key(k)) for k in keys])
+        n = 0
+        while res is not None and n < len(res) and res[n] == 1:
+            n += 1
+        return n
+
+    def _get(self, keys: list[BlockKey]) -> list[bytes | None]:
+        groups: dict[bytes, list[int]] = {}  # one MGET per namespace: one slot each on a Cluster
+        for i, k in enumerate(keys):
+            groups.setdefault(k.namespace, []).append(i)
+        # execute_command: redis-py's Cluster pipeline refuses its mget() method, but routes an MGET whose keys
+        # share a slot, as one namespace's do
+        res = self._pipeline(
+            lambda p: [p.execute_command("MGET", *[redis_key(keys[i]) for i in idx]) for idx in groups.values()]
+        )
+        out: list[bytes | None] = [None] * len(keys)
+        if res is None:
+            return out
+        found = []
+        for idx, blobs in zip(groups.values(), res):
+            if not isinstance(blobs, Exception):
+                found += [(i, blob) for i, blob in zip(idx, blobs) if blob is not None]
+        bad = []
+        for (i, _), payload in zip(found, self._map(decode_blob, [(keys[i], blob) for i, blob in found])):
+            out[i] = payload
+            if payload is None:
+                bad.append(keys[i])
+        if bad:
+            deleted = self._pipeline(lambda p: [p.delete(redis_key(k)) for k in bad])
+            self._stats.corrupt_dropped += sum(r == 1 for r in deleted or [])
+        return out
+
+    def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]:
+        blobs = self._map(encode_blob, list(zip(keys, payloads)))
+        res = self._pipeline(lambda p: [p.set(redis_key(k), b, nx=True) for k, b in zip(keys, blobs)])
+        if res is None:
+            return [False] * len(keys)
+        self._stats.puts += sum(r is True for r in res)
+        return [not isinstance(r, Exception) for r in res]  # None: SET NX found the block already there
+
+    def _delete(self, keys: list[BlockKey]) -> int:
+        res = self._pipeline(lambda p: [p.delete(redis_key(k)) for k in keys])
+        return sum(r == 1 for r in res or [])
+
+    def _usage(self) -> tuple[int | None, int | None]:
+        return None, None  # only the server knows (and evicts)
+
+    def _close(self) -> None:
+        if self._client is not None:
+            self._client.close()

@@ -1,0 +1,81 @@
+"""The blob format against the layout docs/design.md gives, built here by hand."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal.tiers import HEADER_SIZE, BlockKey, decode_blob, encode_blob
+
+from .conftest import NS, NS_B, key, payload
+
+
+def documented_blob(ns: bytes, block_hash: bytes, data: bytes, version: int = 1) -> bytes:
+    # magic "KVHB", u16 version, u16 reserved 0, namespace[32], block_hash[32], u64 length, sha256(payload)[32]
+    header = b"KVHB" + struct.pack("<HH", version, 0) + ns + block_hash + struct.pack("<Q", len(data))
+    return header + hashlib.sha256(data).digest() + data
+
+
+def test_layout_matches_the_documented_one():
+    k, data = key(1), payload(1, 1000)
+    assert encode_blob(k, data) == documented_blob(k.namespace, k.block_hash, data)
+    assert HEADER_SIZE == 112
+    assert decode_blob(k, documented_blob(k.namespace, k.block_hash, data)) == data
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 65536])
+def test_round_trip_from_any_buffer(size: int):
+    k, data = key(2), payload(2, size)
+    for buf in (data, bytearray(data), memoryview(data), memoryview(np.frombuffer(data, np.uint8))):
+        blob = encode_blob(k, buf)
+        assert decode_blob(k, blob) == data
+        assert decode_blob(k, bytearray(blob)) == data
+    f16 = np.arange(64, dtype=np.float16)
+    assert decode_blob(k, encode_blob(k, memoryview(f16))) == f16.tobytes()
+
+
+def test_every_mismatch_is_none():
+    k, data = key(3), payload(3, 512)
+    blob = encode_blob(k, data)
+    assert decode_blob(key(4), blob) is None  # other block
+    assert decode_blob(BlockKey(NS_B, k.block_hash), blob) is None  # other model
+    assert decode_blob(k, documented_blob(NS, k.block_hash, data, version=2)) is None
+    assert decode_blob(k, b"XXXX" + blob[4:]) is None
+    assert decode_blob(k, blob[:6] + b"\x01\x00" + blob[8:]) is None  # reserved field
+    for cut in (0, 50, HEADER_SIZE, len(blob) - 1):
+        assert decode_blob(k, blob[:cut]) is None, cut
+    assert decode_blob(k, blob + b"\x00") is None
+    for pos in (HEADER_SIZE - 1, HEADER_SIZE, len(blob) - 1):  # checksum byte, payload bytes
+        flipped = bytearray(blob)
+        flipped[pos] ^= 0x40
+        assert decode_blob(k, flipped) is None, pos
+
+
+def test_bad_arguments_are_tier_errors():
+    k = key(1)
+    for bad in ("text", 5, np.zeros(4, np.uint8), [1, 2]):
+        with pytest.raises(kvhal.TierError, match="bytes, bytearray or memoryview"):
+            encode_blob(k, bad)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.TierError, match="C-contiguous"):
+        encode_blob(k, memoryview(np.zeros((4, 4), np.uint8)[:, ::2]))
+    with pytest.raises(kvhal.TierError, match="BlockKey"):
+        encode_blob(b"k" * 32, b"x")  # type: ignore[arg-type]
+    with pytest.raises(kvhal.TierError, match="BlockKey"):
+        decode_blob("k", b"x")  # type: ignore[arg-type]
+
+
+def test_block_key_validation():
+    h = hashlib.sha256(b"x").digest()
+    BlockKey(NS, h)
+    with pytest.raises(kvhal.TierError, match="32 bytes"):
+        BlockKey(NS[:16], h)
+    with pytest.raises(kvhal.TierError, match="must be bytes"):
+        BlockKey(NS.hex(), h)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.TierError, match="must be bytes"):
+        BlockKey(NS, bytearray(h))  # type: ignore[arg-type]
+    assert isinstance(kvhal.TierError("x"), kvhal.KVHalError)
+    assert BlockKey(NS, h) == BlockKey(bytes(NS), bytes(h)) and len({BlockKey(NS, h), BlockKey(NS, h)}) == 1

@@ -1,0 +1,170 @@
+"""RedisTier against real redis-server processes: a crash and a restart, a frozen server, server-side eviction,
+corrupt values, two OS processes sharing blocks, a unix socket, and a 3-node Redis Cluster."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvhal
+from kvhal.tiers import RedisTier, encode_blob
+from kvhal.tiers.redis_tier import redis_key
+from kvhal.tiers.server import RedisServer, free_port
+
+from .conftest import NS_B, key, keys, payload, require_redis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def raw_client(url: str):  # type: ignore[no-untyped-def]
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+def test_server_killed_mid_run_then_back_on_the_same_port(redis_server: RedisServer):
+    t = RedisTier(redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+    ks = keys(4)
+    data = [payload(i) for i in range(4)]
+    assert t.put(ks[:2], data[:2]) == [True, True] and t.get(ks[:2]) == data[:2]
+    redis_server.stop(kill=True)
+    assert t.contains(ks) == 0
+    assert t.get(ks) == [None] * 4
+    assert t.put(ks[2:], data[2:]) == [False, False]
+    assert t.delete(ks) == 0
+    s = t.stats()
+    assert s.errors == 4 and "ConnectionError" in str(s.last_error)
+    assert (s.hits, s.misses, s.rejected) == (2, 4, 2)
+    redis_server.start()  # same port, empty (no persistence)
+    assert t.contains(ks) == 0 and t.get(ks[:1]) == [None]
+    assert t.put(ks, data) == [True] * 4 and t.get(ks) == data and t.contains(ks) == 4
+    assert t.stats().errors == 4  # nothing new failed once the server was back
+    t.close()
+
+
+def test_frozen_server_times_out_as_misses(redis_server: RedisServer):
+    t = RedisTier(redis_server.url, socket_timeout=0.3, connect_timeout=0.3)
+    assert t.put(keys(2), [payload(0), payload(1)]) == [True, True]
+    redis_server.signal(signal.SIGSTOP)
+    try:
+        assert t.get(keys(2)) == [None, None]
+        assert t.contains(keys(2)) == 0
+        assert t.put(keys(1, start=5), [payload(5)]) == [False]
+        assert t.stats().errors == 3 and "Timeout" in str(t.stats().last_error)
+    finally:
+        redis_server.signal(signal.SIGCONT)
+    assert t.get(keys(2)) == [payload(0), payload(1)]
+    t.close()
+
+
+def test_server_side_eviction_is_a_miss(tmp_path: Path):
+    require_redis()
+    args = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    with RedisServer(tmp_path, args=args) as server:
+        t = RedisTier(server.url)
+        n, size = 200, 65536
+        for start in range(0, n, 10):  # 12.5 MiB into a 4 MiB server
+            assert t.put(keys(10, start=start), [payload(i, size) for i in range(start, start + 10)]) == [True] * 10
+        got = t.get(keys(n))
+        assert all(g == payload(i, size) for i, g in enumerate(got) if g is not None)
+        assert got[0] is None and got[-1] == payload(n - 1, size)
+        assert t.contains(keys(n)) == 0
+        s = t.stats()
+        assert s.misses > n // 2 and s.errors == 0 and s.evictions is None and s.corrupt_dropped == 0
+        t.close()
+
+
+def test_corrupt_and_foreign_values_are_misses_and_deleted(redis_server: RedisServer):
+    t = RedisTier(redis_server.url)
+    raw = raw_client(redis_server.url)
+    ks = keys(4)
+    assert t.put(ks, [payload(i) for i in range(4)]) == [True] * 4
+    blob = bytearray(raw.get(redis_key(ks[0])))
+    blob[200] ^= 1
+    raw.set(redis_key(ks[0]), bytes(blob))
+    raw.set(redis_key(ks[1]), encode_blob(key(1, NS_B), payload(1)))  # another model's block
+    raw.set(redis_key(ks[2]), b"garbage")
+    assert t.get(ks) == [None, None, None, payload(3)]
+    assert [raw.exists(redis_key(k)) for k in ks] == [0, 0, 0, 1]
+    assert t.stats().corrupt_dropped == 3 and t.stats().errors == 0
+    raw.close()
+    t.close()
+
+
+def test_two_processes_share_blocks(redis_server: RedisServer, tmp_path: Path):
+    writer = (
+        "import sys; from kvhal.tiers import RedisTier; from tests.tiers.conftest import keys, payload\n"
+        "t = RedisTier(sys.argv[1]); print(t.put(keys(30), [payload(i, 65536) for i in range(30)]).count(True))"
+    )
+    reader = (
+        "import sys; from kvhal.tiers import RedisTier; from tests.tiers.conftest import keys\n"
+        "t = RedisTier(sys.argv[1]); got = t.get(keys(30)); print(t.contains(keys(31)))\n"
+        "open(sys.argv[2], 'wb').write(b''.join(got))"
+    )
+    run = dict(cwd=ROOT, capture_output=True, text=True, check=True)
+    assert subprocess.run([sys.executable, "-c", writer, redis_server.url], **run).stdout == "30\n"  # type: ignore[call-overload]
+    out = tmp_path / "read.bin"
+    assert subprocess.run([sys.executable, "-c", reader, redis_server.url, str(out)], **run).stdout == "30\n"  # type: ignore[call-overload]
+    assert out.read_bytes() == b"".join(payload(i, 65536) for i in range(30))
+
+
+def test_unix_socket(tmp_path: Path):
+    require_redis()
+    sock = tmp_path / "r.sock"
+    with RedisServer(tmp_path, args=("--unixsocket", str(sock), "--unixsocketperm", "700")):
+        t = RedisTier(f"unix://{sock}")
+        assert not t.cluster
+        assert t.put(keys(3), [payload(i) for i in range(3)]) == [True] * 3
+        assert t.get(keys(3)) == [payload(i) for i in range(3)] and t.contains(keys(4)) == 3
+        t.close()
+
+
+def test_arguments_and_unreachable_server():
+    require_redis()
+    for bad, match in [
+        ("http://127.0.0.1:1", "redis://, rediss:// or unix://"),
+        ("127.0.0.1:6379", "redis://, rediss:// or unix://"),
+        (b"redis://x", "must be a str"),
+    ]:
+        with pytest.raises(kvhal.TierError, match=match):
+            RedisTier(bad)  # type: ignore[arg-type]
+    for kw in ({"socket_timeout": 0}, {"socket_timeout": True}, {"connect_timeout": float("nan")}, {"cluster": 1}):
+        with pytest.raises(kvhal.TierError):
+            RedisTier("redis://127.0.0.1:1", **kw)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.TierError, match="over TCP"):
+        RedisTier("unix:///tmp/x.sock", cluster=True)
+    url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(kvhal.TierError, match="cannot reach Redis.*pass cluster=True/False"):
+        RedisTier(url, connect_timeout=0.5)
+    for cluster in (False, True):  # told what it is: connects on first use, and a failure there is a miss
+        t = RedisTier(url, cluster=cluster, connect_timeout=0.5)
+        assert t.get(keys(2)) == [None, None] and t.put(keys(1), [b"x"]) == [False] and t.contains(keys(1)) == 0
+        assert t.stats().errors == 3
+        t.close()
+
+
+def test_cluster_round_trip_one_slot_per_model(redis_cluster: str):
+    t = RedisTier(redis_cluster)
+    assert t.cluster  # found out by asking the server
+    a, b = keys(8), keys(8, ns=NS_B)
+    data_a = [payload(i, 20000) for i in range(8)]
+    data_b = [payload(100 + i, 20000) for i in range(8)]
+    assert t.put(a + b, data_a + data_b) == [True] * 16
+    mixed = [a[0], b[0], a[1], b[1], key(50)]
+    got = t.get(mixed)
+    assert got == [data_a[0], data_b[0], data_a[1], data_b[1], None], t.stats().last_error
+    assert t.contains(a) == 8 and t.contains(b[:3] + [key(60, NS_B)]) == 3
+    assert t.delete(a[4:]) == 4 and t.contains(a) == 4
+    import redis
+
+    raw = redis.cluster.RedisCluster.from_url(redis_cluster)
+    assert len({raw.keyslot(redis_key(k)) for k in a}) == 1
+    assert {raw.keyslot(redis_key(k)) for k in a} != {raw.keyslot(redis_key(k)) for k in b}
+    raw.close()
+    s = t.stats()
+    assert (s.errors, s.hits, s.misses, s.puts) == (0, 4, 1, 16)
+    t.close()
