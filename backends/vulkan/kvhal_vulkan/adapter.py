@@ -41,6 +41,7 @@ OPTIONS = (
     ),
     Option("allow_cpu", int, 0, env="KVHAL_VULKAN_ALLOW_CPU", check=one_of(0, 1), help="1: accept a software adapter"),
 )
+_NAMED = "KVHAL_VULKAN_ADAPTER or option adapter"
 PARAM_STRIDE = 256  # bytes per dispatch's uniform slot; >= every adapter's uniform offset alignment
 
 
@@ -70,17 +71,17 @@ def select_adapter(
         if want.isdigit():
             idx = int(want)
             if idx >= len(infos):
-                return None, f"KVHAL_VULKAN_ADAPTER={want} but there are {len(infos)} Vulkan adapter(s): {listing}"
+                return None, f"adapter {want} ({_NAMED}) is out of range: {len(infos)} Vulkan adapter(s): {listing}"
         else:
             text = [f"{a.get('device', '')} {a.get('vendor', '')} {a.get('description', '')}".lower() for a in infos]
             hits = [i for i, t in enumerate(text) if want.lower() in t]
             if not hits:
-                return None, f"KVHAL_VULKAN_ADAPTER={want!r} matches no Vulkan adapter: {listing}"
+                return None, f"adapter {want!r} ({_NAMED}) matches no Vulkan adapter: {listing}"
             idx = hits[0]
         if infos[idx].get("adapter_type") == "CPU" and not allow_cpu:
             return None, (
-                f"KVHAL_VULKAN_ADAPTER={want!r} selects the software adapter {describe(infos[idx])}; "
-                "set KVHAL_VULKAN_ALLOW_CPU=1 to use it"
+                f"adapter {want!r} ({_NAMED}) selects the software adapter {describe(infos[idx])}; "
+                "set KVHAL_VULKAN_ALLOW_CPU=1 (or allow_cpu=1) to use it"
             )
         return idx, describe(infos[idx])
     rank = RANK[power_preference]
@@ -93,7 +94,7 @@ def select_adapter(
     if not usable:
         return None, (
             f"only a software Vulkan adapter is present ({listing}); it runs the shaders correctly but "
-            "slowly: set KVHAL_VULKAN_ALLOW_CPU=1 to use it"
+            "slowly: set KVHAL_VULKAN_ALLOW_CPU=1 (or allow_cpu=1) to use it"
         )
     return usable[0], describe(infos[usable[0]])
 

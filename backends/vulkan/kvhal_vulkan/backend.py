@@ -72,7 +72,7 @@ class VulkanBackend(Backend):
             need = shaders.attention_workgroup_bytes(spec.head_dim, 1)
             if need > self.workgroup_memory:
                 return (
-                    f"attention at head_dim {spec.head_dim} needs {need} bytes of workgroup memory, above this "
+                    f"head_dim {spec.head_dim} needs {need} bytes of workgroup memory, above this "
                     f"adapter's {self.workgroup_memory} (maxComputeWorkgroupStorageSize); use a smaller head_dim"
                 )
         return None
