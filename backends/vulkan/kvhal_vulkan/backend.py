@@ -33,6 +33,11 @@ def _groups(n: int) -> int:
     return -(-n // WG)
 
 
+def _ctx(pools: Pools) -> Context:
+    ctx: Context = pools.state  # set by allocate
+    return ctx
+
+
 class VulkanBackend(Backend):
     name = "vulkan"
     formats = shaders.FORMATS
@@ -118,7 +123,7 @@ class VulkanBackend(Backend):
         return Pools(spec, n_blocks, k, v, sum(p.nbytes for p in k + v), state=ctx)
 
     def store(self, pools: Pools, layer: int, k: Any, v: Any, slots: np.ndarray) -> None:
-        spec, ctx = pools.spec, pools.state
+        spec, ctx = pools.spec, _ctx(pools)
         kx = np.ascontiguousarray(k, np.float32).reshape(-1).view(np.uint32)
         vx = np.ascontiguousarray(v, np.float32).reshape(-1).view(np.uint32)
         n = int(k.shape[0])
@@ -135,7 +140,7 @@ class VulkanBackend(Backend):
         )
 
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        spec, ctx = pools.spec, pools.state
+        spec, ctx = pools.spec, _ctx(pools)
         shape = (n, spec.n_kv_heads, spec.head_dim)
         size = n * spec.n_kv_heads * spec.head_dim
         if size == 0:
@@ -161,7 +166,7 @@ class VulkanBackend(Backend):
         causal: bool,
         window: int | None,
     ) -> np.ndarray:
-        spec, ctx = pools.spec, pools.state
+        spec, ctx = pools.spec, _ctx(pools)
         kp, vp = pools.k[layer], pools.v[layer]
         qx = np.ascontiguousarray(q, np.float32)
         rows, hq, d = qx.shape
@@ -194,7 +199,7 @@ class VulkanBackend(Backend):
         n = len(src)
         if n == 0:
             return
-        ctx, h = pools.state, pools.spec.n_kv_heads
+        ctx, h = _ctx(pools), pools.spec.n_kv_heads
         pair = [pools.k[layer], pools.v[layer]]
         if 4 * n * h * sum(p.row_words for p in pair) > ctx.scratch_limit:  # through the host, in batches
             self._scatter_rows(pools, pair, dst, self._gather_rows(pools, pair, src))
@@ -248,7 +253,7 @@ class VulkanBackend(Backend):
     def _batches(self, pools: Pools, every: Sequence[VulkanPool], n: int) -> Iterator[tuple[int, int, list[int]]]:
         """Moving ``n`` rows of each pool in ``every`` as submissions that fit one scratch buffer and the
         uniform slots: (first row, end row, indices into ``every``)."""
-        ctx, h = pools.state, pools.spec.n_kv_heads
+        ctx, h = _ctx(pools), pools.spec.n_kv_heads
         budget = min(BATCH_BYTES, ctx.scratch_limit) // 4
         words = [h * p.row_words for p in every]
         step = max(1, min(n, budget // sum(words)))
@@ -266,7 +271,7 @@ class VulkanBackend(Backend):
 
     def _gather_rows(self, pools: Pools, every: Sequence[VulkanPool], slots: np.ndarray) -> list[np.ndarray]:
         """The rows at ``slots`` of each pool, word-aligned on the host: ``[len(slots), H, row_words]`` u32."""
-        ctx, h = pools.state, pools.spec.n_kv_heads
+        ctx, h = _ctx(pools), pools.spec.n_kv_heads
         out = [np.empty((len(slots), h, p.row_words), np.uint32) for p in every]
         for r0, r1, batch in self._batches(pools, every, len(slots)):
             m = r1 - r0
@@ -289,7 +294,7 @@ class VulkanBackend(Backend):
         self, pools: Pools, every: Sequence[VulkanPool], slots: np.ndarray, rows: Sequence[np.ndarray]
     ) -> None:
         """The inverse of ``_gather_rows``: write host rows into ``slots`` of each pool."""
-        ctx, h = pools.state, pools.spec.n_kv_heads
+        ctx, h = _ctx(pools), pools.spec.n_kv_heads
         for r0, r1, batch in self._batches(pools, every, len(slots)):
             m = r1 - r0
             meta, (doff,) = ctx.upload("meta", [np.asarray(slots[r0:r1], np.uint32)])
