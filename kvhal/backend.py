@@ -188,13 +188,16 @@ class HostPoolsBackend(Backend):
             pool[dst // bs, :, dst % bs, :] = pool[src // bs, :, src % bs, :]
 
     def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
-        from .backend_util import pages_to_blocks
+        from .backend_util import check_block_ids, pages_to_blocks
 
+        block_ids = check_block_ids(pools.n_blocks, block_ids)
         return pages_to_blocks(pools.spec, [(k[block_ids], v[block_ids]) for k, v in zip(pools.k, pools.v)])
 
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
-        from .backend_util import blocks_to_pages
+        from .backend_util import blocks_to_pages, check_block_ids
 
-        for layer, (k, v) in enumerate(blocks_to_pages(pools.spec, data)):
+        pages = blocks_to_pages(pools.spec, data)
+        block_ids = check_block_ids(pools.n_blocks, block_ids, len(data))
+        for layer, (k, v) in enumerate(pages):
             pools.k[layer][block_ids] = k
             pools.v[layer][block_ids] = v

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import formats
-from .errors import ShapeError, SpecError
+from .errors import PositionError, ShapeError, SpecError
 from .spec import CacheSpec
 
 # -- formats ----------------------------------------------------------------------------------------
@@ -144,6 +144,16 @@ def blocks_to_pages(spec: CacheSpec, data: Any) -> list[tuple[np.ndarray, np.nda
         at = layer * (kb + vb)
         out.append((data[:, at : at + kb].reshape(k_shape), data[:, at + kb : at + kb + vb].reshape(v_shape)))
     return out
+
+
+def check_block_ids(n_blocks: int, block_ids: Any, n_data: int | None = None) -> np.ndarray:
+    """``block_ids`` as int64, each in ``[0, n_blocks)``, one per block of data when ``n_data`` is given."""
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= n_blocks)):
+        raise PositionError(f"block ids must be a 1-d array of ints in [0, {n_blocks}), got {block_ids!r}")
+    if n_data is not None and ids.size != n_data:
+        raise ShapeError(f"{ids.size} block ids for {n_data} blocks of data; pass one id per block")
+    return ids.astype(np.int64, copy=False)
 
 
 def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:

@@ -34,8 +34,14 @@ def _median(fn: Any, repeats: int, reset: Any = None) -> float:
 
 
 def run(
-    backend: str = "auto", fmt: str = "q8_0", tokens: int = 16384, layers: int = 32, heads: int = 8,
-    dim: int = 128, repeats: int = 3, directory: str | None = None,
+    backend: str = "auto",
+    fmt: str = "q8_0",
+    tokens: int = 16384,
+    layers: int = 32,
+    heads: int = 8,
+    dim: int = 128,
+    repeats: int = 3,
+    directory: str | None = None,
 ) -> dict[str, Any]:
     spec = CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=fmt, block_size=16)
     fp = Fingerprint("kvhal-bench")

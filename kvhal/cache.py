@@ -60,6 +60,9 @@ class CacheStats:
     prefix_recomputed_tokens: int = 0  # tokens of those queries the caller had to store again
     prefix_evicted_blocks: int = 0  # cached blocks whose space was reused
     prefix_invalidated_blocks: int = 0  # hashed blocks rewritten in place by their only holder
+    tier_hit_blocks: int = 0  # blocks match_prefix pulled back from the tiers
+    tier_written_blocks: int = 0  # cached blocks written down to a tier (on eviction or write-through)
+    tier_unwritten_blocks: int = 0  # evicted cached blocks no tier took (their content is recomputed later)
     evictions: int = 0  # evict() calls and full-cache evictions that dropped tokens
     evicted_tokens_called: int = 0  # tokens dropped by evict()
     evicted_tokens_on_full: int = 0  # tokens dropped because a store found no free block
@@ -114,6 +117,8 @@ class KVCache:
         on_full: str | EvictOnFull = "prefix_lru",
         on_evict: OnEvict | None = None,
         observe_window: int = 32,
+        tiers: Sequence[Any] | None = None,
+        write_through: bool = False,
     ) -> None:
         """``on_full``: what a store does when no block is free. "prefix_lru" (default): free blocks
         that still hold cached prefixes are reused, least recently released first (counted in
@@ -121,7 +126,10 @@ class KVCache:
         reused by a store (``CapacityError`` instead); ``EvictOnFull(policy, keep_tokens)``: as
         "prefix_lru", then the longest sequence is evicted with ``policy``. ``on_evict`` is called with
         every ``EvictionResult``. ``observe_window``: the queries ``attention(observe=True)`` keeps
-        apart for ``SnapKV``."""
+        apart for ``SnapKV``. ``tiers`` (``kvhal.tiers``: HostTier, DiskTier, RedisTier, in lookup order):
+        a cached block whose space is reused is written down to the first tier that takes it
+        (``write_through``: as soon as it gets its hash), and ``match_prefix`` continues its lookup in
+        each tier, pulling hits back into the pools."""
         if not isinstance(spec, CacheSpec):
             raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
         if not _is_int(capacity_tokens) or capacity_tokens <= 0:
@@ -142,9 +150,18 @@ class KVCache:
         if not _is_int(observe_window) or observe_window < 1:
             raise SpecError(f"observe_window must be a positive int, got {observe_window!r}")
         self.on_full, self.on_evict, self.observe_window = on_full, on_evict, int(observe_window)
+        self.tiers = self._check_tiers(tiers)
+        if not isinstance(write_through, bool):
+            raise SpecError(f"write_through must be a bool, got {write_through!r}")
+        if write_through and not self.tiers:
+            raise SpecError("write_through=True needs tiers=[...] to write to")
+        self.write_through = write_through
+        self._tier_counts = {"hit": 0, "written": 0, "unwritten": 0}
         self._evicted = {"evict": 0, "on_full": 0, "n": 0}
         self.pools = self.backend.allocate(spec, self.n_blocks)
         self._blocks = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
+        if self.tiers:
+            self._blocks.on_evict = self._write_down
         self._ref = self._blocks.ref
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
@@ -192,6 +209,8 @@ class KVCache:
         blocks = self._blocks.lookup(chain)
         for b in blocks:
             self._blocks.acquire(b)
+        if self.tiers and len(blocks) < len(chain):
+            blocks += self._pull(chain[len(blocks) :])
         n = len(blocks) * bs
         c = self._blocks.counters
         c.queries += 1
@@ -202,6 +221,74 @@ class KVCache:
         c.recomputed_tokens += len(ids) - n
         t = _Seq(list(blocks), [n] * self.spec.n_layers, tokens=ids[:n], hashes=chain[: len(blocks)], extra=ex)
         return self._add_seq(t), n
+
+    # -- tiers ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_tiers(tiers: Sequence[Any] | None) -> list[Any]:
+        if tiers is None:
+            return []
+        from .tiers import Tier
+
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence):
+            raise SpecError(f"tiers must be a list of kvhal.tiers tiers, got {type(tiers).__name__}")
+        for i, t in enumerate(tiers):
+            if not isinstance(t, Tier):
+                raise SpecError(f"tiers[{i}] is a {type(t).__name__}, not a kvhal.tiers.Tier (HostTier, DiskTier, ...)")
+        return list(tiers)
+
+    def _keys(self, hashes: list[bytes]) -> list[Any]:
+        from .tiers import BlockKey
+
+        return [BlockKey(self.root_hash, h) for h in hashes]
+
+    def _put_down(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Write blocks to the first tier that takes each (tiers never raise for a store's failure)."""
+        data = self.backend.read_blocks(self.pools, np.asarray(blocks, np.int64))
+        keys = self._keys(hashes)
+        todo = list(range(len(blocks)))
+        for tier in self.tiers:
+            flags = tier.put([keys[i] for i in todo], [memoryview(data[i]) for i in todo])
+            todo = [i for i, ok in zip(todo, flags) if not ok]
+            if not todo:
+                break
+        self._tier_counts["written"] += len(blocks) - len(todo)
+        self._tier_counts["unwritten"] += len(todo)
+
+    def _write_down(self, b: int, h: bytes) -> None:
+        """A cached block's space is about to be reused: keep its bytes in a tier."""
+        if not self.write_through:
+            self._put_down([b], [h])
+
+    def _pull(self, hashes: list[bytes]) -> list[int]:
+        """Blocks for the leading ``hashes`` found in the tiers, written into free blocks (refcount 1,
+        hashed). Stops at the first miss, a bad blob, or when no block is free."""
+        out: list[int] = []
+        for tier in self.tiers:
+            if not hashes:
+                break
+            keys = self._keys(hashes)
+            n = min(tier.contains(keys), self._blocks.n_usable)
+            if n == 0:
+                continue
+            payloads = tier.get(keys[:n])
+            good = 0
+            while good < n and payloads[good] is not None and len(payloads[good]) == self.spec.block_nbytes:
+                good += 1
+            if good < n and payloads[good] is not None:  # a blob of the wrong size: never served, dropped
+                tier.delete([keys[good]])
+            if good == 0:
+                continue
+            n = min(good, self._blocks.n_usable)
+            data = np.stack([np.frombuffer(p, np.uint8) for p in payloads[:n]])  # type: ignore[arg-type]
+            ids = self._blocks.alloc(n)
+            self.backend.write_blocks(self.pools, np.asarray(ids, np.int64), data)
+            for b, h in zip(ids, hashes):
+                self._blocks.register(b, h)
+            out += ids
+            hashes = hashes[n:]
+            self._tier_counts["hit"] += n
+        return out
 
     def _seal(self, s: _Seq) -> None:
         """Hash every newly complete block of ``s`` (token ids known, every layer stored)."""
@@ -214,6 +301,8 @@ class KVCache:
             h = block_hash(parent, s.tokens[i * bs : (i + 1) * bs], s.extra)
             s.hashes.append(h)
             self._blocks.register(s.blocks[i], h)
+            if self.write_through:
+                self._put_down([s.blocks[i]], [h])
 
     def seq_len(self, seq: int, layer: int | None = None) -> int:
         """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
@@ -575,6 +664,9 @@ class KVCache:
             prefix_recomputed_tokens=c.recomputed_tokens,
             prefix_evicted_blocks=c.evicted_blocks,
             prefix_invalidated_blocks=c.invalidated_blocks,
+            tier_hit_blocks=self._tier_counts["hit"],
+            tier_written_blocks=self._tier_counts["written"],
+            tier_unwritten_blocks=self._tier_counts["unwritten"],
             evictions=self._evicted["n"],
             evicted_tokens_called=self._evicted["evict"],
             evicted_tokens_on_full=self._evicted["on_full"],

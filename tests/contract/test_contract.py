@@ -465,3 +465,41 @@ def test_evict_equals_a_fresh_cache_of_the_kept_tokens(backend_info, rng):
         np.testing.assert_array_equal(got, kvhal.to_numpy(fresh.attention(layer, q, [f], [2])))
         for x, y in zip(c.load(s, layer), fresh.load(f, layer)):
             np.testing.assert_array_equal(kvhal.to_numpy(x), kvhal.to_numpy(y))
+
+
+def test_tier_round_trip(backend_info, rng):
+    """Blocks written down to a tier when their space is reused come back through match_prefix, bit-exact."""
+    from kvhal.tiers import HostTier
+
+    fmt = claimed(backend_info)[-1]
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8)
+    tier = HostTier(max_bytes=1 << 22)
+    c = kvhal.KVCache(spec, 64, backend=backend_info.name, fingerprint=kvhal.Fingerprint("contract"), tiers=[tier])
+    k, v = kv(rng, 33)
+    s = c.new_seq()
+    c.append_tokens(s, list(range(33)))
+    for layer in (0, 1):
+        c.store(s, layer, k, v)
+    q = rng.standard_normal((1, 4, 64), dtype=np.float32)
+    want = kvhal.to_numpy(c.attention(1, q, [s], [1])).copy()
+    c.free_seq(s)
+    filler = c.new_seq()
+    for layer in (0, 1):
+        c.store(filler, layer, *kv(rng, 64))  # reuses every cached block: written down to the tier
+    c.free_seq(filler)
+    assert c.stats().tier_written_blocks == 4
+    t, n = c.match_prefix(list(range(33)))
+    assert n == 32 and c.stats().tier_hit_blocks == 4
+    for layer in (0, 1):
+        c.store(t, layer, k[32:], v[32:])
+    np.testing.assert_array_equal(kvhal.to_numpy(c.attention(1, q, [t], [1])), want)
+
+
+def test_block_io_rejects_bad_ids(backend_info):
+    c = make_cache(backend_info.name, claimed(backend_info)[-1], cap=64)
+    data = c.backend.read_blocks(c.pools, np.array([0, 1]))
+    for bad in (np.array([c.n_blocks]), np.array([-1]), np.array([0.5]), np.zeros((1, 1), np.int64)):
+        with pytest.raises((kvhal.PositionError, kvhal.ShapeError)):
+            c.backend.read_blocks(c.pools, bad)
+    with pytest.raises((kvhal.PositionError, kvhal.ShapeError)):
+        c.backend.write_blocks(c.pools, np.array([0]), data)  # 1 id, 2 blocks of data
