@@ -18,7 +18,7 @@ import numpy as np
 from kvhal import formats
 from kvhal.backend import Backend, Op, Pools, Probe
 from kvhal.backend_util import Option, check_block_data, parse_options, visible_range
-from kvhal.errors import BackendUnavailableError, CapacityError, DTypeError, PositionError, ShapeError
+from kvhal.errors import BackendUnavailableError, CapacityError, PositionError, ShapeError
 from kvhal.formats import Format
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
@@ -146,9 +146,8 @@ class OpenCLBackend(Backend):
         return self.cl_array.to_device(self.dev.queue, host, allocator=self.dev.alloc)
 
     def asarray(self, x: Any, what: str) -> Any:
-        if isinstance(x, self.cl_array.Array):
-            if x.dtype not in (np.float32, np.float16):
-                raise DTypeError(f"{what} has dtype {x.dtype}; kvhal takes float32, float16 or bfloat16 (use .astype)")
+        """Float32/float16 device arrays as they are; everything else (and its dtype errors) as the core does."""
+        if isinstance(x, self.cl_array.Array) and x.dtype in (np.float32, np.float16):
             return x
         return host_float_array(x, what)
 

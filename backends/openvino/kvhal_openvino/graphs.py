@@ -428,9 +428,9 @@ def refusal(device: str, spec: CacheSpec, op: str) -> str | None:
     """Why ``device`` cannot run ``op``'s graph for ``spec``, or None.
 
     The CPU plugin compiles these graphs for every spec kvhal takes (head_dim 1..4096, block_size 1..128,
-    1..8 KV heads, every format: backends/openvino/tests). Other devices' compilers have their own limits
-    (the NPU one wants static shapes), so their graph is compiled here, before anything is allocated,
-    and kept for the cache; attention is compiled for one query head per KV head.
+    1..8 KV heads, every format: backends/openvino/tests). Other devices' compilers have limits of their
+    own, not measurable here, so their graph is compiled now, before anything is allocated, and kept for
+    the cache; attention is compiled for one query head per KV head.
     """
     if device.split(".")[0] == "CPU":
         return None
