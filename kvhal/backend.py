@@ -147,6 +147,25 @@ class Backend(ABC):
         args = (q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, tail)
         return attention_mass(self, *args)
 
+    def attention_lse(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``attention`` plus each row's log-sum-exp of its scores (host f32 ``[n_q, H, D]``, f64 ``[n_q, H]``):
+        what block streaming merges. The default works on every backend (float64 over ``load``); a backend
+        may return it from its kernel."""
+        from .backend_util import attention_lse
+
+        return attention_lse(self, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window)
+
     def synchronize(self) -> None:
         """Wait for queued device work; host backends have none."""
 

@@ -203,3 +203,59 @@ def attention_mass(
         out.append((per_kv.sum(axis=1), per_kv[:, max(0, n_q - tail) :].sum(axis=1)))
         start += n_q
     return out
+
+
+def attention_lse(
+    backend: Any,
+    q: Any,
+    pools: Any,
+    layer: int,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    scale: float,
+    causal: bool,
+    window: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention and the log-sum-exp of each row's scores (natural log, scale applied): f32 ``[n_q, H, D]``
+    and f64 ``[n_q, H]`` (-inf where a row sees no key). Partial results over disjoint key sets merge
+    exactly with ``merge_lse``. Float64 over the backend's own ``load``: works on every backend."""
+    spec = pools.spec
+    qh = np.asarray(backend.to_numpy(q), np.float64)
+    group = qh.shape[1] // spec.n_kv_heads
+    _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+    out = np.zeros(qh.shape, np.float32)
+    lse = np.full(qh.shape[:2], -np.inf)
+    start = 0
+    for s, (n_kv, n_q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+        rows = slice(start, start + n_q)
+        start += n_q
+        if n_kv == 0:
+            continue
+        k, v = backend.load(pools, layer, block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        k = np.repeat(np.asarray(backend.to_numpy(k), np.float64), group, axis=1)
+        v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * scale
+        j = np.arange(n_kv)[None, :]
+        scores = np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf)
+        m = scores.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(scores - m)
+        denom = p.sum(axis=-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = np.einsum("hqk,khd->qhd", np.where(denom > 0, p / denom, 0.0), v)
+            lse[rows] = (np.log(denom) + m)[..., 0].T
+        out[rows] = o
+    return out, lse
+
+
+def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Attention over the union of disjoint key sets from each set's ``(out, lse)``: the log-sum-exp rule."""
+    lses = np.stack([lse for _, lse in parts])  # [P, n_q, H]
+    top = lses.max(axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(lses - top)  # 0 for parts a row did not see
+    total = w.sum(axis=0)
+    out = sum(np.asarray(o, np.float64) * wi[..., None] for (o, _), wi in zip(parts, w))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total[..., None] > 0, out / total[..., None], 0.0).astype(np.float32)

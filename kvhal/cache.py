@@ -22,7 +22,7 @@ import numpy as np
 from . import registry
 from .backend import Backend
 from .blocks import BlockAllocator
-from .errors import PositionError, SequenceError, ShapeError, SpecError
+from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
 from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .spec import CacheSpec
@@ -50,6 +50,8 @@ class CacheStats:
     v_bytes: int
     bytes_allocated: int  # what the backend reports for its pools
     bytes_per_token: int  # K+V over all layers and heads
+    stream_arena_blocks: int = 0  # blocks set aside for streaming offloaded sequences (counted as used)
+    offloaded_tokens: int = 0  # tokens of offloaded sequences held in host memory
     blocks_cached: int = 0  # blocks carrying a prefix hash (held or free)
     blocks_cached_free: int = 0  # free blocks still matchable (counted in blocks_free too)
     prefix_queries: int = 0  # match_prefix calls
@@ -82,6 +84,9 @@ class _Seq:
     # from an offset): they are not what a prefill of their tokens stores, so they never get a hash
     sealable: int | None = None
     # attention mass per layer (observe=True): [n_kv_heads, positions] float64, all queries / last window
+    # block streaming: the first ``base`` positions (whole blocks) live in host memory, raw block layout
+    base: int = 0
+    host: np.ndarray | None = field(default=None, repr=False)
     mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -119,6 +124,7 @@ class KVCache:
         observe_window: int = 32,
         tiers: Sequence[Any] | None = None,
         write_through: bool = False,
+        stream_arena_tokens: int = 0,
     ) -> None:
         """``on_full``: what a store does when no block is free. "prefix_lru" (default): free blocks
         that still hold cached prefixes are reused, least recently released first (counted in
@@ -129,7 +135,9 @@ class KVCache:
         apart for ``SnapKV``. ``tiers`` (``kvhal.tiers``: HostTier, DiskTier, RedisTier, in lookup order):
         a cached block whose space is reused is written down to the first tier that takes it
         (``write_through``: as soon as it gets its hash), and ``match_prefix`` continues its lookup in
-        each tier, pulling hits back into the pools."""
+        each tier, pulling hits back into the pools. ``stream_arena_tokens``: device blocks set aside (beyond
+        ``capacity_tokens``) through which ``attention`` streams the host-resident part of sequences moved
+        out with ``offload``, so a sequence may be far longer than the pools."""
         if not isinstance(spec, CacheSpec):
             raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
         if not _is_int(capacity_tokens) or capacity_tokens <= 0:
@@ -142,7 +150,10 @@ class KVCache:
         self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
         self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
-        self.n_blocks = math.ceil(int(capacity_tokens) / spec.block_size)
+        if not _is_int(stream_arena_tokens) or stream_arena_tokens < 0:
+            raise SpecError(f"stream_arena_tokens must be an int >= 0, got {stream_arena_tokens!r}")
+        arena = math.ceil(int(stream_arena_tokens) / spec.block_size)
+        self.n_blocks = math.ceil(int(capacity_tokens) / spec.block_size) + arena
         if not (on_full in ("prefix_lru", "raise") or isinstance(on_full, EvictOnFull)):
             raise SpecError(f"on_full must be 'prefix_lru', 'raise' or a kvhal.eviction.EvictOnFull, got {on_full!r}")
         if on_evict is not None and not callable(on_evict):
@@ -160,6 +171,7 @@ class KVCache:
         self._evicted = {"evict": 0, "on_full": 0, "n": 0}
         self.pools = self.backend.allocate(spec, self.n_blocks)
         self._blocks = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
+        self._arena = self._blocks.alloc(arena)  # never released: the streaming window
         if self.tiers:
             self._blocks.on_evict = self._write_down
         self._ref = self._blocks.ref
@@ -300,9 +312,12 @@ class KVCache:
             parent = s.hashes[-1] if s.hashes else self.root_hash
             h = block_hash(parent, s.tokens[i * bs : (i + 1) * bs], s.extra)
             s.hashes.append(h)
-            self._blocks.register(s.blocks[i], h)
+            if i < s.base // bs:  # offloaded before its tokens were known: in host memory, not matchable
+                continue
+            b = s.blocks[i - s.base // bs]
+            self._blocks.register(b, h)
             if self.write_through:
-                self._put_down([s.blocks[i]], [h])
+                self._put_down([b], [h])
 
     def seq_len(self, seq: int, layer: int | None = None) -> int:
         """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
@@ -331,7 +346,7 @@ class KVCache:
         (llama.cpp's ``seq_rm`` followed by ``seq_add``). K is stored as given (post-RoPE): an
         engine that needs re-rotated keys re-stores them.
         """
-        s = self._seq(seq)
+        s = self._resident(seq, "seq_rm")
         lo, hi = self._range(p0, p1)
         bs = self.spec.block_size
         old_n = max(s.lens, default=0)
@@ -362,7 +377,7 @@ class KVCache:
 
     def seq_cp(self, seq: int, p0: int = -1, p1: int | None = -1) -> int:
         """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
-        s = self._seq(seq)
+        s = self._resident(seq, "seq_cp")
         lo, hi = self._range(p0, p1)
         bs = self.spec.block_size
         lens = [max(0, min(hi, L) - min(lo, L)) for L in s.lens]
@@ -410,7 +425,7 @@ class KVCache:
         self.backend.check_values(self.spec.v_fmt, v)
         bs = self.spec.block_size
         while True:  # with on_full=EvictOnFull, evict and retry until it fits or nothing more can go
-            p0 = s.lens[layer]
+            p0 = s.lens[layer] - s.base  # positions in the resident pages
             p1 = p0 + n
             touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
             n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
@@ -431,13 +446,13 @@ class KVCache:
                 del s.blocks[len(s.blocks) - len(added) :]
                 s.changed()
             raise
-        s.lens[layer] = p1
+        s.lens[layer] = p1 + s.base
         if len(s.tokens) > len(s.hashes) * bs:
             self._seal(s)
 
     def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
         """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
-        s = self._seq(seq)
+        s = self._resident(seq, "load")
         layer = self._layer(layer)
         L = s.lens[layer]
         p0 = self._position(p0, "p0", allow_none=False)
@@ -501,7 +516,7 @@ class KVCache:
             )
         if sum(qls) != q.shape[0]:
             raise ShapeError(f"q has {q.shape[0]} rows but q_lens sums to {sum(qls)}")
-        lens = [s.lens[layer] for s in seq_objs]
+        lens = [s.lens[layer] - s.base for s in seq_objs]  # resident tokens
         for i, (n_q, n) in enumerate(zip(qls, lens)):
             if n_q > n:
                 raise PositionError(
@@ -532,6 +547,13 @@ class KVCache:
         if not isinstance(observe, (bool, np.bool_)):
             raise ShapeError(f"observe must be a bool, got {observe!r}")
         win = None if window is None else int(window)
+        if any(s.base for s in seq_objs):
+            if window is not None or observe:
+                raise UnsupportedError(
+                    "attention over an offloaded sequence takes neither window nor observe; pass window=None, "
+                    "observe=False (or keep the sequence resident)"
+                )
+            return self._streamed_attention(layer, q, seq_objs, qls, float(scale), bool(causal))
         args = (q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
         out = self.backend.attention(*args)
         if observe:
@@ -542,13 +564,76 @@ class KVCache:
                 s.mass[layer], s.window_mass[layer] = total, tail
         return out
 
+    # -- block streaming -----------------------------------------------------------------------------
+
+    def offload(self, seq: int, keep_tokens: int = 0) -> int:
+        """Move ``seq``'s leading whole blocks to host memory, keeping at least its last ``keep_tokens``
+        (and every block not yet stored at all layers) in the pools; returns the tokens moved. The
+        sequence keeps growing with ``store``; ``attention`` streams the host part through the arena
+        (``stream_arena_tokens``) and merges the pieces by log-sum-exp. Other calls on it raise."""
+        s = self._seq(seq)
+        if not self._arena:
+            raise SpecError("offload needs a streaming arena: create the cache with stream_arena_tokens > 0")
+        if not _is_int(keep_tokens) or keep_tokens < 0:
+            raise PositionError(f"keep_tokens must be an int >= 0, got {keep_tokens!r}")
+        bs = self.spec.block_size
+        n_move = max(0, min(s.lens) - s.base - int(keep_tokens)) // bs
+        if n_move == 0:
+            return 0
+        moved = s.blocks[:n_move]
+        data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
+        s.host = data if s.host is None else np.concatenate([s.host, data])
+        del s.blocks[:n_move]
+        s.changed()
+        s.base += n_move * bs
+        self._release(moved[::-1])
+        return n_move * bs
+
+    def _streamed_attention(
+        self, layer: int, q: Any, seq_objs: list[_Seq], qls: list[int], scale: float, causal: bool
+    ) -> np.ndarray:
+        from .backend_util import merge_lse
+
+        bs, arena = self.spec.block_size, np.asarray(self._arena, np.int32)
+        qh = self.backend.to_numpy(q)
+        out = np.empty(qh.shape, np.float32)
+        start = 0
+        for s, n_q in zip(seq_objs, qls):
+            rows = qh[start : start + n_q]
+            tail = s.lens[layer] - s.base
+            parts = []
+            if tail:
+                table = s.table()[None, : -(-tail // bs)]
+                lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
+                parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, causal, None))
+            held = 0 if s.host is None else len(s.host)
+            for c0 in range(0, held, len(arena)):  # every host key precedes every query: no mask
+                m = min(len(arena), held - c0)
+                assert s.host is not None
+                self.backend.write_blocks(self.pools, arena[:m].astype(np.int64), s.host[c0 : c0 + m])
+                lens, ql = np.array([m * bs], np.int32), np.array([n_q], np.int32)
+                table = arena[None, :m]
+                parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, False, None))
+            out[start : start + n_q] = merge_lse(parts)
+            start += n_q
+        return out
+
+    def _resident(self, seq: int, what: str) -> _Seq:
+        s = self._seq(seq)
+        if s.base:
+            raise UnsupportedError(
+                f"{what} on sequence {seq}, whose first {s.base} tokens are offloaded to host memory: offloaded "
+                "sequences take store, append_tokens, attention, seq_len and free_seq"
+            )
+        return s
+
     # -- eviction ------------------------------------------------------------------------------------
 
     def evict(self, seq: int, policy: Policy, keep_tokens: int) -> EvictionResult:
         """Shrink ``seq`` to at most ``keep_tokens`` positions chosen by ``policy``; the kept rows are
         moved byte for byte to positions 0.. (no re-quantization), whole blocks are freed, and
         blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
-        s = self._seq(seq)
+        s = self._resident(seq, "evict")
         if not isinstance(policy, Policy):
             raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {policy!r}")
         if not _is_int(keep_tokens) or keep_tokens < 0:
@@ -607,7 +692,10 @@ class KVCache:
         """on_full=EvictOnFull: evict the longest sequence once; True if that freed anything."""
         if not isinstance(self.on_full, EvictOnFull) or not self._seqs:
             return False
-        sid, victim = max(self._seqs.items(), key=lambda kv: (max(kv[1].lens, default=0), -kv[0]))
+        candidates = [(sid, x) for sid, x in self._seqs.items() if not x.base]
+        if not candidates:
+            return False
+        sid, victim = max(candidates, key=lambda kv: (max(kv[1].lens, default=0), -kv[0]))
         n = max(victim.lens, default=0)
         keep = self.on_full.keep_tokens
         if n <= keep:
@@ -645,7 +733,7 @@ class KVCache:
             blocks_used=used,
             blocks_free=self._blocks.n_free,
             blocks_shared=int((self._ref > 1).sum()),
-            capacity_tokens=self.n_blocks * spec.block_size,
+            capacity_tokens=(self.n_blocks - len(self._arena)) * spec.block_size,
             n_seqs=len(self._seqs),
             tokens=sum(max(s.lens) for s in self._seqs.values()),
             k_format=spec.k_format,
@@ -654,6 +742,8 @@ class KVCache:
             v_bytes=per_block_v * self.n_blocks,
             bytes_allocated=self.pools.nbytes,
             bytes_per_token=spec.bytes_per_token,
+            stream_arena_blocks=len(self._arena),
+            offloaded_tokens=sum(x.base for x in self._seqs.values()),
             blocks_cached=len(self._blocks.hash_of),
             blocks_cached_free=self._blocks.n_cached_free,
             prefix_queries=c.queries,

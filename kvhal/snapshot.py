@@ -70,7 +70,7 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     ids = cache.seqs if seqs is None else seqs
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
         raise SequenceError(f"seqs must be a list of sequence ids, got {type(ids).__name__}")
-    objs = [cache._seq(s) for s in ids]
+    objs = [cache._resident(s, "save") for s in ids]
     if not target.parent.is_dir():
         raise SnapshotError(f"directory {str(target.parent)!r} does not exist; create it first")
     spec = cache.spec

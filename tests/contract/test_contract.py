@@ -503,3 +503,21 @@ def test_block_io_rejects_bad_ids(backend_info):
             c.backend.read_blocks(c.pools, bad)
     with pytest.raises((kvhal.PositionError, kvhal.ShapeError)):
         c.backend.write_blocks(c.pools, np.array([0]), data)  # 1 id, 2 blocks of data
+
+
+def test_streamed_attention_equals_resident(backend_info, rng):
+    """A sequence offloaded to host memory and streamed through the arena attends like a resident one."""
+    fmt = claimed(backend_info)[-1]
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8)
+    small = kvhal.KVCache(spec, 32, backend=backend_info.name, stream_arena_tokens=24)
+    big = kvhal.KVCache(spec, 256, backend=backend_info.name)
+    s, r = small.new_seq(), big.new_seq()
+    k, v = kv(rng, 200)
+    for start in range(0, 200, 20):
+        small.store(s, 0, k[start : start + 20], v[start : start + 20])
+        big.store(r, 0, k[start : start + 20], v[start : start + 20])
+        small.offload(s, keep_tokens=8)
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    got = kvhal.to_numpy(small.attention(0, q, [s], [3]))
+    want = kvhal.to_numpy(big.attention(0, q, [r], [3]))
+    assert float(np.abs(got - want).max()) <= 2 * big.backend.attention_tolerance
