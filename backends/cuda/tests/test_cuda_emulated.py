@@ -23,12 +23,12 @@ FMTS = formats.names()
 def make(fmt_k, fmt_v=None, *, heads=2, dim=64, bs=16, cap=512, n_sm=4):
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt_k, v_format=fmt_v or fmt_k,
                            block_size=bs)  # fmt: skip
-    backend = cuda_emulator.EmulatedCudaBackend(n_sm)
+    backend = cuda_emulator.EmulatedCudaBackend(n_sm=n_sm)
     return kvhal.KVCache(spec, cap, backend=backend), kvhal.KVCache(spec, cap, backend="reference")
 
 
 def pools(c):
-    return [np.asarray(kvhal.to_numpy(x)).view(np.uint8) for x in (c.pools[0].k, c.pools[0].v)]
+    return [np.asarray(kvhal.to_numpy(x)).view(np.uint8) for x in (c.pools.k[0], c.pools.v[0])]
 
 
 def hard_blocks(rng, dim=64):
