@@ -115,9 +115,10 @@ def bench(session: nox.Session) -> None:
     session.run("kvhal", "bench", *(session.posargs or default))
 
 
-# ==== GPU kernels, wheels (owner: the gpu branch; appended, the sessions above are untouched) ==========
+# ==== GPU kernels, wheels ================================================================================
 # compile-cuda13 / compile-cuda12 / compile-rocm: backends/cuda/build_kernels.py writes
-#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors.
+#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors;
+#   it imports kvhal (the kernels' constants are generated from its format registry), so each installs it.
 # test-cuda-host: the cuda backend's CPU tests plus tests/contract on kvhal.cu under the CPU SIMT emulator.
 # test-rocm: tests/contract on the rocm entry point (skips without a ROCm GPU, fails with --strict).
 # wheels: every row of wheels/variants.toml into dist/, then each wheel installed in a fresh venv runs `kvhal info`.
@@ -128,6 +129,7 @@ COMPILE_MISSING = 3  # build_kernels.py: the target's compiler is not installed
 
 
 def _compile(session: nox.Session, target: str, *extra: str) -> None:
+    session.install("-e", ".")
     out = session.run("python", f"{CUDA_DIR}/build_kernels.py", target, *extra,
                       success_codes=[0, COMPILE_MISSING], silent=True)
     text = str(out).strip()
@@ -201,7 +203,7 @@ def wheels(session: nox.Session) -> None:
     Prebuilt kernels are compiled first unless backends/cuda/kvhal_cuda/prebuilt/* already matches the source.
     ``-- --strict``: a missing backend source dir or compiled artifact is an error instead of a skipped row.
     """
-    session.install("build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
+    session.install("-e", ".", "build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])

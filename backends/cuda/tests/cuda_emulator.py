@@ -130,10 +130,10 @@ class EmuRuntime:
             keep.append(c)
             ptrs.append(ctypes.cast(ctypes.pointer(c), ctypes.c_void_p))
         argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        err = ctypes.create_string_buffer(512)
+        err, err_len = ctypes.create_string_buffer(512), ctypes.c_size_t(512)
         with self._lock:
             self.launches.append((name, grid, block, smem))
-            rc = self.lib.emu_launch(name.encode(), *grid, *block, ctypes.c_size_t(smem), argv, err, ctypes.c_size_t(512))
+            rc = self.lib.emu_launch(name.encode(), *grid, *block, ctypes.c_size_t(smem), argv, err, err_len)
             if rc:
                 raise AssertionError(err.value.decode())
             self.xp.check(name)

@@ -25,7 +25,8 @@ def cu_define(name: str) -> int:
 def test_constants_are_generated_from_the_registry_and_plan():
     for name, fid, block_len, block_bytes in format_table():
         n = f"KV_{name.upper()}"
-        assert (cu_define(n), cu_define(f"{n}_BLOCK_LEN"), cu_define(f"{n}_BLOCK_BYTES")) == (fid, block_len, block_bytes)
+        got = cu_define(n), cu_define(f"{n}_BLOCK_LEN"), cu_define(f"{n}_BLOCK_BYTES")
+        assert got == (fid, block_len, block_bytes)
     assert cu_define("KV_NW") == plan.NUM_WARPS
     assert cu_define("KV_MAXC") * 32 == plan.MAX_HEAD_DIM
     assert cu_define("KV_RPW_MAX") == plan.MAX_ROWS_PER_WARP
