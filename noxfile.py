@@ -207,7 +207,7 @@ def wheels(session: nox.Session) -> None:
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])
-    # only `-- --strict`, not KVHAL_STRICT: a backend dir another branch has not merged yet is not a missing device
+    # only `-- --strict`, not KVHAL_STRICT: a backend dir absent from this checkout is not a missing device
     args = ["--strict"] if "--strict" in session.posargs else []
     session.run("python", "wheels/build.py", *args, *pytest_args(session))
     session.run("python", "wheels/build.py", "--smoke", *args)

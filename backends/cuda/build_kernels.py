@@ -29,10 +29,10 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE / "kvhal_cuda"
-SOURCE = PKG / "kernels" / "kvhal.cu"
 MISSING = 3
 DEPRECATED_70 = "Architectures prior to '<compute/sm>_75' are deprecated"
 
@@ -49,14 +49,22 @@ HIPCC = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-fno-gpu-flush-den
          "-mcode-object-version=5"]  # fmt: skip
 
 
-def kernel_source() -> str:
-    """The one source every compiler and the runtime see (kvhal_cuda/source.py; imports kvhal, not cupy)."""
+def source() -> Any:
+    """kvhal_cuda/source.py: the one source every compiler and the runtime see (imports kvhal, not cupy)."""
     sys.path.insert(0, str(HERE))
     try:
         from kvhal_cuda import source
     finally:
         sys.path.remove(str(HERE))
-    return source.kernel_source()
+    return source
+
+
+def kernel_source() -> str:
+    return str(source().kernel_source())
+
+
+def kernel_names() -> list[str]:
+    return list(source().kernel_names())
 
 
 def write_source(directory: Path) -> Path:
@@ -64,10 +72,6 @@ def write_source(directory: Path) -> Path:
     path = directory / "kvhal.cu"
     path.write_text(kernel_source())
     return path
-
-
-def kernel_names() -> list[str]:
-    return re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', SOURCE.read_text())
 
 
 def check_defines_all(data: bytes, what: str) -> None:

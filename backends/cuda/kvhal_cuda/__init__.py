@@ -73,7 +73,7 @@ class CudaBackend(Backend):
         return runtime.CupyRuntime(options["device"], self.platform)
 
     def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        return super().supports(spec, op) or plan.spec_refusal(spec)
+        return super().supports(spec, op) or plan.spec_refusal(spec, op)
 
     # -- pools --------------------------------------------------------------------------------------------
 

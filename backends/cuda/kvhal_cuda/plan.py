@@ -36,8 +36,11 @@ def _ceil(a: int, b: int) -> int:
 # ---- what a spec must fit ------------------------------------------------------------------------------
 
 
-def spec_refusal(spec: CacheSpec) -> str | None:
-    """Why the kernels cannot hold ``spec``, or None (``CudaBackend.supports``; nothing later refuses it)."""
+def spec_refusal(spec: CacheSpec, op: str) -> str | None:
+    """Why the kernels cannot run ``op`` for ``spec``, or None (``CudaBackend.supports``; nothing it passes
+    is refused later). Store, load and copies take any spec; attention has two limits."""
+    if op != "attention":
+        return None
     if spec.head_dim > MAX_HEAD_DIM:
         return (
             f"head_dim {spec.head_dim} > {MAX_HEAD_DIM}: the CUDA/HIP attention kernels keep a row's output in "
@@ -72,7 +75,7 @@ class CachePlan:
     block_size: int
     k: PoolPlan
     v: PoolPlan
-    prefill: PrefillGeometry
+    prefill: PrefillGeometry | None  # None when attention refuses the spec (head_dim too wide)
 
     @classmethod
     def of(cls, spec: CacheSpec) -> CachePlan:
@@ -85,7 +88,7 @@ class CachePlan:
             spec.block_size,
             side(spec.k_format, spec.k_row_bytes, "k"),
             side(spec.v_format, spec.v_row_bytes, "v"),
-            prefill_geometry(spec.head_dim),
+            prefill_geometry(spec.head_dim) if spec_refusal(spec, "attention") is None else None,
         )
 
 

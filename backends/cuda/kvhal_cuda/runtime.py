@@ -21,21 +21,9 @@ from kvhal import Probe
 from kvhal.errors import BackendUnavailableError
 
 from . import plan
-from .source import kernel_source, source_sha256
+from .source import kernel_names, kernel_source, source_sha256
 
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
-KERNEL_NAMES = (
-    "kvhal_store_quant",
-    "kvhal_store_float",
-    "kvhal_load",
-    "kvhal_copy_gather",
-    "kvhal_copy_scatter",
-    "kvhal_blocks_gather",
-    "kvhal_blocks_scatter",
-    "kvhal_attn_decode",
-    "kvhal_attn_prefill",
-    "kvhal_attn_merge",
-)
 # distributions that provide the `cupy` module; they overwrite each other's files when several are installed
 CUPY_DISTS = {"cuda12": "cupy-cuda12x", "cuda13": "cupy-cuda13x", "source": "cupy"}
 CUPY_ROCM_DISTS = ("cupy-rocm-7-0", "cupy-rocm-6-0", "cupy-rocm-5-0")
@@ -224,7 +212,7 @@ class CupyRuntime:
         self.n_sm = self.info.n_sm
         with self.device:
             module = self._load(cupy)
-            self._fns = {name: module.get_function(name) for name in KERNEL_NAMES}
+            self._fns = {name: module.get_function(name) for name in kernel_names()}
 
     def _load(self, cupy: Any) -> Any:
         choice = choose_binary(self.info.flavor, self.info.arch)

@@ -9,6 +9,7 @@ from plan.py's launch geometry, so neither is typed twice.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from kvhal.backend_util import format_table
@@ -41,6 +42,12 @@ def kernel_source() -> str:
         assert include in src, f"kvhal.cu lacks {include}"
         src = src.replace(include, text, 1)
     return src
+
+
+def kernel_names() -> list[str]:
+    """The ``extern "C"`` kernels of kvhal.cu: what the runtime looks up and every build must define."""
+    pattern = r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\('
+    return re.findall(pattern, (KERNEL_DIR / "kvhal.cu").read_text())
 
 
 def source_sha256() -> str:

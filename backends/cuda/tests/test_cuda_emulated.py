@@ -175,3 +175,21 @@ def test_raw_block_io_is_one_launch_each_way_and_checks_its_ids():
     with pytest.raises(kvhal.ShapeError):
         a.backend.write_blocks(a.pools, ids[:2], got)
     np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.arange(a.n_blocks)), before)
+
+
+def test_wide_heads_store_and_load_though_attention_refuses():
+    """supports() refuses only attention past head_dim 256; store and load run any width."""
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=320, k_format="q4_1", v_format="f16", block_size=4)
+    backend, ref = cuda_emulator.EmulatedCudaBackend(), kvhal.registry.instance("reference")
+    assert "head_dim 320" in (backend.supports(spec, "attention") or "") and backend.supports(spec, "store") is None
+    x = np.random.default_rng(8).standard_normal((6, 2, 320), dtype=np.float32)
+    slots = np.array([9, 10, 11, 0, 1, 2], np.int64)
+    got = []
+    for b in (backend, ref):
+        pools = b.allocate(spec, 3)
+        b.store(pools, 0, b.asarray(x, "k"), b.asarray(-x, "v"), slots)
+        got.append(
+            (b.read_blocks(pools, np.arange(3)), *(b.to_numpy(a) for a in b.load(pools, 0, np.array([2, 0]), 7)))
+        )
+    for a, r in zip(*got, strict=True):
+        np.testing.assert_array_equal(a, r)

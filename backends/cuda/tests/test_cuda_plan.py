@@ -9,7 +9,7 @@ import pytest
 from kvhal_cuda import CudaBackend, plan, runtime, source
 
 import kvhal
-from kvhal import formats
+from kvhal import formats, registry
 from kvhal.backend_util import format_table, visible_range
 from tests.oracle import attention_f64
 
@@ -44,9 +44,10 @@ def test_kernels_dispatch_every_registered_format():
     assert CudaBackend.formats == frozenset(formats.names())
 
 
-def test_kernel_names_exist():
-    for name in runtime.KERNEL_NAMES:
-        assert re.search(rf'extern "C" __global__ void (__launch_bounds__\(\w+ \* 32, \d\)\s+)?{name}\(', SRC), name
+def test_every_launched_kernel_is_in_the_source():
+    launched = set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "__init__.py").read_text()))
+    launched |= set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "plan.py").read_text()))
+    assert len(source.kernel_names()) == 10 and launched == set(source.kernel_names())
 
 
 @pytest.mark.parametrize("fmt", formats.names())
@@ -84,10 +85,11 @@ def test_head_dim_limit_is_refused_by_supports():
     with pytest.raises(kvhal.UnsupportedError, match="head_dim 512"):
         plan.prefill_geometry(512)
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=512, k_format="q8_0", v_format="q8_0")
-    assert "head_dim 512 > 256" in (plan.spec_refusal(spec) or "")
     backend = CudaBackend.__new__(CudaBackend)  # supports() needs no device
-    for op in ("store", "load", "attention"):
-        assert "head_dim 512" in (backend.supports(spec, op) or "")
+    assert "head_dim 512 > 256" in (backend.supports(spec, "attention") or "")
+    assert backend.supports(spec, "store") is None and backend.supports(spec, "load") is None
+    assert "attention: head_dim 512" in (registry.refusal(backend, spec) or "")  # so no cache is made with it
+    assert plan.CachePlan.of(spec).prefill is None
     assert backend.supports(kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=256), "attention") is None
 
 
