@@ -115,7 +115,7 @@ def bench(session: nox.Session) -> None:
     session.run("kvhal", "bench", *(session.posargs or default))
 
 
-# ==== GPU kernels, wheels ================================================================================
+# GPU kernels and wheels:
 # compile-cuda13 / compile-cuda12 / compile-rocm: backends/cuda/build_kernels.py writes
 #   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors;
 #   it imports kvhal (the kernels' constants are generated from its format registry), so each installs it.
@@ -207,7 +207,7 @@ def wheels(session: nox.Session) -> None:
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])
-    # only `-- --strict`, not KVHAL_STRICT: a backend dir absent from this checkout is not a missing device
+    # only `-- --strict`, not KVHAL_STRICT: a wheel whose source dir is absent is not a missing device
     args = ["--strict"] if "--strict" in session.posargs else []
     session.run("python", "wheels/build.py", *args, *pytest_args(session))
     session.run("python", "wheels/build.py", "--smoke", *args)
