@@ -115,7 +115,8 @@ def bench(session: nox.Session) -> None:
 
 # GPU kernels and wheels:
 # compile-cuda13 / compile-cuda12 / compile-rocm: backends/cuda/build_kernels.py writes
-#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors.
+#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors;
+#   it imports kvhal (the kernels' constants are generated from its format registry), so each installs it.
 # test-cuda-host: the cuda backend's CPU tests plus tests/contract on kvhal.cu under the CPU SIMT emulator.
 # test-rocm: tests/contract on the rocm entry point (skips without a ROCm GPU, fails with --strict).
 # bench-cuda13 / bench-cuda12: kvhal bench on the GPU, bandwidth fractions of the measured HBM read bandwidth.
@@ -128,6 +129,7 @@ COMPILE_MISSING = 3  # build_kernels.py: the target's compiler is not installed
 
 
 def _compile(session: nox.Session, target: str, *extra: str) -> None:
+    session.install("-e", ".")
     out = session.run("python", f"{CUDA_DIR}/build_kernels.py", target, *extra,
                       success_codes=[0, COMPILE_MISSING], silent=True)
     text = str(out).strip()
@@ -161,11 +163,10 @@ def compile_rocm(session: nox.Session) -> None:
 @nox.session(name="test-cuda-host", tags=["cpu"])
 def test_cuda_host(session: nox.Session) -> None:
     """The cuda backend without a GPU: host logic, probe, and kvhal.cu (emulated) against the contract."""
-    session.install("-e", ".[test]", "-e", CUDA_DIR)
-    env = {"PYTHONPATH": f"{CUDA_DIR}/tests", "KVHAL_STRICT": "1"}
+    session.install("-e", ".[test]", "-e", CUDA_DIR, "-e", f"{CUDA_DIR}/tests")  # the last: backend cuda-emu
+    env = {"KVHAL_STRICT": "1"}
     session.run("pytest", f"{CUDA_DIR}/tests", *pytest_args(session), env=env)
-    session.run("pytest", "-p", "cuda_emu_plugin", "tests/contract", *pytest_args(session),
-                env={**env, "KVHAL_TEST_BACKENDS": "cuda-emu"})
+    session.run("pytest", "tests/contract", *pytest_args(session), env={**env, "KVHAL_TEST_BACKENDS": "cuda-emu"})
 
 
 @nox.session(name="test-rocm", tags=["gpu"])
@@ -206,7 +207,7 @@ def wheels(session: nox.Session) -> None:
     Prebuilt kernels are compiled first unless backends/cuda/kvhal_cuda/prebuilt/* already matches the source.
     ``-- --strict``: a missing backend source dir or compiled artifact is an error instead of a skipped row.
     """
-    session.install("build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
+    session.install("-e", ".", "build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])
