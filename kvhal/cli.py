@@ -1,4 +1,4 @@
-"""The kvhal command: ``kvhal info`` and ``kvhal bench`` (``--json`` on both)."""
+"""The kvhal command: ``kvhal info``, ``bench``, ``stress``, ``plan`` and ``snapshot`` (``--json`` on each)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from . import formats
+from . import formats, plan
 from .backend import OPS
 from .errors import KVHalError, SpecError
 from .registry import backends
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     pst.add_argument("--capacity", type=int, default=512, help="capacity_tokens of the cache")
     pst.add_argument("--block-size", type=int, default=8)
     pst.add_argument("--json", action="store_true", help="print JSON instead of text")
+    plan.add_parser(sub)
     ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
     ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     psi.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "plan":
+            return plan.cli(args)
         if args.cmd == "stress":
             from . import stress
 
