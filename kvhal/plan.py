@@ -256,7 +256,9 @@ def _from_config(path: str | os.PathLike[str]) -> ModelShape:
     windows: tuple[int | None, ...] = (None,) * n_layers
     if window is not None:
         first = field("max_window_layers", required=False, minimum=0)
-        pattern = field("sliding_window_pattern", required=False) or _PATTERN_BY_MODEL_TYPE.get(cfg.get("model_type"))
+        pattern = field("sliding_window_pattern", required=False) or _PATTERN_BY_MODEL_TYPE.get(
+            str(cfg.get("model_type"))
+        )
         if first is not None:  # Qwen2: layers from max_window_layers on slide
             windows = tuple(window if i >= first else None for i in range(n_layers))
         elif pattern is not None:  # Gemma 2/3, gpt-oss: layer i is full when (i + 1) % pattern == 0
