@@ -1,4 +1,4 @@
-"""The kvhal command: ``kvhal info``, ``kvhal bench`` and ``kvhal tiers bench`` (``--json`` on each)."""
+"""The kvhal command: ``info``, ``bench``, ``stress``, ``plan``, ``snapshot`` and ``tiers`` (``--json`` on each)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from . import formats
+from . import formats, plan
 from .backend import OPS
 from .errors import KVHalError, SpecError
 from .registry import backends
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     pst.add_argument("--capacity", type=_positive, default=512, help="capacity_tokens of the cache")
     pst.add_argument("--block-size", type=_positive, default=8)
     pst.add_argument("--json", action="store_true", help="print JSON instead of text")
+    plan.add_parser(sub)
     ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
     ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "tiers":
             return tiers_bench.main(args)
+        if args.cmd == "plan":
+            return plan.cli(args)
         if args.cmd == "stress":
             from . import stress
 

@@ -50,6 +50,10 @@ class SpecError(KVHalError, ValueError):
     """An invalid CacheSpec or KVCache argument."""
 
 
+class PlanError(KVHalError, ValueError):
+    """A model shape, config.json, memory budget or device that ``kvhal plan`` cannot use."""
+
+
 class SnapshotError(KVHalError):
     """A snapshot file cannot be written or restored; the cache is left exactly as it was."""
 
