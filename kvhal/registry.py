@@ -144,7 +144,7 @@ def resolve(
                 )
             return instance(ok[0], options)
         info = {i.name: i for i in backends()}.get(requested)
-        if info is not None and not info.available:
+        if info is not None and not info.available and not options:  # options may name a usable device
             raise BackendUnavailableError(f"backend {requested!r} is unavailable: {info.reason}")
         backend = instance(requested, options)
     else:
