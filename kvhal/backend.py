@@ -210,7 +210,9 @@ class HostPoolsBackend(Backend):
         from .backend_util import check_block_ids, pages_to_blocks
 
         block_ids = check_block_ids(pools.n_blocks, block_ids)
-        return pages_to_blocks(pools.spec, [(k[block_ids], v[block_ids]) for k, v in zip(pools.k, pools.v)])
+        # np.take gathers whole pages ~3x faster than fancy indexing
+        pages = [(np.take(k, block_ids, axis=0), np.take(v, block_ids, axis=0)) for k, v in zip(pools.k, pools.v)]
+        return pages_to_blocks(pools.spec, pages)
 
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
         from .backend_util import blocks_to_pages, check_block_ids

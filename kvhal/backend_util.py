@@ -82,9 +82,7 @@ def _typed(backend: str, opt: Option, value: Any, source: str) -> Any:
         try:
             value = int(value.strip())
         except ValueError:
-            raise SpecError(
-                f"backend {backend!r} option {opt.name}: {value!r} is not an integer ({source})"
-            ) from None
+            raise SpecError(f"backend {backend!r} option {opt.name}: {value!r} is not an integer ({source})") from None
     ok = isinstance(value, opt.kind) and not (opt.kind is int and isinstance(value, bool))
     if opt.kind is int and isinstance(value, np.integer):
         value, ok = int(value), True

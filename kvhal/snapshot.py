@@ -25,6 +25,7 @@ import math
 import os
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,17 @@ def _safetensors() -> Any:
 
 def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data)
+
+
+def _threads() -> ThreadPoolExecutor:
+    """Checksums and tensor reads release the GIL: two threads use both cores of a small machine."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="kvhal-snapshot")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
 
 
 def _path(path: Any) -> Path:
@@ -104,7 +116,7 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
         "n_blocks": len(order),
         "seqs": seq_meta,
         "checksum": "crc32",
-        "checksums": {name: _crc(t) for name, t in tensors.items()},
+        "checksums": dict(zip(tensors, _threads().map(_crc, tensors.values()))),
         "backend": cache.backend.name,
     }
     st = _safetensors()
@@ -211,14 +223,9 @@ def restore(cache: KVCache, path: Any) -> list[int]:
         seq_meta = list(meta["seqs"])
     except (KeyError, TypeError, ValueError):
         raise SnapshotCorruptError(f"{str(r.path)!r}: kvhal metadata lacks n_blocks/seqs; save it again") from None
-    pages = []
-    for layer in range(spec.n_layers):
-        pages.append(
-            (
-                r.tensor(f"blocks.l{layer}.k", np.uint8, spec.pool_shape(n_blocks, "k")),
-                r.tensor(f"blocks.l{layer}.v", np.uint8, spec.pool_shape(n_blocks, "v")),
-            )
-        )
+    wanted = [(f"blocks.l{layer}.{w}", spec.pool_shape(n_blocks, w)) for layer in range(spec.n_layers) for w in "kv"]
+    read = list(_threads().map(lambda nw: r.tensor(nw[0], np.uint8, nw[1]), wanted))
+    pages = list(zip(read[0::2], read[1::2]))
     bs = spec.block_size
     staged: list[_Seq] = []
     uses = np.zeros(n_blocks, np.int64)
