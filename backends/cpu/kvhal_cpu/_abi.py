@@ -1,8 +1,8 @@
 """The kernel library's C interface: ``Args`` mirrors ``kv_args`` (csrc/kvcpu.h) field for field, and
-every exported call takes one pointer to it. The library is refused unless its own report of that
-struct's layout (``kvc_args_layout``) and of its format table (``kvc_format_table``) agree with this
-side: a drifted field or format id is an unavailable backend, never memory written in the wrong place.
-"""
+every exported call takes one pointer to it. The library is refused unless its own description of
+that struct (``kvc_args_layout``: each field's name, offset, size and kind) and its format table
+(``kvc_format_table``) agree with this side: a drifted field or format id is an unavailable backend,
+never memory written in the wrong place."""
 
 from __future__ import annotations
 
@@ -35,9 +35,15 @@ class Args(ctypes.Structure):
     ]
 
 
-def layout() -> list[int]:
-    """``sizeof(kv_args)`` then every field's offset, as ``kvc_args_layout`` reports them."""
-    return [ctypes.sizeof(Args), *(getattr(Args, name).offset for name, _ in Args._fields_)]
+_KINDS = {_i32: "i", _i64: "q", _f32: "f", _p: "p"}
+
+
+def layout() -> str:
+    """``Args`` in the text ``kvc_args_layout`` writes: its size, then each field's name, offset, size, kind."""
+    fields = [
+        f"{name} {getattr(Args, name).offset} {ctypes.sizeof(kind)} {_KINDS[kind]}" for name, kind in Args._fields_
+    ]
+    return ";".join([f"kv_args {ctypes.sizeof(Args)}", *fields])
 
 
 def library_path() -> Path | None:
@@ -53,7 +59,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     args = ctypes.POINTER(Args)
     sigs: dict[str, tuple[object, list[object]]] = {
         "kvc_abi_version": (_i32, []),
-        "kvc_args_layout": (_i32, [ctypes.POINTER(_i64), _i32]),
+        "kvc_args_layout": (_i32, [ctypes.c_char_p, _i32]),
         "kvc_format_table": (_i32, [ctypes.POINTER(_i32), _i32]),
         "kvc_isa_supported": (_i32, [_i32]),
         "kvc_best_isa": (_i32, []),
@@ -68,10 +74,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype, fn.argtypes = res, argtypes
 
 
-def library_layout(lib: ctypes.CDLL) -> list[int]:
-    buf = (_i64 * 64)()
+def library_layout(lib: ctypes.CDLL) -> str:
+    buf = ctypes.create_string_buffer(4096)
     n = lib.kvc_args_layout(buf, len(buf))
-    return list(buf[:n])
+    if n >= len(buf):
+        raise OSError(f"its kv_args layout takes {n} bytes to describe; expected under {len(buf)}")
+    return buf.value.decode()
 
 
 def library_formats(lib: ctypes.CDLL) -> dict[int, tuple[int, int]]:
@@ -90,8 +98,10 @@ def open_library(path: Path) -> tuple[ctypes.CDLL, frozenset[str]]:
         raise OSError(f"a symbol is missing ({e})") from None
     if lib.kvc_abi_version() != ABI_VERSION:
         raise OSError(f"ABI version {lib.kvc_abi_version()}, this package expects {ABI_VERSION}")
-    if library_layout(lib) != layout():
-        raise OSError(f"its kv_args layout {library_layout(lib)} differs from kvhal_cpu's {layout()}")
+    theirs, ours = library_layout(lib).split(";"), layout().split(";")
+    if theirs != ours:
+        diff = next(f"{a!r} where kvhal_cpu has {b!r}" for a, b in zip(theirs + [""], ours + [""]) if a != b)
+        raise OSError(f"its kv_args differs from kvhal_cpu's mirror: {diff}")
     registry = {fid: (name, block_len, block_bytes) for name, fid, block_len, block_bytes in format_table()}
     runs = set()
     for fid, sizes in library_formats(lib).items():

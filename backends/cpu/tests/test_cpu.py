@@ -377,10 +377,12 @@ def test_neon_kernels_under_qemu(tmp_path):
 def test_library_struct_layout_matches_python():
     """kv_args as the compiled library lays it out (kvc_args_layout) is what _abi.Args writes."""
     lib, _ = kvhal_cpu._library()
-    got = _abi.library_layout(lib)
-    assert len(got) == 1 + len(_abi.Args._fields_)
-    assert got == _abi.layout()
-    assert got[0] == ctypes.sizeof(_abi.Args) and got[1:] == sorted(got[1:])
+    got = _abi.library_layout(lib).split(";")
+    assert got == _abi.layout().split(";")
+    assert got[0] == f"kv_args {ctypes.sizeof(_abi.Args)}" and len(got) == 1 + len(_abi.Args._fields_)
+    assert got[1] == "isa 0 4 i" and got[-1].startswith("scale ") and got[-1].endswith(" 4 f")
+    offsets = [int(f.split()[1]) for f in got[1:]]
+    assert offsets == sorted(offsets)
 
 
 def test_kernel_formats_come_from_the_registry():

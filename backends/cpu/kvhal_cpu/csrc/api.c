@@ -27,19 +27,29 @@ static int kv_has_f16c(void) {
 
 KV_EXPORT int kvc_abi_version(void) { return 3; }
 
-#define KV_FIELD(f) (int64_t) offsetof(kv_args, f)
-/* sizeof(kv_args), then the offset of every field in declaration order: Python checks its mirror */
-KV_EXPORT int kvc_args_layout(int64_t *out, int cap) {
-    const int64_t layout[] = {
-        (int64_t)sizeof(kv_args), KV_FIELD(isa), KV_FIELD(threads), KV_FIELD(kv_split), KV_FIELD(tile),
-        KV_FIELD(kfmt), KV_FIELD(vfmt), KV_FIELD(n_kv_heads), KV_FIELD(head_dim), KV_FIELD(block_size),
-        KV_FIELD(n_heads), KV_FIELD(krow), KV_FIELD(vrow), KV_FIELD(kpool), KV_FIELD(vpool), KV_FIELD(k),
-        KV_FIELD(v), KV_FIELD(slots), KV_FIELD(dst_slots), KV_FIELD(blocks), KV_FIELD(kout), KV_FIELD(vout),
-        KV_FIELD(n), KV_FIELD(q), KV_FIELD(out), KV_FIELD(block_table), KV_FIELD(seq_lens), KV_FIELD(q_lens),
-        KV_FIELD(n_seqs), KV_FIELD(max_blocks), KV_FIELD(causal), KV_FIELD(window), KV_FIELD(scale)};
-    const int n = (int)(sizeof layout / sizeof layout[0]);
-    for (int i = 0; i < n && i < cap; i++) out[i] = layout[i];
-    return n;
+/* kv_args as this build lays it out: "kv_args <size>" then "<name> <offset> <size> <kind>" per field in
+ * declaration order (kind: i int32, q int64, f float, p pointer), ';'-separated. Python compares it
+ * with its mirror, so a field added, moved, renamed or retyped on one side only refuses the library. */
+#define KV_KIND(x) _Generic((x), int32_t: 'i', int64_t: 'q', float: 'f', default: 'p')
+#define KV_FIELD(f) {#f, offsetof(kv_args, f), sizeof(((kv_args *)0)->f), KV_KIND(((kv_args *)0)->f)}
+KV_EXPORT int kvc_args_layout(char *out, int cap) {
+    static const struct {
+        const char *name;
+        size_t offset, size;
+        char kind;
+    } fields[] = {KV_FIELD(isa),        KV_FIELD(threads),     KV_FIELD(kv_split),  KV_FIELD(tile),
+                  KV_FIELD(kfmt),       KV_FIELD(vfmt),        KV_FIELD(n_kv_heads), KV_FIELD(head_dim),
+                  KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(krow),      KV_FIELD(vrow),
+                  KV_FIELD(kpool),      KV_FIELD(vpool),       KV_FIELD(k),         KV_FIELD(v),
+                  KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
+                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(q),         KV_FIELD(out),
+                  KV_FIELD(block_table), KV_FIELD(seq_lens),   KV_FIELD(q_lens),    KV_FIELD(n_seqs),
+                  KV_FIELD(max_blocks), KV_FIELD(causal),      KV_FIELD(window),    KV_FIELD(scale)};
+    int n = snprintf(out, (size_t)cap, "kv_args %zu", sizeof(kv_args));
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        n += snprintf(out + (n < cap ? n : cap), (size_t)(n < cap ? cap - n : 0), ";%s %zu %zu %c", fields[i].name,
+                      fields[i].offset, fields[i].size, fields[i].kind);
+    return n; /* the length it needs; the text is whole when that is < cap */
 }
 
 /* the formats these kernels implement, as (id, values per block, bytes per block) triples from
