@@ -78,7 +78,8 @@ def info_text(data: dict[str, Any]) -> str:
     lines.append("support (S store, L load, A attention):")
     lines.append("  " + f"{'':<10} " + " ".join(f"{n:>5}" for n in names))
     for b in data["backends"]:
-        cells = ["".join(op[0].upper() for op in b["formats"][n]) or "-" for n in names]
+        cells = ["".join(op[0].upper() for op in b["formats"][n]) if b["available"] else "-" for n in names]
+        cells = [c or "-" for c in cells]
         lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>5}" for c in cells))
     lines.append("")
     lines.append("formats: " + ", ".join(f"{f['name']} {f['bits_per_element']:g} bits" for f in data["formats"]))
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVHalError as e:
         print(f"kvhal: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvhal info | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
