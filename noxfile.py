@@ -1,12 +1,8 @@
-"""Build matrix. Sessions: test-<backend> (one per backends/*/, generated), test-reference, lint, bench.
+"""Build matrix. Sessions: test-<variant> (one per backend variant, generated), test-reference, lint, bench,
+and the GPU build sessions (compile-*, test-cuda-host, test-rocm, bench-cuda*, wheels).
 
-A backend declares itself in ``backends/<name>/pyproject.toml`` under ``[tool.kvhal]``:
-
-    tags = ["cpu"]                  # cpu | gpu | npu: the hardware its session needs
-    apt = ["pocl-opencl-icd"]       # Debian packages .ci/run installs before the session
-    env = {KVHAL_VULKAN_ALLOW_CPU = "1"}
-    [tool.kvhal.variants]           # optional: one session per variant, extra pip requirements
-    cuda12 = ["cupy-cuda12x"]       # or a table: {requires = [...], env = {...}, tags = [...]}
+Each backend declares its sessions in ``backends/<name>/pyproject.toml`` under ``[tool.kvhal]``
+(tags, apt, env, variants; see ci/kvhal_tables.py, the one reader of those tables).
 
 A session whose backend is unavailable here skips with one line naming the probe's reason;
 ``nox -s test-<name> -- --strict`` (or ``KVHAL_STRICT=1``) makes that a failure.
@@ -16,10 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 import nox
+
+sys.path.insert(0, str(Path(__file__).parent / "ci"))
+import kvhal_tables  # noqa: E402  (ci/, stdlib only)
 
 ROOT = Path(__file__).parent
 nox.options.sessions = ["lint", "test-reference"]
@@ -54,15 +52,6 @@ def require_backend(session: nox.Session, session_name: str, backend: str, env: 
         session.skip(msg)
 
 
-def backend_table() -> dict[str, dict]:
-    """name -> its [tool.kvhal] table (plus "dir"), for every backends/<name>/pyproject.toml."""
-    out = {}
-    for pp in sorted(ROOT.glob("backends/*/pyproject.toml")):
-        table = tomllib.loads(pp.read_text()).get("tool", {}).get("kvhal", {})
-        out[pp.parent.name] = {**table, "dir": pp.parent.relative_to(ROOT).as_posix()}
-    return out
-
-
 @nox.session(name="test-reference", tags=["cpu"])
 def test_reference(session: nox.Session) -> None:
     """Unit tests, the stateful property test, the contract suite on the numpy reference, and the tier tests
@@ -70,29 +59,35 @@ def test_reference(session: nox.Session) -> None:
     session.install("-e", ".[test,bench]", TORCH)  # torch: DLPack interop tests
     session.run("pytest", "tests/unit", "tests/contract", "tests/tiers", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference"})
+    stress(session, "reference")
 
 
-def _make_backend_session(session_name: str, backend: str, table: dict, variant: list[str] | dict) -> None:
-    spec = variant if isinstance(variant, dict) else {"requires": variant}
-    tags = list(spec.get("tags", table.get("tags", ["cpu"])))
-    env = {k: str(v) for k, v in (table.get("env", {}) | spec.get("env", {})).items()}
+# the capacity audit after each backend's tests: the full run where the kernels are the product's default
+STRESS_STEPS = {"reference": 20000, "cpu": 20000}
 
-    @nox.session(name=session_name, tags=tags)
+
+def stress(session: nox.Session, backend: str, env: dict[str, str] | None = None) -> None:
+    steps = STRESS_STEPS.get(backend, 2000)
+    session.run("kvhal", "stress", "--backend", backend, "--steps", str(steps), "--json", silent=True, env=env)
+    session.log(f"kvhal stress --backend {backend} --steps {steps}: no token lost")
+
+
+def _make_backend_session(variant: kvhal_tables.Variant) -> None:
+    @nox.session(name=variant.session, tags=list(variant.tags))
     def _session(session: nox.Session) -> None:
-        session.install("-e", ".[test,bench]", "-e", table["dir"], *spec.get("requires", []))
+        session.install("-e", ".[test,bench]", "-e", variant.dir, *variant.requires)
         # the probe runs in the session's venv: a backend absent here skips with its reason
-        require_backend(session, session_name, backend, env)
-        tests = [p for p in (f"{table['dir']}/tests", f"tests/{backend}") if (ROOT / p).is_dir()]
+        require_backend(session, variant.session, variant.backend, variant.env)
+        tests = [p for p in (f"{variant.dir}/tests", f"tests/{variant.backend}") if (ROOT / p).is_dir()]
         session.run("pytest", "tests/contract", *tests, *pytest_args(session),
-                    env={**env, "KVHAL_TEST_BACKENDS": backend, "KVHAL_STRICT": "1"})
+                    env={**variant.env, "KVHAL_TEST_BACKENDS": variant.backend, "KVHAL_STRICT": "1"})
+        stress(session, variant.backend, variant.env)
 
-    _session.__doc__ = f"tests/contract on the {backend} backend ({table['dir']})"
+    _session.__doc__ = f"tests/contract on the {variant.backend} backend ({variant.dir})"
 
 
-for _name, _table in backend_table().items():
-    variants = _table.get("variants") or {_name: []}
-    for _variant, _spec in variants.items():
-        _make_backend_session(f"test-{_variant}", _name, _table, _spec)
+for _variant in kvhal_tables.variants():
+    _make_backend_session(_variant)
 
 
 @nox.session(tags=["lint"])
@@ -104,24 +99,29 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
+# kvhal bench's figures: decode at 4k/16k/32k, prefill (512 queries over 4k and 16k, causal) and load,
+# for the quantized formats and f16/bf16, against PyTorch SDPA f32/bf16 and the measured read bandwidth
+BENCH = ["--format", "q8_0", "--format", "q4_0", "--format", "f16", "--format", "bf16", "--repeats", "7"]
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """kvhal bench on the host backends with PyTorch SDPA as the baseline (docs/benchmarks.md).
-
-    Default: the cpu backend's decode figures of issue 5; pass your own arguments after ``--``.
-    """
-    host = [t["dir"] for t in backend_table().values() if "cpu" in t.get("tags", ["cpu"])]
+    """kvhal bench on the cpu backend against PyTorch SDPA (docs/benchmarks.md); other arguments after ``--``."""
+    host = [b.dir for b in kvhal_tables.backends() if "cpu" in b.tags]
     session.install("-e", ".[bench]", TORCH, *[a for d in host for a in ("-e", d)])
-    default = ["--backend", "cpu", "--format", "q8_0", "--format", "q4_0", "--repeats", "7", "-o", "bench.json"]
+    default = ["--backend", "cpu", *BENCH, "-o", "bench.json"]
     session.run("kvhal", "bench", *(session.posargs or default))
 
 
-# ==== GPU kernels, wheels (owner: the gpu branch; appended, the sessions above are untouched) ==========
+# GPU kernels and wheels:
 # compile-cuda13 / compile-cuda12 / compile-rocm: backends/cuda/build_kernels.py writes
-#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors.
+#   backends/cuda/kvhal_cuda/prebuilt/<target>/ (cubins/PTX/code objects + manifest.json), warnings are errors;
+#   it imports kvhal (the kernels' constants are generated from its format registry), so each installs it.
 # test-cuda-host: the cuda backend's CPU tests plus tests/contract on kvhal.cu under the CPU SIMT emulator.
 # test-rocm: tests/contract on the rocm entry point (skips without a ROCm GPU, fails with --strict).
+# bench-cuda13 / bench-cuda12: kvhal bench on the GPU, bandwidth fractions of the measured HBM read bandwidth.
 # wheels: every row of wheels/variants.toml into dist/, then each wheel installed in a fresh venv runs `kvhal info`.
+# ci/gpu-check.sh runs the GPU rows in one command on a bare machine with an NVIDIA GPU.
 
 CUDA_DIR = "backends/cuda"
 NVRTC12 = ["nvidia-cuda-nvrtc-cu12==12.9.*", "nvidia-cuda-runtime-cu12==12.9.*"]
@@ -129,6 +129,7 @@ COMPILE_MISSING = 3  # build_kernels.py: the target's compiler is not installed
 
 
 def _compile(session: nox.Session, target: str, *extra: str) -> None:
+    session.install("-e", ".")
     out = session.run("python", f"{CUDA_DIR}/build_kernels.py", target, *extra,
                       success_codes=[0, COMPILE_MISSING], silent=True)
     text = str(out).strip()
@@ -162,11 +163,10 @@ def compile_rocm(session: nox.Session) -> None:
 @nox.session(name="test-cuda-host", tags=["cpu"])
 def test_cuda_host(session: nox.Session) -> None:
     """The cuda backend without a GPU: host logic, probe, and kvhal.cu (emulated) against the contract."""
-    session.install("-e", ".[test]", "-e", CUDA_DIR)
-    env = {"PYTHONPATH": f"{CUDA_DIR}/tests", "KVHAL_STRICT": "1"}
+    session.install("-e", ".[test]", "-e", CUDA_DIR, "-e", f"{CUDA_DIR}/tests")  # the last: backend cuda-emu
+    env = {"KVHAL_STRICT": "1"}
     session.run("pytest", f"{CUDA_DIR}/tests", *pytest_args(session), env=env)
-    session.run("pytest", "-p", "cuda_emu_plugin", "tests/contract", *pytest_args(session),
-                env={**env, "KVHAL_TEST_BACKENDS": "cuda-emu"})
+    session.run("pytest", "tests/contract", *pytest_args(session), env={**env, "KVHAL_TEST_BACKENDS": "cuda-emu"})
 
 
 @nox.session(name="test-rocm", tags=["gpu"])
@@ -178,9 +178,14 @@ def test_rocm(session: nox.Session) -> None:
                 env={"KVHAL_TEST_BACKENDS": "rocm", "KVHAL_STRICT": "1", "PYTHONPATH": f"{CUDA_DIR}/tests"})
 
 
+GPU_CONTEXTS = ["--contexts", "4096,16384,32768,65536,131072"]
+
+
 def _bench_cuda(session: nox.Session, variant: str) -> None:
-    session.install("-e", ".[bench]", TORCH, "-e", f"{CUDA_DIR}[{variant}]")
-    session.run("kvhal", "bench", "--backend", "cuda", *(session.posargs or ["--json", f"bench-{variant}.json"]))
+    # no torch: the CUDA build is gigabytes and only adds SDPA ratios; the bandwidth fractions are the figure
+    session.install("-e", ".[bench]", "-e", f"{CUDA_DIR}[{variant}]")
+    session.run("kvhal", "bench", "--backend", "cuda", *GPU_CONTEXTS,
+                *(session.posargs or ["-o", f"bench-{variant}.json"]))
 
 
 @nox.session(name="bench-cuda13", tags=["gpu"])
@@ -202,11 +207,11 @@ def wheels(session: nox.Session) -> None:
     Prebuilt kernels are compiled first unless backends/cuda/kvhal_cuda/prebuilt/* already matches the source.
     ``-- --strict``: a missing backend source dir or compiled artifact is an error instead of a skipped row.
     """
-    session.install("build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
+    session.install("-e", ".", "build", "hatchling>=1.20", "setuptools>=68", "wheel>=0.40", "tomli-w", *NVRTC12)
     for target in ("cuda13", "cuda12", "rocm"):
         session.run("python", f"{CUDA_DIR}/build_kernels.py", target, "--reuse",
                     success_codes=[0, COMPILE_MISSING])
-    # only `-- --strict`, not KVHAL_STRICT: a backend dir another branch has not merged yet is not a missing device
+    # only `-- --strict`, not KVHAL_STRICT: a wheel whose source dir is absent is not a missing device
     args = ["--strict"] if "--strict" in session.posargs else []
     session.run("python", "wheels/build.py", *args, *pytest_args(session))
     session.run("python", "wheels/build.py", "--smoke", *args)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the Debian packages the backends declare ([tool.kvhal] apt in backends/*/pyproject.toml).
+# Install the Debian packages the tests need: the union of [tool.kvhal] apt in pyproject.toml and
+# backends/*/pyproject.toml (ci/apt_packages.py). Packages already installed are not touched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=$(python3 ci/apt_packages.py)

@@ -2,24 +2,25 @@
 
     python ci/matrix.py --write    # regenerate ci/workflow.yml
     python ci/matrix.py --check    # fail if ci/workflow.yml is stale (a CPU job runs this)
-    python ci/matrix.py --cpu      # the CPU rows present in this checkout, in order (ci/cpu_sessions.py)
+    python ci/matrix.py --cpu      # the CPU rows, in order (ci/test.sh runs them)
 
-Hardware rows pass ``-- --strict``: a runner whose device is missing fails instead of skipping.
+The backend rows come from the ``[tool.kvhal]`` tables (ci/kvhal_tables.py): every cpu-tagged variant
+is a CPU row; a variant without the cpu tag must have a self-hosted runner in RUNNERS. Hardware rows
+pass ``-- --strict``: a runner whose device is missing fails instead of skipping.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import kvhal_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "ci" / "workflow.yml"
 CPU = "ubuntu-latest"
-# every backend the project ships; the CPU test rows of those not in this checkout are still in the workflow
-BACKENDS = ["cpu", "arm", "opencl", "openvino", "vulkan", "ascend", "cuda"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Row:
     downloads: tuple[tuple[str, str], ...] = ()  # (artifact, path)
     container: str = ""
     note: str = ""
-    args: str = ""  # posargs instead of --strict (bench takes kvhal bench's own)
+    args: str = ""  # posargs instead of --strict (a bench session takes kvhal bench's own)
 
     @property
     def strict(self) -> bool:
@@ -50,16 +51,28 @@ class Row:
 PREBUILT = "backends/cuda/kvhal_cuda/prebuilt"
 # CUDA 13's nvcc is not on hosted runners: compile-cuda13 runs in NVIDIA's devel image
 CUDA13_IMAGE = "nvidia/cuda:13.0.0-devel-ubuntu24.04"
+COMPILE = ("cuda13", "cuda12", "rocm")
 
-HARDWARE = [
+# the sessions of noxfile.py that are not a backend's test-<variant>
+FIXED_CPU = [
+    Row("compile-cuda13", CPU, uploads=f"{PREBUILT}/cuda13", container=CUDA13_IMAGE),
+    Row("compile-cuda12", CPU, uploads=f"{PREBUILT}/cuda12"),
+    Row("compile-rocm", CPU, uploads=f"{PREBUILT}/rocm"),
+    Row("test-cuda-host", CPU),
+    Row("wheels", CPU, needs=tuple(f"compile-{t}" for t in COMPILE),
+        downloads=tuple((f"compile-{t}", f"{PREBUILT}/{t}") for t in COMPILE)),
+]  # fmt: skip
+
+# self-hosted runners by label: which sessions each runs (a session may run on several)
+RUNNERS = [
     Row("test-cuda12", "nvidia-cuda12", note="Volta..Hopper with a CUDA 12 driver, cupy-cuda12x"),
     Row("test-cuda13", "nvidia-cuda13", note="Turing..Blackwell with a CUDA 13 driver, cupy-cuda13x"),
     Row(
-        "bench",
+        "bench-cuda13",
         "nvidia-cuda13",
-        args="--backend cuda -o bench-cuda13.json",
+        args="-o bench-cuda13.json",
         uploads="bench-cuda13.json",
-        note="kvhal bench on the GPU: GB/s against its bandwidth (KVHAL_STRICT: no silent CPU run)",
+        note="kvhal bench on the GPU: GB/s against its measured HBM bandwidth",
     ),
     Row("test-rocm", "amd-rocm", note="MI200/MI300 or RDNA2 with ROCm 7 and cupy-rocm-7-0"),
     Row("test-openvino", "intel-gpu", env={"KVHAL_OPENVINO_DEVICE": "GPU"}, note="OpenVINO on the Intel GPU"),
@@ -68,40 +81,29 @@ HARDWARE = [
     Row("test-arm", "arm64", note="onnxruntime with KleidiAI active"),
     Row("test-cpu", "arm64", note="the NEON kernels"),
 ]
+FIXED_HARDWARE = {"test-rocm", "bench-cuda13", "bench-cuda12"}
 
 
-def backend_sessions(only_present: bool) -> list[str]:
-    """test-<variant> of every cpu-tagged backend, as noxfile.py generates them."""
-    out = []
-    names = sorted(
-        {p.parent.name for p in ROOT.glob("backends/*/pyproject.toml")} | set(() if only_present else BACKENDS)
-    )
-    for name in names:
-        pp = ROOT / "backends" / name / "pyproject.toml"
-        table = tomllib.loads(pp.read_text()).get("tool", {}).get("kvhal", {}) if pp.is_file() else {"tags": ["cpu"]}
-        if name == "cuda":
-            continue  # cuda's test rows are hardware rows; test-cuda-host is its CPU row
-        for variant, spec in (table.get("variants") or {name: []}).items():
-            tags = (
-                spec.get("tags", table.get("tags", ["cpu"])) if isinstance(spec, dict) else table.get("tags", ["cpu"])
-            )
-            if "cpu" in tags:
-                out.append(f"test-{variant}")
-    return out
+def cpu_rows(root: Path = ROOT) -> list[Row]:
+    """lint, test-reference, every cpu-tagged variant's test-<variant>, then the GPU build rows that need no GPU."""
+    variants = [Row(v.session, CPU) for v in kvhal_tables.variants(root) if "cpu" in v.tags]
+    return [Row("lint", CPU), Row("test-reference", CPU), *variants, *FIXED_CPU]
 
 
-def cpu_rows(only_present: bool = False) -> list[Row]:
-    rows = [Row("lint", CPU), Row("test-reference", CPU)]
-    rows += [Row(s, CPU) for s in backend_sessions(only_present)]
-    rows += [
-        Row("compile-cuda13", CPU, uploads=f"{PREBUILT}/cuda13", container=CUDA13_IMAGE),
-        Row("compile-cuda12", CPU, uploads=f"{PREBUILT}/cuda12"),
-        Row("compile-rocm", CPU, uploads=f"{PREBUILT}/rocm"),
-        Row("test-cuda-host", CPU),
-        Row("wheels", CPU, needs=("compile-cuda13", "compile-cuda12", "compile-rocm"),
-            downloads=tuple((f"compile-{t}", f"{PREBUILT}/{t}") for t in ("cuda13", "cuda12", "rocm"))),
-    ]  # fmt: skip
-    return rows
+def hardware_rows(root: Path = ROOT) -> list[Row]:
+    """RUNNERS, checked against the tables: each names a real session, each non-cpu variant has a runner."""
+    variants = kvhal_tables.variants(root)
+    problems = []
+    unknown = [r.session for r in RUNNERS if r.session not in {v.session for v in variants} | FIXED_HARDWARE]
+    if unknown:
+        problems.append(f"RUNNERS names sessions no [tool.kvhal] table makes: {unknown}")
+    covered = {r.session for r in RUNNERS}
+    orphans = [v.session for v in variants if "cpu" not in v.tags and v.session not in covered]
+    if orphans:
+        problems.append(f"{orphans} need hardware (no cpu tag) but no runner in RUNNERS runs them")
+    if problems:
+        raise SystemExit("ci/matrix.py: " + "; ".join(problems))
+    return RUNNERS
 
 
 def workflow() -> str:
@@ -122,7 +124,7 @@ def workflow() -> str:
         "        with: {python-version: '3.11'}",
         "      - run: python ci/matrix.py --check",
     ]
-    for r in [*cpu_rows(), *HARDWARE]:
+    for r in [*cpu_rows(), *hardware_rows()]:
         lines += ["", f"  {r.job}:"]
         if r.note:
             lines.append(f"    # {r.note}")
@@ -144,9 +146,7 @@ def workflow() -> str:
             lines += ["      - uses: actions/setup-python@v5", "        with: {python-version: '3.11'}"]
             py = "python"
         if r.runner == CPU and not r.container:
-            lines.append(
-                "      - run: pkgs=$(python ci/apt_packages.py); sudo apt-get update -qq && sudo apt-get install -y -qq $pkgs"
-            )
+            lines.append("      - run: bash ci/apt.sh")
         for art, path in r.downloads:
             lines += ["      - uses: actions/download-artifact@v4", f"        with: {{name: {art}, path: {path}}}"]
         lines.append(
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--cpu", action="store_true")
     args = ap.parse_args(argv)
     if args.cpu:
-        sys.stdout.write(" ".join(r.session for r in cpu_rows(only_present=True)) + "\n")
+        sys.stdout.write(" ".join(r.session for r in cpu_rows()) + "\n")
     elif args.write:
         WORKFLOW.write_text(workflow())
     elif WORKFLOW.read_text() != workflow():

@@ -9,7 +9,7 @@ bash ci/apt.sh
 python3 -m venv .nox-runner
 .nox-runner/bin/python -m pip install -q --upgrade "nox>=2024.4"
 export KVHAL_STRICT=1  # a CPU row whose backend cannot run here is a failure, not a skip
-sessions=$(.nox-runner/bin/python ci/cpu_sessions.py)
+sessions=$(.nox-runner/bin/python ci/matrix.py --cpu)
 echo "ci: sessions: $sessions"
 passed=0 failed=0
 for s in $sessions; do

@@ -7,22 +7,28 @@ that backend is first used.
 from __future__ import annotations
 
 from . import formats
-from .backend import Backend, LayerPools, Probe
+from .backend import Backend, HostPoolsBackend, Pools, Probe
 from .cache import CacheStats, KVCache
 from .errors import (
     BackendUnavailableError,
     CapacityError,
     DTypeError,
+    FingerprintMismatchError,
     FormatError,
     KVHalError,
     NonFiniteError,
+    PlanError,
     PositionError,
     SequenceError,
     ShapeError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotVersionError,
     SpecError,
     TierError,
     UnsupportedError,
 )
+from .fingerprint import Fingerprint
 from .interop import to_numpy
 from .registry import BackendInfo, backends
 from .spec import CacheSpec
@@ -37,15 +43,22 @@ __all__ = [
     "CacheStats",
     "CapacityError",
     "DTypeError",
+    "Fingerprint",
+    "FingerprintMismatchError",
     "FormatError",
     "KVCache",
     "KVHalError",
-    "LayerPools",
+    "HostPoolsBackend",
+    "Pools",
     "NonFiniteError",
+    "PlanError",
     "PositionError",
     "Probe",
     "SequenceError",
     "ShapeError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotVersionError",
     "SpecError",
     "TierError",
     "UnsupportedError",

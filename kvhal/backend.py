@@ -1,25 +1,28 @@
-"""The backend interface (DESIGN.md §4). A backend sees pools, slots and block tables, never sequences.
+"""The backend interface, version 2. A backend sees pools, slots and block tables, never sequences.
+
+One backend instance serves any number of caches at once: everything of one cache lives in the
+``Pools`` object that ``allocate`` returns (its spec, its block count, each layer's device arrays and
+whatever per-cache state the backend needs), never on the instance.
 
 Conventions every backend follows, so pools are byte-identical everywhere:
 
 * pool layout: ``CacheSpec.pool_shape`` — ``[n_blocks, n_kv_heads, block_size, row_bytes]`` uint8,
-  each row one token of one head in the format's ggml byte layout;
+  each row one token of one head in the format's byte layout;
 * a slot is ``block_id * block_size + offset``;
 * ``attention`` gets host int32 arrays: ``block_table [n_seqs, max_blocks]`` (padded with -1),
   ``seq_lens [n_seqs]`` (KV tokens per sequence) and ``q_lens [n_seqs]``; query ``i`` of a sequence
-  sits at position ``seq_len - q_len + i``, sees KV position ``j`` iff ``j <= pos`` (when causal) and
+  sits at position ``seq_len - q_len + i`` and sees KV position ``j`` iff ``j <= pos`` (when causal) and
   ``j > pos - window`` (when a window is given); query head ``h`` reads KV head
-  ``h // (n_heads // n_kv_heads)``.
-
-``copy_slots`` is a kvhal addition to the seven methods of DESIGN.md §4: copy-on-write and sequence
-compaction must copy quantized rows byte for byte (re-quantizing would drift), and only the
-backend can touch its device memory.
+  ``h // (n_heads // n_kv_heads)`` (``kvhal.backend_util.visible_range`` computes this once);
+* raw block I/O (``read_blocks``/``write_blocks``) moves whole blocks of all layers as
+  ``CacheSpec.block_nbytes`` bytes each: for every layer in order, the K page
+  ``[n_kv_heads, block_size, k_row_bytes]`` then the V page. Every backend produces the same bytes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -33,60 +36,75 @@ OPS: tuple[Op, ...] = ("store", "load", "attention")
 
 @dataclass(frozen=True)
 class Probe:
-    """What a backend says of this machine: higher score wins ``backend="auto"``."""
+    """What a backend says of this machine. ``score`` None: unusable here, and ``reason`` says why;
+    otherwise the highest score wins ``backend="auto"`` and ``reason`` describes the device."""
 
-    score: int
+    score: int | None
     reason: str
     device: str = ""
 
+    @property
+    def available(self) -> bool:
+        return self.score is not None
+
 
 @dataclass
-class LayerPools:
-    """One layer's K and V pools in the backend's native array type."""
+class Pools:
+    """One cache's storage on a backend: the spec, the block count, and per-layer K and V pools in the
+    backend's native array type. ``state`` is the backend's own per-cache data (compiled kernels,
+    buffers sized for this spec); nothing of a cache is kept on the backend instance."""
 
-    k: Any
-    v: Any
-    nbytes: int  # bytes really allocated for k + v
+    spec: CacheSpec
+    n_blocks: int
+    k: list[Any]
+    v: list[Any]
+    nbytes: int  # bytes really allocated for every k and v pool
+    state: Any = field(default=None, repr=False)
 
 
 class Backend(ABC):
     name: ClassVar[str]
-    formats: ClassVar[frozenset[str]]  # formats it runs for every op (override supports() if ops differ)
+    formats: ClassVar[frozenset[str]]  # formats it runs for every op
     # max |attention - float64 oracle on the dequantized K/V|, for unit-scale inputs; the contract
     # suite holds each backend to its own declared figure
     attention_tolerance: float = 1e-4  # an instance may set its own (e.g. per device precision)
 
     @classmethod
     @abstractmethod
-    def probe(cls) -> Probe | None:
-        """Cheap check of this machine; imports nothing heavy. None means "not here"."""
+    def probe(cls) -> Probe:
+        """Cheap check of this machine; imports nothing heavy. Says why in ``reason`` either way."""
 
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """Why probe() returned None; backends override with specifics."""
-        return "its probe found no usable device"
+    def supports(self, spec: CacheSpec, op: Op) -> str | None:
+        """None when this backend runs ``op`` for ``spec``, else the reason it refuses.
 
-    @classmethod
-    def supports(cls, fmt: str, op: Op) -> bool:
-        return fmt in cls.formats and op in OPS
+        The base checks the formats; backends extend it with their device limits (head_dim, block
+        size, workgroup memory, ...), so ``backend="auto"`` and ``kvhal info --spec`` see every refusal
+        before anything is allocated."""
+        if op not in OPS:
+            return f"unknown op {op!r} (one of {', '.join(OPS)})"
+        for which, fmt in (("K", spec.k_format), ("V", spec.v_format)):
+            if fmt not in self.formats:
+                return f"does not run format {fmt} ({which}); it runs {', '.join(sorted(self.formats))}"
+        return None
 
     @abstractmethod
-    def allocate(self, spec: CacheSpec, n_blocks: int) -> list[LayerPools]:
-        """Zero-filled K and V pools for every layer."""
+    def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
+        """Zero-filled K and V pools for every layer of one cache."""
 
     @abstractmethod
-    def store(self, pools: LayerPools, k: Any, v: Any, slots: np.ndarray) -> None:
+    def store(self, pools: Pools, layer: int, k: Any, v: Any, slots: np.ndarray) -> None:
         """Quantize ``k``/``v`` ``[n, n_kv_heads, head_dim]`` and write token i into ``slots[i]``."""
 
     @abstractmethod
-    def load(self, pools: LayerPools, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
+    def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
         """The first ``n`` tokens of the pages ``block_ids``, dequantized: ``[n, n_kv_heads, head_dim]`` f32."""
 
     @abstractmethod
     def attention(
         self,
         q: Any,
-        pools: LayerPools,
+        pools: Pools,
+        layer: int,
         block_table: np.ndarray,
         seq_lens: np.ndarray,
         q_lens: np.ndarray,
@@ -97,8 +115,56 @@ class Backend(ABC):
         """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over the quantized pages; f32, q's shape."""
 
     @abstractmethod
-    def copy_slots(self, pools: LayerPools, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy the stored bytes of ``src`` slots into ``dst`` slots (gather all, then scatter)."""
+    def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the stored bytes of ``src`` slots into ``dst`` slots at ``layer`` (gather all, then scatter)."""
+
+    @abstractmethod
+    def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
+        """The raw bytes of whole blocks, all layers: host uint8 ``[len(block_ids), spec.block_nbytes]``."""
+
+    @abstractmethod
+    def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
+        """Write ``data`` (as ``read_blocks`` returns it) into the blocks ``block_ids``, all layers."""
+
+    def attention_mass(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+        tail: int,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per sequence, the attention weight each key received from all queries and from the last
+        ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
+        The default works on every backend (float64 over ``load``); a backend may fuse it."""
+        from .backend_util import attention_mass
+
+        args = (q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, tail)
+        return attention_mass(self, *args)
+
+    def attention_lse(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``attention`` plus each row's log-sum-exp of its scores (host f32 ``[n_q, H, D]``, f64 ``[n_q, H]``):
+        what block streaming merges. The default works on every backend (float64 over ``load``); a backend
+        may return it from its kernel."""
+        from .backend_util import attention_lse
+
+        return attention_lse(self, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window)
 
     def synchronize(self) -> None:
         """Wait for queued device work; host backends have none."""
@@ -106,9 +172,10 @@ class Backend(ABC):
     # -- array interop; device backends override ------------------------------------------------------
 
     def __init__(self, **options: Any) -> None:
-        """Backends with options (device, provider list, ...) take them here; others take none."""
-        if options:
-            raise TypeError(f"backend {self.name!r} takes no options, got {sorted(options)}")
+        """Backends with options (device, threads, ...) parse them with ``backend_util.parse_options``."""
+        from .backend_util import parse_options
+
+        parse_options(self.name, options, ())
 
     def asarray(self, x: Any, what: str) -> Any:
         """Take a DLPack-capable array (or array-like) as this backend's native f32/f16 array."""
@@ -124,3 +191,34 @@ class Backend(ABC):
     def check_values(self, fmt: Format, x: Any) -> None:
         """Raise NonFiniteError when ``x`` holds what ``fmt`` cannot store (before anything is written)."""
         fmt.check_values(self.to_numpy(x))
+
+
+class HostPoolsBackend(Backend):
+    """Shared pieces of backends whose pools are host numpy arrays in the common layout."""
+
+    def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
+        k = [np.zeros(spec.pool_shape(n_blocks, "k"), np.uint8) for _ in range(spec.n_layers)]
+        v = [np.zeros(spec.pool_shape(n_blocks, "v"), np.uint8) for _ in range(spec.n_layers)]
+        return Pools(spec, n_blocks, k, v, sum(a.nbytes for a in k + v))
+
+    def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
+        bs = pools.spec.block_size
+        for pool in (pools.k[layer], pools.v[layer]):
+            pool[dst // bs, :, dst % bs, :] = pool[src // bs, :, src % bs, :]
+
+    def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
+        from .backend_util import check_block_ids, pages_to_blocks
+
+        block_ids = check_block_ids(pools.n_blocks, block_ids)
+        # np.take gathers whole pages ~3x faster than fancy indexing
+        pages = [(np.take(k, block_ids, axis=0), np.take(v, block_ids, axis=0)) for k, v in zip(pools.k, pools.v)]
+        return pages_to_blocks(pools.spec, pages)
+
+    def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
+        from .backend_util import blocks_to_pages, check_block_ids
+
+        pages = blocks_to_pages(pools.spec, data)
+        block_ids = check_block_ids(pools.n_blocks, block_ids, len(data))
+        for layer, (k, v) in enumerate(pages):
+            pools.k[layer][block_ids] = k
+            pools.v[layer][block_ids] = v

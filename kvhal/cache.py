@@ -12,6 +12,7 @@ anything, so a call that raises leaves the cache as it was.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,8 +21,16 @@ import numpy as np
 
 from . import registry
 from .backend import Backend
-from .errors import CapacityError, PositionError, SequenceError, ShapeError, SpecError
+from .blocks import BlockAllocator
+from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
+from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
+from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .spec import CacheSpec
+
+
+def _is_int(x: Any) -> bool:
+    """A real integer: int or numpy integer, never a bool (True is not layer 1) nor an integral float."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,24 @@ class CacheStats:
     v_bytes: int
     bytes_allocated: int  # what the backend reports for its pools
     bytes_per_token: int  # K+V over all layers and heads
+    stream_arena_blocks: int = 0  # blocks set aside for streaming offloaded sequences (counted as used)
+    offloaded_tokens: int = 0  # tokens of offloaded sequences held in host memory
+    blocks_cached: int = 0  # blocks carrying a prefix hash (held or free)
+    blocks_cached_free: int = 0  # free blocks still matchable (counted in blocks_free too)
+    prefix_queries: int = 0  # match_prefix calls
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_miss_blocks: int = 0
+    prefix_recomputed_tokens: int = 0  # tokens of those queries the caller had to store again
+    prefix_evicted_blocks: int = 0  # cached blocks whose space was reused
+    prefix_invalidated_blocks: int = 0  # hashed blocks rewritten in place by their only holder
+    tier_hit_blocks: int = 0  # blocks match_prefix pulled back from the tiers
+    tier_written_blocks: int = 0  # cached blocks written down to a tier (on eviction or write-through)
+    tier_unwritten_blocks: int = 0  # evicted cached blocks no tier took (their content is recomputed later)
+    evictions: int = 0  # evict() calls and full-cache evictions that dropped tokens
+    evicted_tokens_called: int = 0  # tokens dropped by evict()
+    evicted_tokens_on_full: int = 0  # tokens dropped because a store found no free block
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +77,25 @@ class CacheStats:
 class _Seq:
     blocks: list[int]
     lens: list[int]  # tokens stored per layer
-    extra: dict[str, Any] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)  # token ids of positions 0.. (append_tokens)
+    hashes: list[bytes] = field(default_factory=list)  # chain of the leading full, fully stored blocks
+    extra: bytes = bytes(32)  # digest of the sequence's extra keys (tenant, LoRA)
+    # blocks at or past this index hold rows moved from other positions (a middle seq_rm, a copy
+    # from an offset): they are not what a prefill of their tokens stores, so they never get a hash
+    sealable: int | None = None
+    # attention mass per layer (observe=True): [n_kv_heads, positions] float64, all queries / last window
+    # block streaming: the first ``base`` positions (whole blocks) live in host memory, raw block layout
+    base: int = 0
+    host: np.ndarray | None = field(default=None, repr=False)
+    mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def keep_mass(self, columns: np.ndarray) -> None:
+        """Positions moved (removed, compacted): the observed mass follows its keys (ascending old positions)."""
+        for d in (self.mass, self.window_mass):
+            for layer, m in d.items():
+                d[layer] = m[:, columns[columns < m.shape[1]]]
+
     _table: np.ndarray | None = field(default=None, repr=False)
 
     def table(self) -> np.ndarray:
@@ -73,32 +118,206 @@ class KVCache:
         *,
         allow_fallback: bool = False,
         backend_options: dict[str, Any] | None = None,
+        fingerprint: Fingerprint | None = None,
+        on_full: str | EvictOnFull = "prefix_lru",
+        on_evict: OnEvict | None = None,
+        observe_window: int = 32,
+        tiers: Sequence[Any] | None = None,
+        write_through: bool = False,
+        stream_arena_tokens: int = 0,
     ) -> None:
+        """``on_full``: what a store does when no block is free. "prefix_lru" (default): free blocks
+        that still hold cached prefixes are reused, least recently released first (counted in
+        ``stats().prefix_evicted_blocks``), then ``CapacityError``; "raise": cached prefixes are never
+        reused by a store (``CapacityError`` instead); ``EvictOnFull(policy, keep_tokens)``: as
+        "prefix_lru", then the longest sequence is evicted with ``policy``. ``on_evict`` is called with
+        every ``EvictionResult``. ``observe_window``: the queries ``attention(observe=True)`` keeps
+        apart for ``SnapKV``. ``tiers`` (``kvhal.tiers``: HostTier, DiskTier, RedisTier, in lookup order):
+        a cached block whose space is reused is written down to the first tier that takes it
+        (``write_through``: as soon as it gets its hash), and ``match_prefix`` continues its lookup in
+        each tier, pulling hits back into the pools. ``stream_arena_tokens``: device blocks set aside (beyond
+        ``capacity_tokens``) through which ``attention`` streams the host-resident part of sequences moved
+        out with ``offload``, so a sequence may be far longer than the pools."""
         if not isinstance(spec, CacheSpec):
             raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
-        if not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
+        if not _is_int(capacity_tokens) or capacity_tokens <= 0:
             raise SpecError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
+        if not isinstance(allow_fallback, bool):
+            raise SpecError(f"allow_fallback must be a bool, got {allow_fallback!r}")
+        if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
+            raise SpecError(f"fingerprint must be a kvhal.Fingerprint, got {type(fingerprint).__name__}")
         self.spec = spec
-        fmts = sorted({spec.k_format, spec.v_format})
-        if isinstance(backend, Backend):
-            self.backend = backend
-        else:
-            cls = registry.resolve(backend, fmts, allow_fallback)
-            self.backend = cls(**(backend_options or {}))
-        self.n_blocks = math.ceil(capacity_tokens / spec.block_size)
+        self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
+        self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
+        self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
+        if not _is_int(stream_arena_tokens) or stream_arena_tokens < 0:
+            raise SpecError(f"stream_arena_tokens must be an int >= 0, got {stream_arena_tokens!r}")
+        arena = math.ceil(int(stream_arena_tokens) / spec.block_size)
+        self.n_blocks = math.ceil(int(capacity_tokens) / spec.block_size) + arena
+        if not (on_full in ("prefix_lru", "raise") or isinstance(on_full, EvictOnFull)):
+            raise SpecError(f"on_full must be 'prefix_lru', 'raise' or a kvhal.eviction.EvictOnFull, got {on_full!r}")
+        if on_evict is not None and not callable(on_evict):
+            raise SpecError(f"on_evict must be callable or None, got {type(on_evict).__name__}")
+        if not _is_int(observe_window) or observe_window < 1:
+            raise SpecError(f"observe_window must be a positive int, got {observe_window!r}")
+        self.on_full, self.on_evict, self.observe_window = on_full, on_evict, int(observe_window)
+        self.tiers = self._check_tiers(tiers)
+        if not isinstance(write_through, bool):
+            raise SpecError(f"write_through must be a bool, got {write_through!r}")
+        if write_through and not self.tiers:
+            raise SpecError("write_through=True needs tiers=[...] to write to")
+        self.write_through = write_through
+        self._tier_counts = {"hit": 0, "written": 0, "unwritten": 0}
+        self._evicted = {"evict": 0, "on_full": 0, "n": 0}
         self.pools = self.backend.allocate(spec, self.n_blocks)
-        self._ref = np.zeros(self.n_blocks, np.int32)
-        self._free = list(range(self.n_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._blocks = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
+        self._arena = self._blocks.alloc(arena)  # never released: the streaming window
+        if self.tiers:
+            self._blocks.on_evict = self._write_down
+        self._ref = self._blocks.ref
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
 
     # -- sequences -----------------------------------------------------------------------------------
 
-    def new_seq(self) -> int:
+    def new_seq(self, extra: dict[str, Any] | None = None) -> int:
+        """A new empty sequence. ``extra`` keys (LoRA id, cache salt) enter its block hashes, so
+        sequences with different extra keys never share cached blocks."""
+        return self._add_seq(_Seq([], [0] * self.spec.n_layers, extra=extra_digest(extra)))
+
+    def _add_seq(self, s: _Seq) -> int:
         sid = self._next_id
         self._next_id += 1
-        self._seqs[sid] = _Seq([], [0] * self.spec.n_layers)
+        self._seqs[sid] = s
         return sid
+
+    # -- token ids and the prefix cache --------------------------------------------------------------
+
+    def append_tokens(self, seq: int, token_ids: Any) -> None:
+        """Record the token ids of ``seq``'s next positions (before or after their layers are stored).
+
+        A full block whose token ids are known and whose every layer is stored gets its hash and
+        becomes matchable by ``match_prefix``."""
+        s = self._seq(seq)
+        ids = _token_ids(token_ids)
+        s.tokens.extend(ids)
+        self._seal(s)
+
+    def tokens(self, seq: int) -> list[int]:
+        """The token ids recorded for ``seq``."""
+        return list(self._seq(seq).tokens)
+
+    def match_prefix(self, token_ids: Any, extra: dict[str, Any] | None = None) -> tuple[int, int]:
+        """A new sequence sharing the longest cached prefix of ``token_ids``, and its token count.
+
+        Only whole blocks are shared, and at most ``len(token_ids) - 1`` tokens, so the caller always
+        computes the last token (its logits are needed). The new sequence holds the matched tokens'
+        ids; the caller appends and stores the rest."""
+        ids = _token_ids(token_ids)
+        ex = extra_digest(extra)
+        bs = self.spec.block_size
+        usable = max(len(ids) - 1, 0) // bs
+        chain = hash_chain(self.root_hash, ids[: usable * bs], bs, ex)
+        blocks = self._blocks.lookup(chain)
+        for b in blocks:
+            self._blocks.acquire(b)
+        if self.tiers and len(blocks) < len(chain):
+            blocks += self._pull(chain[len(blocks) :])
+        n = len(blocks) * bs
+        c = self._blocks.counters
+        c.queries += 1
+        c.query_tokens += len(ids)
+        c.hit_tokens += n
+        c.hit_blocks += len(blocks)
+        c.miss_blocks += len(ids) // bs - len(blocks)
+        c.recomputed_tokens += len(ids) - n
+        t = _Seq(list(blocks), [n] * self.spec.n_layers, tokens=ids[:n], hashes=chain[: len(blocks)], extra=ex)
+        return self._add_seq(t), n
+
+    # -- tiers ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_tiers(tiers: Sequence[Any] | None) -> list[Any]:
+        if tiers is None:
+            return []
+        from .tiers import Tier
+
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence):
+            raise SpecError(f"tiers must be a list of kvhal.tiers tiers, got {type(tiers).__name__}")
+        for i, t in enumerate(tiers):
+            if not isinstance(t, Tier):
+                raise SpecError(f"tiers[{i}] is a {type(t).__name__}, not a kvhal.tiers.Tier (HostTier, DiskTier, ...)")
+        return list(tiers)
+
+    def _keys(self, hashes: list[bytes]) -> list[Any]:
+        from .tiers import BlockKey
+
+        return [BlockKey(self.root_hash, h) for h in hashes]
+
+    def _put_down(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Write blocks to the first tier that takes each (tiers never raise for a store's failure)."""
+        data = self.backend.read_blocks(self.pools, np.asarray(blocks, np.int64))
+        keys = self._keys(hashes)
+        todo = list(range(len(blocks)))
+        for tier in self.tiers:
+            flags = tier.put([keys[i] for i in todo], [memoryview(data[i]) for i in todo])
+            todo = [i for i, ok in zip(todo, flags) if not ok]
+            if not todo:
+                break
+        self._tier_counts["written"] += len(blocks) - len(todo)
+        self._tier_counts["unwritten"] += len(todo)
+
+    def _write_down(self, b: int, h: bytes) -> None:
+        """A cached block's space is about to be reused: keep its bytes in a tier."""
+        if not self.write_through:
+            self._put_down([b], [h])
+
+    def _pull(self, hashes: list[bytes]) -> list[int]:
+        """Blocks for the leading ``hashes`` found in the tiers, written into free blocks (refcount 1,
+        hashed). Stops at the first miss, a bad blob, or when no block is free."""
+        out: list[int] = []
+        for tier in self.tiers:
+            if not hashes:
+                break
+            keys = self._keys(hashes)
+            n = min(tier.contains(keys), self._blocks.n_usable)
+            if n == 0:
+                continue
+            payloads = tier.get(keys[:n])
+            good = 0
+            while good < n and payloads[good] is not None and len(payloads[good]) == self.spec.block_nbytes:
+                good += 1
+            if good < n and payloads[good] is not None:  # a blob of the wrong size: never served, dropped
+                tier.delete([keys[good]])
+            if good == 0:
+                continue
+            n = min(good, self._blocks.n_usable)
+            data = np.stack([np.frombuffer(p, np.uint8) for p in payloads[:n]])  # type: ignore[arg-type]
+            ids = self._blocks.alloc(n)
+            self.backend.write_blocks(self.pools, np.asarray(ids, np.int64), data)
+            for b, h in zip(ids, hashes):
+                self._blocks.register(b, h)
+            out += ids
+            hashes = hashes[n:]
+            self._tier_counts["hit"] += n
+        return out
+
+    def _seal(self, s: _Seq) -> None:
+        """Hash every newly complete block of ``s`` (token ids known, every layer stored)."""
+        bs = self.spec.block_size
+        n_full = min(len(s.tokens), min(s.lens)) // bs
+        if s.sealable is not None:
+            n_full = min(n_full, s.sealable)
+        for i in range(len(s.hashes), n_full):
+            parent = s.hashes[-1] if s.hashes else self.root_hash
+            h = block_hash(parent, s.tokens[i * bs : (i + 1) * bs], s.extra)
+            s.hashes.append(h)
+            if i < s.base // bs:  # offloaded before its tokens were known: in host memory, not matchable
+                continue
+            b = s.blocks[i - s.base // bs]
+            self._blocks.register(b, h)
+            if self.write_through:
+                self._put_down([b], [h])
 
     def seq_len(self, seq: int, layer: int | None = None) -> int:
         """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
@@ -111,8 +330,8 @@ class KVCache:
 
     def free_seq(self, seq: int) -> None:
         s = self._seq(seq)
-        self._release(s.blocks)
-        del self._seqs[seq]
+        self._release(s.blocks[::-1])  # tail first: a chain's tail is evicted before its head
+        del self._seqs[int(seq)]
 
     def seq_keep(self, seq: int) -> None:
         """Free every sequence but ``seq``."""
@@ -120,16 +339,17 @@ class KVCache:
         for other in [o for o in self._seqs if o != seq]:
             self.free_seq(other)
 
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+    def seq_rm(self, seq: int, p0: int = -1, p1: int | None = -1) -> None:
         """Remove positions ``[p0, p1)`` (llama.cpp: p0 < 0 is the start, p1 < 0 the end).
 
         Sequences are dense: removing a middle range shifts the later tokens down by ``p1 - p0``
         (llama.cpp's ``seq_rm`` followed by ``seq_add``). K is stored as given (post-RoPE): an
         engine that needs re-rotated keys re-stores them.
         """
-        s = self._seq(seq)
+        s = self._resident(seq, "seq_rm")
         lo, hi = self._range(p0, p1)
         bs = self.spec.block_size
+        old_n = max(s.lens, default=0)
         new_lens = [L - max(0, min(hi, L) - min(lo, L)) for L in s.lens]
         moves = [(min(lo, L), min(hi, L), L) for L in s.lens]  # per layer: tokens [b, L) move to a
         shifting = [a < b < L for a, b, L in moves]
@@ -143,35 +363,43 @@ class KVCache:
             if sh:
                 src = self._slots(s, b, L)
                 dst = self._slots(s, a, a + L - b)
-                self.backend.copy_slots(self.pools[layer], src, dst)
+                self.backend.copy_slots(self.pools, layer, src, dst)
         s.lens = new_lens
-        self._release(s.blocks[n_keep:])
+        self._release(s.blocks[n_keep:][::-1])
         del s.blocks[n_keep:]
         s.changed()
+        del s.tokens[lo:hi]
+        s.keep_mass(np.r_[np.arange(min(lo, old_n)), np.arange(min(hi, old_n), old_n)])
+        del s.hashes[lo // bs :]
+        if any(shifting):
+            s.sealable = min(s.sealable if s.sealable is not None else lo // bs, lo // bs)
+        self._seal(s)
 
-    def seq_cp(self, seq: int, p0: int = -1, p1: int = -1) -> int:
+    def seq_cp(self, seq: int, p0: int = -1, p1: int | None = -1) -> int:
         """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
-        s = self._seq(seq)
+        s = self._resident(seq, "seq_cp")
         lo, hi = self._range(p0, p1)
         bs = self.spec.block_size
         lens = [max(0, min(hi, L) - min(lo, L)) for L in s.lens]
         n_blocks = math.ceil(max(lens, default=0) / bs)
+        tokens = s.tokens[lo:hi]
         if lo % bs == 0:  # page-aligned: share
             blocks = s.blocks[lo // bs : lo // bs + n_blocks]
-            self._ref[blocks] += 1
-            t = _Seq(list(blocks), lens)
+            for b in blocks:
+                self._blocks.acquire(b)
+            hashes = s.hashes[: min(len(tokens), min(lens)) // bs] if lo == 0 else []
+            t = _Seq(list(blocks), lens, tokens=tokens, hashes=hashes, extra=s.extra)
         else:  # unaligned start: the rows move to other offsets, so copy them
-            self._reserve(n_blocks)
-            t = _Seq([self._free.pop() for _ in range(n_blocks)], lens)
-            self._ref[t.blocks] = 1
+            t = _Seq(self._blocks.alloc(n_blocks), lens, tokens=tokens, extra=s.extra)
             for layer, n in enumerate(lens):
                 if n:
                     src = self._slots(s, lo, lo + n)
-                    self.backend.copy_slots(self.pools[layer], src, self._slots(t, 0, n))
-        sid = self._next_id
-        self._next_id += 1
-        self._seqs[sid] = t
-        return sid
+                    self.backend.copy_slots(self.pools, layer, src, self._slots(t, 0, n))
+        t.sealable = s.sealable if lo == 0 else 0  # rows from an offset sit at other positions now
+        t.mass = {layer: m[:, lo:hi].copy() for layer, m in s.mass.items()}
+        t.window_mass = {layer: m[:, lo:hi].copy() for layer, m in s.window_mass.items()}
+        self._seal(t)
+        return self._add_seq(t)
 
     # -- data ----------------------------------------------------------------------------------------
 
@@ -196,32 +424,39 @@ class KVCache:
         self.backend.check_values(self.spec.k_fmt, k)
         self.backend.check_values(self.spec.v_fmt, v)
         bs = self.spec.block_size
-        p0 = s.lens[layer]
-        p1 = p0 + n
-        touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
-        n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
-        self._reserve(n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched))
+        while True:  # with on_full=EvictOnFull, evict and retry until it fits or nothing more can go
+            p0 = s.lens[layer] - s.base  # positions in the resident pages
+            p1 = p0 + n
+            touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
+            n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
+            needed = n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched)
+            if needed <= self._blocks.n_usable or not self._make_room(needed, s):
+                break
+        self._reserve(needed)
         self._own(s, touched)
-        added = [self._free.pop() for _ in range(n_new)]
-        self._ref[added] = 1
+        added = self._blocks.alloc(n_new)
         if added:
             s.blocks.extend(added)
             s.changed()
         try:
-            self.backend.store(self.pools[layer], k, v, self._slots(s, p0, p1))
+            self.backend.store(self.pools, layer, k, v, self._slots(s, p0, p1))
         except BaseException:
             self._release(added)
             if added:
                 del s.blocks[len(s.blocks) - len(added) :]
                 s.changed()
             raise
-        s.lens[layer] = p1
+        s.lens[layer] = p1 + s.base
+        if len(s.tokens) > len(s.hashes) * bs:
+            self._seal(s)
 
     def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
         """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
-        s = self._seq(seq)
+        s = self._resident(seq, "load")
         layer = self._layer(layer)
         L = s.lens[layer]
+        p0 = self._position(p0, "p0", allow_none=False)
+        p1 = self._position(p1, "p1")
         hi = L if p1 is None or p1 < 0 else p1
         if not (0 <= p0 <= hi <= L):
             raise PositionError(
@@ -230,7 +465,7 @@ class KVCache:
         bs = self.spec.block_size
         first = p0 // bs
         blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
-        k, v = self.backend.load(self.pools[layer], blocks, hi - first * bs)
+        k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
         skip = p0 - first * bs
         return k[skip:], v[skip:]
 
@@ -243,12 +478,17 @@ class KVCache:
         scale: float | None = None,
         causal: bool = True,
         window: int | None = None,
+        observe: bool = False,
     ) -> Any:
         """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over each sequence's cached K/V at ``layer``.
 
         The queries of a sequence are its last ``q_len`` stored tokens (store before attending).
+        ``observe=True`` also accumulates the attention mass each key receives (for ``H2O``; the
+        last ``observe_window`` queries' mass is kept apart for ``SnapKV``).
         """
         layer = self._layer(layer)
+        if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
+            raise SequenceError(f"seqs must be a list of sequence ids, got {type(seqs).__name__}")
         seq_objs = [self._seq(x) for x in seqs]
         if not seq_objs:
             raise ShapeError("attention needs at least one sequence in seqs")
@@ -256,7 +496,7 @@ class KVCache:
         if len(q.shape) != 3 or q.shape[2] != self.spec.head_dim:
             raise ShapeError(f"q has shape {tuple(q.shape)}; expected [sum(q_lens), n_heads, {self.spec.head_dim}]")
         n_heads = int(q.shape[1])
-        if n_heads % self.spec.n_kv_heads:
+        if n_heads == 0 or n_heads % self.spec.n_kv_heads:
             raise ShapeError(
                 f"q has {n_heads} heads, not a multiple of the cache's {self.spec.n_kv_heads} KV heads (GQA needs one)"
             )
@@ -264,6 +504,10 @@ class KVCache:
             if len(seq_objs) != 1 and q.shape[0] != len(seq_objs):
                 raise ShapeError("pass q_lens when attending over several sequences with more than one query each")
             q_lens = [int(q.shape[0])] if len(seq_objs) == 1 else [1] * len(seq_objs)
+        if isinstance(q_lens, (str, bytes)) or not isinstance(q_lens, (Sequence, np.ndarray)):
+            raise ShapeError(f"q_lens must be a list of ints, got {type(q_lens).__name__}")
+        if not all(_is_int(n) for n in q_lens):
+            raise ShapeError(f"q_lens must hold ints, got {list(q_lens)!r}")
         # plain ints: numpy calls on these few-element arrays cost more than the checks themselves
         qls = [int(n) for n in q_lens]
         if len(qls) != len(seq_objs) or min(qls) < 1:
@@ -272,17 +516,25 @@ class KVCache:
             )
         if sum(qls) != q.shape[0]:
             raise ShapeError(f"q has {q.shape[0]} rows but q_lens sums to {sum(qls)}")
-        lens = [s.lens[layer] for s in seq_objs]
+        lens = [s.lens[layer] - s.base for s in seq_objs]  # resident tokens
         for i, (n_q, n) in enumerate(zip(qls, lens)):
             if n_q > n:
                 raise PositionError(
                     f"sequence {seqs[i]} has {n} tokens at layer {layer} but {n_q} queries; "
                     "store the new tokens' K/V before attending"
                 )
-        if window is not None and (not isinstance(window, int) or window < 1):
+        if window is not None and (not _is_int(window) or window < 1):
             raise ShapeError(f"window must be a positive int or None, got {window!r}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise ShapeError(f"causal must be a bool, got {causal!r}")
         if scale is None:
             scale = 1.0 / math.sqrt(self.spec.head_dim)
+        elif (
+            not isinstance(scale, (int, float, np.integer, np.floating))
+            or isinstance(scale, (bool, np.bool_))
+            or not math.isfinite(scale)
+        ):
+            raise ShapeError(f"scale must be a finite real number or None, got {scale!r}")
         bs = self.spec.block_size
         n_pages = [-(-n // bs) for n in lens]
         if len(seq_objs) == 1:  # a view of the cached page list, no copy
@@ -292,53 +544,264 @@ class KVCache:
             for i, (s, nb) in enumerate(zip(seq_objs, n_pages)):
                 table[i, :nb] = s.table()[:nb]
         lens_arr, ql = np.array(lens, np.int32), np.array(qls, np.int32)
-        return self.backend.attention(q, self.pools[layer], table, lens_arr, ql, float(scale), bool(causal), window)
+        if not isinstance(observe, (bool, np.bool_)):
+            raise ShapeError(f"observe must be a bool, got {observe!r}")
+        win = None if window is None else int(window)
+        if any(s.base for s in seq_objs):
+            if window is not None or observe:
+                raise UnsupportedError(
+                    "attention over an offloaded sequence takes neither window nor observe; pass window=None, "
+                    "observe=False (or keep the sequence resident)"
+                )
+            return self._streamed_attention(layer, q, seq_objs, qls, float(scale), bool(causal))
+        args = (q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
+        out = self.backend.attention(*args)
+        if observe:
+            for s, (total, tail) in zip(seq_objs, self.backend.attention_mass(*args, self.observe_window)):
+                old = s.mass.get(layer)
+                if old is not None:
+                    total[:, : old.shape[1]] += old[:, : total.shape[1]]
+                s.mass[layer], s.window_mass[layer] = total, tail
+        return out
+
+    # -- block streaming -----------------------------------------------------------------------------
+
+    def offload(self, seq: int, keep_tokens: int = 0) -> int:
+        """Move ``seq``'s leading whole blocks to host memory, keeping at least its last ``keep_tokens``
+        (and every block not yet stored at all layers) in the pools; returns the tokens moved. The
+        sequence keeps growing with ``store``; ``attention`` streams the host part through the arena
+        (``stream_arena_tokens``) and merges the pieces by log-sum-exp. Other calls on it raise."""
+        s = self._seq(seq)
+        if not self._arena:
+            raise SpecError("offload needs a streaming arena: create the cache with stream_arena_tokens > 0")
+        if not _is_int(keep_tokens) or keep_tokens < 0:
+            raise PositionError(f"keep_tokens must be an int >= 0, got {keep_tokens!r}")
+        bs = self.spec.block_size
+        n_move = max(0, min(s.lens) - s.base - int(keep_tokens)) // bs
+        if n_move == 0:
+            return 0
+        moved = s.blocks[:n_move]
+        data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
+        s.host = data if s.host is None else np.concatenate([s.host, data])
+        del s.blocks[:n_move]
+        s.changed()
+        s.base += n_move * bs
+        self._release(moved[::-1])
+        return n_move * bs
+
+    def _streamed_attention(
+        self, layer: int, q: Any, seq_objs: list[_Seq], qls: list[int], scale: float, causal: bool
+    ) -> np.ndarray:
+        from .backend_util import merge_lse
+
+        bs, arena = self.spec.block_size, np.asarray(self._arena, np.int32)
+        qh = self.backend.to_numpy(q)
+        out = np.empty(qh.shape, np.float32)
+        start = 0
+        for s, n_q in zip(seq_objs, qls):
+            rows = qh[start : start + n_q]
+            tail = s.lens[layer] - s.base
+            parts = []
+            if tail:
+                table = s.table()[None, : -(-tail // bs)]
+                lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
+                parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, causal, None))
+            held = 0 if s.host is None else len(s.host)
+            for c0 in range(0, held, len(arena)):  # every host key precedes every query: no mask
+                m = min(len(arena), held - c0)
+                assert s.host is not None
+                self.backend.write_blocks(self.pools, arena[:m].astype(np.int64), s.host[c0 : c0 + m])
+                lens, ql = np.array([m * bs], np.int32), np.array([n_q], np.int32)
+                table = arena[None, :m]
+                parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, False, None))
+            out[start : start + n_q] = merge_lse(parts)
+            start += n_q
+        return out
+
+    def _resident(self, seq: int, what: str) -> _Seq:
+        s = self._seq(seq)
+        if s.base:
+            raise UnsupportedError(
+                f"{what} on sequence {seq}, whose first {s.base} tokens are offloaded to host memory: offloaded "
+                "sequences take store, append_tokens, attention, seq_len and free_seq"
+            )
+        return s
+
+    # -- eviction ------------------------------------------------------------------------------------
+
+    def evict(self, seq: int, policy: Policy, keep_tokens: int) -> EvictionResult:
+        """Shrink ``seq`` to at most ``keep_tokens`` positions chosen by ``policy``; the kept rows are
+        moved byte for byte to positions 0.. (no re-quantization), whole blocks are freed, and
+        blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
+        s = self._resident(seq, "evict")
+        if not isinstance(policy, Policy):
+            raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {policy!r}")
+        if not _is_int(keep_tokens) or keep_tokens < 0:
+            raise PositionError(f"keep_tokens must be an int >= 0, got {keep_tokens!r}")
+        n = max(s.lens, default=0)
+        kept = np.arange(n) if n <= keep_tokens else policy.select(n, int(keep_tokens), self._scores(s, n))
+        return self._compact(int(seq), s, kept, policy.name, "evict")
+
+    def _scores(self, s: _Seq, n: int) -> Scores:
+        def total(d: dict[int, np.ndarray]) -> np.ndarray:
+            out = np.zeros(n)
+            for m in d.values():
+                w = min(n, m.shape[1])
+                out[:w] += m[:, :w].sum(axis=0)
+            return out
+
+        return Scores(total(s.mass), total(s.window_mass), self.observe_window, bool(s.mass))
+
+    def _compact(self, sid: int, s: _Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
+        bs = self.spec.block_size
+        n = max(s.lens, default=0)
+        kept = np.asarray(kept, np.int64)
+        moved = np.flatnonzero(kept != np.arange(len(kept)))
+        first = int(moved[0]) if moved.size else len(kept)  # rows before this stay where they are
+        new_lens = [int(np.searchsorted(kept, L)) for L in s.lens]
+        n_keep = math.ceil(max(new_lens, default=0) / bs)
+        touched = list(range(first // bs, n_keep)) if moved.size else []
+        self._reserve(sum(self._ref[s.blocks[i]] > 1 for i in touched))
+        free_before = self._blocks.n_free
+        self._own(s, touched)
+        for layer, L in enumerate(new_lens):
+            if L > first:
+                src = self._slots_at(s, kept[first:L])
+                self.backend.copy_slots(self.pools, layer, src, self._slots(s, first, L))
+        self._release(s.blocks[n_keep:][::-1])
+        del s.blocks[n_keep:]
+        s.changed()
+        s.lens = new_lens
+        # token ids follow their rows; ids appended past the stored rows keep their order after them
+        s.tokens = [s.tokens[p] for p in kept.tolist() if p < len(s.tokens)] + s.tokens[n:]
+        del s.hashes[first // bs :]
+        if moved.size:
+            s.sealable = min(s.sealable if s.sealable is not None else first // bs, first // bs)
+        s.keep_mass(kept)
+        dropped = np.setdiff1d(np.arange(n), kept)
+        freed = self._blocks.n_free - free_before
+        if dropped.size:
+            self._evicted[cause] += int(dropped.size)
+            self._evicted["n"] += 1
+        result = EvictionResult(sid, policy, cause, kept, dropped, freed, freed * self.spec.block_nbytes)
+        if self.on_evict is not None and dropped.size:
+            self.on_evict(result)
+        return result
+
+    def _make_room(self, needed: int, storing: _Seq) -> bool:
+        """on_full=EvictOnFull: evict the longest sequence once; True if that freed anything."""
+        if not isinstance(self.on_full, EvictOnFull) or not self._seqs:
+            return False
+        candidates = [(sid, x) for sid, x in self._seqs.items() if not x.base]
+        if not candidates:
+            return False
+        sid, victim = max(candidates, key=lambda kv: (max(kv[1].lens, default=0), -kv[0]))
+        n = max(victim.lens, default=0)
+        keep = self.on_full.keep_tokens
+        if n <= keep:
+            return False
+        kept = self.on_full.policy.select(n, keep, self._scores(victim, n))
+        before = self._blocks.n_usable
+        self._compact(sid, victim, kept, self.on_full.policy.name, "on_full")
+        return self._blocks.n_usable > before
+
+    # -- snapshots -----------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str], seqs: list[int] | None = None) -> None:
+        """Write ``seqs`` (default: every sequence) to a crash-safe snapshot file (see ``kvhal.snapshot``)."""
+        from . import snapshot
+
+        snapshot.save(self, path, seqs)
+
+    def restore(self, path: str | os.PathLike[str]) -> list[int]:
+        """Add the snapshot's sequences to this cache and return their new ids. Everything is checked
+        first; a ``SnapshotError`` or ``CapacityError`` leaves the cache exactly as it was."""
+        from . import snapshot
+
+        return snapshot.restore(self, path)
 
     def stats(self) -> CacheStats:
         spec = self.spec
         per_block_k = spec.n_layers * spec.n_kv_heads * spec.block_size * spec.k_row_bytes
         per_block_v = spec.n_layers * spec.n_kv_heads * spec.block_size * spec.v_row_bytes
         used = int((self._ref > 0).sum())
+        c = self._blocks.counters
         return CacheStats(
             backend=self.backend.name,
             n_blocks=self.n_blocks,
             block_size=spec.block_size,
             blocks_used=used,
-            blocks_free=len(self._free),
+            blocks_free=self._blocks.n_free,
             blocks_shared=int((self._ref > 1).sum()),
-            capacity_tokens=self.n_blocks * spec.block_size,
+            capacity_tokens=(self.n_blocks - len(self._arena)) * spec.block_size,
             n_seqs=len(self._seqs),
             tokens=sum(max(s.lens) for s in self._seqs.values()),
             k_format=spec.k_format,
             v_format=spec.v_format,
             k_bytes=per_block_k * self.n_blocks,
             v_bytes=per_block_v * self.n_blocks,
-            bytes_allocated=sum(p.nbytes for p in self.pools),
+            bytes_allocated=self.pools.nbytes,
             bytes_per_token=spec.bytes_per_token,
+            stream_arena_blocks=len(self._arena),
+            offloaded_tokens=sum(x.base for x in self._seqs.values()),
+            blocks_cached=len(self._blocks.hash_of),
+            blocks_cached_free=self._blocks.n_cached_free,
+            prefix_queries=c.queries,
+            prefix_query_tokens=c.query_tokens,
+            prefix_hit_tokens=c.hit_tokens,
+            prefix_hit_blocks=c.hit_blocks,
+            prefix_miss_blocks=c.miss_blocks,
+            prefix_recomputed_tokens=c.recomputed_tokens,
+            prefix_evicted_blocks=c.evicted_blocks,
+            prefix_invalidated_blocks=c.invalidated_blocks,
+            tier_hit_blocks=self._tier_counts["hit"],
+            tier_written_blocks=self._tier_counts["written"],
+            tier_unwritten_blocks=self._tier_counts["unwritten"],
+            evictions=self._evicted["n"],
+            evicted_tokens_called=self._evicted["evict"],
+            evicted_tokens_on_full=self._evicted["on_full"],
         )
 
     # -- internals -----------------------------------------------------------------------------------
 
     def _seq(self, seq: int) -> _Seq:
-        try:
-            return self._seqs[seq]
-        except (KeyError, TypeError):
+        s = self._seqs.get(int(seq)) if _is_int(seq) else None
+        if s is None:
+            what = f"{type(seq).__name__} {seq!r}" if not _is_int(seq) else repr(seq)
             raise SequenceError(
-                f"no sequence {seq!r} in this cache (live: {sorted(self._seqs)}); create one with new_seq()"
-            ) from None
+                f"no sequence {what} in this cache (live: {sorted(self._seqs)}); ids are the ints new_seq() returns"
+            )
+        return s
 
     def _layer(self, layer: int) -> int:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.n_layers:
+        if not _is_int(layer):
+            raise PositionError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        if not 0 <= layer < self.spec.n_layers:
             raise PositionError(f"layer {layer!r} is out of range; the cache has layers 0..{self.spec.n_layers - 1}")
         return int(layer)
 
     @staticmethod
-    def _range(p0: int, p1: int) -> tuple[int, int]:
+    def _position(p: Any, what: str, allow_none: bool = True) -> Any:
+        if p is None and allow_none:
+            return None
+        if not _is_int(p):
+            extra = " or None" if allow_none else ""
+            raise PositionError(f"{what} must be an int{extra}, got {type(p).__name__} {p!r}")
+        return int(p)
+
+    @classmethod
+    def _range(cls, p0: int, p1: int | None) -> tuple[int, int]:
+        p0 = cls._position(p0, "p0", allow_none=False)
+        p1 = cls._position(p1, "p1")
         lo = 0 if p0 < 0 else p0
-        hi = 2**62 if p1 < 0 else p1
+        hi = 2**62 if p1 is None or p1 < 0 else p1
         if hi < lo:
             raise PositionError(f"range [{p0}, {p1}) is empty backwards; need p0 <= p1 (or p1 < 0 for the end)")
         return lo, hi
+
+    def _slots_at(self, s: _Seq, pos: np.ndarray) -> np.ndarray:
+        bs = self.spec.block_size
+        return s.table()[pos // bs].astype(np.int64) * bs + pos % bs
 
     def _slots(self, s: _Seq, p0: int, p1: int) -> np.ndarray:
         pos = np.arange(p0, p1, dtype=np.int64)
@@ -346,31 +809,47 @@ class KVCache:
         return s.table()[pos // bs].astype(np.int64) * bs + pos % bs
 
     def _reserve(self, n: int | np.integer) -> None:
-        if n > len(self._free):
-            raise CapacityError(
-                f"need {int(n)} free blocks of {self.spec.block_size} tokens but {len(self._free)} of {self.n_blocks} "
-                "are free; free sequences (free_seq/seq_rm) or create the cache with a larger capacity_tokens"
-            )
+        self._blocks.reserve(n)
 
     def _own(self, s: _Seq, indices: list[int]) -> None:
-        """Copy-on-write: give ``s`` its own copy of each shared block at ``indices`` (blocks reserved)."""
+        """Make the blocks at ``indices`` writable by ``s``: a shared block is copied first (blocks
+        reserved), a block ``s`` holds alone loses its hash (its bytes are about to change)."""
         bs = self.spec.block_size
         for i in indices:
             old = s.blocks[i]
             if self._ref[old] <= 1:
+                self._blocks.unhash(old)
                 continue
-            new = self._free.pop()
+            [new] = self._blocks.alloc(1)
             src = np.arange(old * bs, old * bs + bs, dtype=np.int64)
             dst = np.arange(new * bs, new * bs + bs, dtype=np.int64)
-            for pools in self.pools:
-                self.backend.copy_slots(pools, src, dst)
-            self._ref[old] -= 1
-            self._ref[new] = 1
+            for layer in range(self.spec.n_layers):
+                self.backend.copy_slots(self.pools, layer, src, dst)
+            self._blocks.release([old])
             s.blocks[i] = new
             s.changed()
 
     def _release(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free.append(b)
+        self._blocks.release(blocks)
+
+
+def _token_ids(token_ids: Any) -> list[int]:
+    """Token ids as plain ints in [0, 2**31): a list/tuple of ints or a 1-d integer array."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise ShapeError(f"token_ids must be a 1-d integer array, got {token_ids.dtype} of shape {token_ids.shape}")
+        ids = token_ids.tolist()
+    elif hasattr(token_ids, "__dlpack__") or type(token_ids).__module__.startswith("torch"):
+        from .interop import to_numpy
+
+        return _token_ids(to_numpy(token_ids))
+    elif isinstance(token_ids, (list, tuple)):
+        if not all(_is_int(t) for t in token_ids):
+            bad = next(t for t in token_ids if not _is_int(t))
+            raise ShapeError(f"token_ids must hold ints, got {type(bad).__name__} {bad!r}")
+        ids = [int(t) for t in token_ids]
+    else:
+        raise ShapeError(f"token_ids must be a list of ints or a 1-d integer array, got {type(token_ids).__name__}")
+    if ids and (min(ids) < 0 or max(ids) >= 2**31):
+        raise ShapeError(f"token ids must be in [0, 2**31); got min {min(ids)}, max {max(ids)}")
+    return ids

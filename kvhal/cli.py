@@ -1,31 +1,56 @@
-"""The kvhal command: ``kvhal info``, ``kvhal bench`` and ``kvhal tiers bench`` (``--json`` on each)."""
+"""The kvhal command: ``info``, ``bench``, ``stress``, ``plan``, ``snapshot`` and ``tiers`` (``--json`` on each)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
-from . import formats
+from . import formats, plan
 from .backend import OPS
-from .errors import KVHalError
+from .errors import KVHalError, SpecError
 from .registry import backends
+from .spec import CacheSpec
+
+SPEC_DEFAULTS: dict[str, Any] = {"n_layers": 32, "n_kv_heads": 8, "head_dim": 128, "k_format": "f16", "v_format": "f16"}
 
 
-def info_data() -> dict[str, Any]:
+def parse_spec(text: str) -> CacheSpec:
+    """``head_dim=512,k_format=q8_0`` over a Llama-8B-like default spec."""
+    fields = dict(SPEC_DEFAULTS)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in CacheSpec.__dataclass_fields__:
+            names = ", ".join(CacheSpec.__dataclass_fields__)
+            raise SpecError(f"--spec item {item!r} is not FIELD=VALUE with a CacheSpec field ({names})")
+        fields[key] = value if key.endswith("_format") else _int_field(key, value)
+    return CacheSpec(**fields)
+
+
+def _int_field(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"--spec {key}={value!r}: {key} takes an integer") from None
+
+
+def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
     out = []
     for b in backends():
-        out.append(
-            {
-                "name": b.name,
-                "available": b.available,
-                "score": b.score,
-                "device": b.device,
-                "reason": b.reason,
-                "formats": {f: [op for op in OPS if b.supports(f, op)] for f in formats.names()},
-            }
-        )
+        row: dict[str, Any] = {
+            "name": b.name,
+            "available": b.available,
+            "score": b.score,
+            "device": b.device,
+            "reason": b.reason,
+            "formats": {f: list(OPS) if f in b.formats else [] for f in formats.names()},
+        }
+        if spec is not None:
+            row["spec_refused"] = b.refusal(spec)  # None: takes it
+        out.append(row)
     fmts = [
         {
             "name": f.name,
@@ -36,7 +61,10 @@ def info_data() -> dict[str, Any]:
         }
         for f in map(formats.get, formats.names())
     ]
-    return {"backends": out, "formats": fmts}
+    data: dict[str, Any] = {"backends": out, "formats": fmts}
+    if spec is not None:
+        data["spec"] = dataclasses.asdict(spec)
+    return data
 
 
 def info_text(data: dict[str, Any]) -> str:
@@ -50,11 +78,60 @@ def info_text(data: dict[str, Any]) -> str:
     lines.append("support (S store, L load, A attention):")
     lines.append("  " + f"{'':<10} " + " ".join(f"{n:>5}" for n in names))
     for b in data["backends"]:
-        cells = ["".join(op[0].upper() for op in b["formats"][n]) or "-" for n in names]
+        cells = ["".join(op[0].upper() for op in b["formats"][n]) if b["available"] else "-" for n in names]
+        cells = [c or "-" for c in cells]
         lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>5}" for c in cells))
     lines.append("")
     lines.append("formats: " + ", ".join(f"{f['name']} {f['bits_per_element']:g} bits" for f in data["formats"]))
+    if "spec" in data:
+        lines.append("")
+        lines.append("spec " + ", ".join(f"{k}={v}" for k, v in data["spec"].items()) + ":")
+        for b in data["backends"]:
+            lines.append(
+                f"  {b['name']:<10} " + ("takes it" if b["spec_refused"] is None else f"refuses: {b['spec_refused']}")
+            )
     return "\n".join(lines)
+
+
+def snapshot_text(r: dict[str, Any]) -> str:
+    fp, spec = r["fingerprint"] or {}, r["spec"] or {}
+    lines = [
+        f"{r['path']}: {r['bytes']} bytes, snapshot v{r['snapshot_version']}, format v{r['format_version']}",
+        f"  fingerprint  model={fp.get('model')!r} extra={fp.get('extra')} digest={str(fp.get('digest'))[:16]}...",
+        "  spec         " + ", ".join(f"{k}={v}" for k, v in spec.items()),
+        f"  blocks       {r['n_blocks']}",
+    ]
+    for i, s in enumerate(r["seqs"]):
+        lines.append(f"  seq {i:<8} {s['tokens']} tokens, {s['hashed_blocks']} hashed blocks")
+    bad = {k: v for k, v in r["checksums"].items() if v != "ok"}
+    lines.append(f"  checksums    {len(r['checksums']) - len(bad)}/{len(r['checksums'])} tensors ok")
+    lines += [f"    {k}: {v}" for k, v in bad.items()]
+    return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _ints(text: str) -> list[int]:
+    """A comma list of positive ints ('' is none)."""
+    return [_positive(c.strip()) for c in text.split(",") if c.strip()]
+
+
+def _threads(text: str) -> list[int]:
+    """A comma list of thread counts; 'all' is every core."""
+    counts = [
+        (os.cpu_count() or 1) if c.strip() == "all" else _positive(c.strip()) for c in text.split(",") if c.strip()
+    ]
+    if not counts:
+        raise argparse.ArgumentTypeError("expected thread counts such as 1,2,all")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,18 +139,62 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="backends, why any is unavailable, and the formats each runs")
     pi.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    pb = sub.add_parser("bench", help="store/load/decode attention per backend and format")
+    pi.add_argument(
+        "--spec",
+        metavar="FIELD=VALUE,...",
+        help="also show which backends take this CacheSpec and why the others refuse "
+        f"(over {','.join(f'{k}={v}' for k, v in SPEC_DEFAULTS.items())})",
+    )
+    pb = sub.add_parser("bench", help="store, load, decode and prefill attention per backend and format")
     pb.add_argument(
-        "--backend", action="append", help="backend to run, or 'auto' (repeatable; default: every available one)"
+        "--backend",
+        action="append",
+        help="backend to run, or 'auto' (repeatable; default: every available one but the float64 reference)",
     )
     pb.add_argument(
         "--format", action="append", dest="formats", help="KV format (repeatable; default: all the backend runs)"
     )
-    pb.add_argument("--contexts", default="4096,16384,32768", help="comma list of context lengths")
-    pb.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median reported)")
+    pb.add_argument("--contexts", type=_ints, default="4096,16384,32768", help="decode context lengths (comma list)")
+    pb.add_argument(
+        "--prefill-contexts",
+        type=_ints,
+        default="4096,16384",
+        help="contexts the prefill queries attend over, causal (comma list; '' for none)",
+    )
+    pb.add_argument("--prefill-queries", type=_positive, default=512, help="queries per prefill call (default 512)")
+    pb.add_argument("--no-prefill", action="store_true", help="skip prefill attention")
+    pb.add_argument(
+        "--threads",
+        type=_threads,
+        help="re-run every figure at these host thread counts, e.g. 1,2,all (the cpu backend's threads option "
+        "and torch's; backends without the option run once)",
+    )
+    pb.add_argument("--repeats", type=_positive, default=5, help="timed runs per figure (median reported)")
     pb.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA baseline")
     pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.add_argument("-o", "--output", help="also write the JSON result to this file")
+    pb.add_argument(
+        "--lifecycle",
+        action="store_true",
+        help="instead: snapshot save/restore GB/s and prefix-hit time vs storing again (32x8x128 shape, q8_0 "
+        "unless --format)",
+    )
+    pb.add_argument("--lifecycle-tokens", type=_positive, default=16384, help="tokens of the --lifecycle sequence")
+    pst = sub.add_parser("stress", help="audit a cache past its capacity: every surviving token's bytes checked")
+    pst.add_argument("--backend", default="reference", help="backend name (default: reference)")
+    pst.add_argument("--k-format", default="q8_0")
+    pst.add_argument("--v-format", default="q4_0")
+    pst.add_argument("--steps", type=_positive, default=2000)
+    pst.add_argument("--seed", type=int, default=0, help="replays a run exactly")
+    pst.add_argument("--capacity", type=_positive, default=512, help="capacity_tokens of the cache")
+    pst.add_argument("--block-size", type=_positive, default=8)
+    pst.add_argument("--json", action="store_true", help="print JSON instead of text")
+    plan.add_parser(sub)
+    ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
+    ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
+    psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
+    psi.add_argument("file")
+    psi.add_argument("--json", action="store_true", help="print JSON instead of text")
     from .tiers import bench as tiers_bench
 
     tiers_bench.add_arguments(sub.add_parser("tiers", help="block tiers (host RAM, disk, Redis): `kvhal tiers bench`"))
@@ -81,27 +202,73 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "tiers":
             return tiers_bench.main(args)
+        if args.cmd == "plan":
+            return plan.cli(args)
+        if args.cmd == "stress":
+            from . import stress
+
+            rep = stress.run(
+                args.backend,
+                args.k_format,
+                args.v_format,
+                args.steps,
+                args.seed,
+                args.capacity,
+                args.block_size,
+                show_progress=not args.json,
+            )
+            print(json.dumps(rep.as_dict(), indent=2) if args.json else stress.text(rep))
+            return 1 if rep.failure or rep.tokens_lost else 0
+        if args.cmd == "snapshot":
+            from .snapshot import inspect
+
+            report = inspect(args.file)
+            print(json.dumps(report, indent=2) if args.json else snapshot_text(report))
+            return 0 if report["checksums_ok"] else 1
         if args.cmd == "info":
-            data = info_data()
+            data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
+            return 0
+        if args.lifecycle:
+            from . import bench_lifecycle
+
+            backend = (args.backend or ["auto"])[0]
+            fmt = (args.formats or ["q8_0"])[0]
+            life = bench_lifecycle.run(backend, fmt, args.lifecycle_tokens, repeats=args.repeats)
+            if args.output:
+                with open(args.output, "w") as fh:
+                    json.dump(life, fh, indent=2)
+            print(json.dumps(life, indent=2) if args.json else bench_lifecycle.table(life))
             return 0
         from . import bench
 
         available = [b for b in backends() if b.available]
-        names = args.backend or [b.name for b in available]
+        # the reference is the spec, not a contender: its float64 prefill at 16k takes minutes a call
+        names = args.backend or [b.name for b in available if b.name != "reference"] or ["reference"]
         if "auto" in names:  # the backend KVCache(backend="auto") would pick for f16
             from .registry import resolve
 
-            names = [resolve("auto", ["f16"]).name if n == "auto" else n for n in names]
+            auto_spec = CacheSpec(**SPEC_DEFAULTS)
+            names = [resolve("auto", auto_spec).name if n == "auto" else n for n in names]
         by_name = {b.name: b for b in backends()}
         jobs_formats = args.formats or formats.names()
         for n in names:
             if n not in by_name or not by_name[n].available:
                 why = by_name[n].reason if n in by_name else "not installed"
                 raise KVHalError(f"backend {n!r} is unavailable: {why} (see `kvhal info`)")
-        contexts = [int(c) for c in args.contexts.split(",") if c]
-        jobs = [(n, f) for n in names for f in jobs_formats if by_name[n].supports(f, "attention")]
-        result = bench.run(jobs, contexts, args.repeats, show_progress=not args.json, sdpa=not args.no_sdpa)
+        jobs = [(n, f) for n in names for f in jobs_formats if f in by_name[n].formats]
+        if not jobs:
+            raise KVHalError(f"none of {names} runs attention on {jobs_formats} (see `kvhal info`)")
+        result = bench.run(
+            jobs,
+            args.contexts,
+            args.repeats,
+            show_progress=not args.json,
+            sdpa=not args.no_sdpa,
+            prefill_contexts=[] if args.no_prefill else args.prefill_contexts,
+            prefill_queries=args.prefill_queries,
+            threads=args.threads,
+        )
         if args.output:
             with open(args.output, "w") as fh:
                 json.dump(result, fh, indent=2)
@@ -110,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVHalError as e:
         print(f"kvhal: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvhal info | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

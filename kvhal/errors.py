@@ -50,5 +50,25 @@ class SpecError(KVHalError, ValueError):
     """An invalid CacheSpec or KVCache argument."""
 
 
+class PlanError(KVHalError, ValueError):
+    """A model shape, config.json, memory budget or device that ``kvhal plan`` cannot use."""
+
+
+class SnapshotError(KVHalError):
+    """A snapshot file cannot be written or restored; the cache is left exactly as it was."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """The file is not a complete kvhal snapshot: truncated, bit-flipped, or not safetensors at all."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """The file was written by a kvhal whose storage format version this one does not read."""
+
+
+class FingerprintMismatchError(SnapshotError):
+    """The snapshot's K/V belong to another model, spec or format version than this cache's."""
+
+
 class TierError(KVHalError):
     """A block tier (kvhal.tiers) got a bad argument or cannot be set up; lookups themselves never raise."""

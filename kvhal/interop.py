@@ -34,10 +34,15 @@ def host_float_array(x: Any, what: str) -> np.ndarray:
         raise DTypeError(
             f"{what} has dtype {dtype}; kvhal takes float32, float16 or bfloat16 (convert with .float() or .astype('float32'))"
         )
+    if isinstance(x, (str, bytes)):
+        raise DTypeError(f"{what} is a {type(x).__name__}, not an array; pass a float32/float16 array")
     try:
         arr = to_numpy(x) if dtype is not None else np.asarray(x, dtype=np.float32)
-    except (TypeError, BufferError, RuntimeError) as e:
-        raise DTypeError(f"{what} could not be read through DLPack ({e}); pass a CPU array") from e
+    except (TypeError, BufferError, RuntimeError, ValueError) as e:
+        raise DTypeError(
+            f"{what} could not be read as a float array ({e}); pass a CPU float32/float16 array "
+            "(numpy, torch, or anything with __dlpack__), not a ragged list"
+        ) from e
     if arr.dtype not in (np.float32, np.float16):
         raise DTypeError(f"{what} has dtype {arr.dtype}; kvhal takes float32, float16 or bfloat16")
     return arr

@@ -1,20 +1,23 @@
-"""Backend discovery: the built-in reference plus entry points in the group ``kvhal.backends``.
+"""Backend discovery and choice: the built-in reference plus entry points in the group ``kvhal.backends``.
 
 Loading an entry point imports only the backend's small module; vendor SDKs are imported when a
-backend is instantiated (or, at most, checked for with ``importlib.util.find_spec`` in ``probe``).
+backend is instantiated (``probe`` at most checks for them with ``importlib.util.find_spec``).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import entry_points
+from typing import Any
 
-from .backend import Backend, Op, Probe
-from .errors import BackendUnavailableError, KVHalError, UnsupportedError
+from .backend import OPS, Backend, Probe
+from .errors import BackendUnavailableError, KVHalError, SpecError, UnsupportedError
 from .reference import ReferenceBackend
+from .spec import CacheSpec
 
 GROUP = "kvhal.backends"
 
@@ -28,8 +31,20 @@ class BackendInfo:
     device: str
     cls: type[Backend] | None
 
-    def supports(self, fmt: str, op: Op) -> bool:
-        return self.cls is not None and self.cls.supports(fmt, op)
+    @property
+    def formats(self) -> frozenset[str]:
+        """The formats it claims (every op); ``refusal`` adds the device limits for a given spec."""
+        return self.cls.formats if self.cls is not None else frozenset()
+
+    def refusal(self, spec: CacheSpec) -> str | None:
+        """None when this backend would take ``spec`` for every op, else why not (probe reason included)."""
+        if not self.available or self.cls is None:
+            return f"unavailable: {self.reason}"
+        try:
+            backend = instance(self.name)
+        except KVHalError as e:
+            return f"failed to start: {e}"
+        return refusal(backend, spec)
 
 
 @lru_cache(maxsize=1)
@@ -50,12 +65,10 @@ def _info(name: str, entry: type[Backend] | str) -> BackendInfo:
     if isinstance(entry, str):
         return BackendInfo(name, False, None, entry, "", None)
     try:
-        probe: Probe | None = entry.probe()
+        probe: Probe = entry.probe()
     except Exception as e:
         return BackendInfo(name, False, None, f"probe failed: {type(e).__name__}: {e}", "", entry)
-    if probe is None:
-        return BackendInfo(name, False, None, entry.unavailable_reason(), "", entry)
-    return BackendInfo(name, True, probe.score, probe.reason, probe.device, entry)
+    return BackendInfo(name, probe.available, probe.score, probe.reason, probe.device, entry)
 
 
 def backends() -> list[BackendInfo]:
@@ -64,43 +77,86 @@ def backends() -> list[BackendInfo]:
     return sorted(infos, key=lambda i: (not i.available, -(i.score or 0), i.name))
 
 
-def _capable(formats: list[str]) -> list[str]:
-    return [
-        i.name
-        for i in backends()
-        if i.available and all(i.supports(f, op) for f in formats for op in ("store", "load", "attention"))
-    ]
+_instances: dict[str, Backend] = {}
+_instances_lock = threading.Lock()
 
 
-def resolve(name: str, formats: list[str], allow_fallback: bool = False) -> type[Backend]:
-    """The backend class to use: ``name`` or "auto" (``KVHAL_BACKEND`` overrides "auto")."""
-    requested = os.environ.get("KVHAL_BACKEND") if name == "auto" else name
-    infos = {i.name: i for i in backends()}
-    if requested and requested != "auto":
-        info = infos.get(requested)
-        if info is None:
-            raise BackendUnavailableError(
-                f"no backend named {requested!r}; installed: {', '.join(infos)} "
-                f"(install kvhal-{requested} or check KVHAL_BACKEND)"
-            )
-        if not info.available or info.cls is None:
+def instance(name: str, options: dict[str, Any] | None = None) -> Backend:
+    """A backend instance. Without options, one shared instance per name (a backend serves any number
+    of caches); with options, a new one."""
+    entry = _classes().get(name)
+    if entry is None:
+        raise BackendUnavailableError(
+            f"no backend named {name!r}; installed: {', '.join(_classes())} (install kvhal-{name} or check the name)"
+        )
+    if isinstance(entry, str):
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {entry}")
+    if options:
+        return entry(**options)
+    with _instances_lock:
+        if name not in _instances:
+            _instances[name] = entry()
+        return _instances[name]
+
+
+def refusal(backend: Backend, spec: CacheSpec) -> str | None:
+    """Why ``backend`` refuses ``spec`` for some op, or None."""
+    for op in OPS:
+        why = backend.supports(spec, op)
+        if why is not None:
+            return f"{op}: {why}" if op != "store" else why
+    return None
+
+
+def _capable(spec: CacheSpec, skip: str = "") -> tuple[list[str], dict[str, str]]:
+    """Available backends that take ``spec``, best first, and why each other one does not."""
+    ok, why = [], {}
+    for info in backends():
+        if info.name == skip:
+            continue
+        reason = info.refusal(spec)
+        if reason is None:
+            ok.append(info.name)
+        else:
+            why[info.name] = reason
+    return ok, why
+
+
+def resolve(
+    name: str | Backend, spec: CacheSpec, allow_fallback: bool = False, options: dict[str, Any] | None = None
+) -> Backend:
+    """The backend a cache of ``spec`` runs on: an instance, a name, or "auto" (``KVHAL_BACKEND``
+    overrides "auto"). A backend that refuses the spec is an ``UnsupportedError`` naming those that
+    take it, unless ``allow_fallback`` (then the best of them, with a warning)."""
+    if options is not None and not isinstance(options, dict):
+        raise SpecError(f"backend_options must be a dict, got {type(options).__name__}")
+    if isinstance(name, Backend):
+        if options:
+            raise SpecError("backend_options apply to a backend given by name; configure the instance instead")
+        backend, requested = name, name.name
+    elif isinstance(name, str):
+        requested = (os.environ.get("KVHAL_BACKEND") or "auto") if name == "auto" else name
+        if requested == "auto":
+            ok, why = _capable(spec)
+            if not ok:
+                raise UnsupportedError(
+                    "no available backend takes this spec: " + "; ".join(f"{n}: {r}" for n, r in why.items())
+                )
+            return instance(ok[0], options)
+        info = {i.name: i for i in backends()}.get(requested)
+        if info is not None and not info.available and not options:  # options may name a usable device
             raise BackendUnavailableError(f"backend {requested!r} is unavailable: {info.reason}")
-        missing = [f for f in formats if not all(info.supports(f, op) for op in ("store", "load", "attention"))]
-        if not missing:
-            return info.cls
-        capable = _capable(formats)
-        if not allow_fallback or not capable:
-            raise UnsupportedError(
-                f"backend {requested!r} cannot run format(s) {', '.join(missing)}; "
-                f"backends that can: {', '.join(capable) or 'none'} "
-                "(pick one of them, or pass allow_fallback=True to use the best of them)"
-            )
-        warnings.warn(f"kvhal: {requested!r} cannot run {missing}; falling back to {capable[0]!r}", stacklevel=3)
-        return infos[capable[0]].cls  # type: ignore[return-value]
-    capable = _capable(formats)
-    if not capable:
-        raise UnsupportedError(f"no available backend runs format(s) {', '.join(formats)}")
-    best = infos[capable[0]]
-    if best.cls is None:  # pragma: no cover - _capable only lists loaded classes
-        raise KVHalError("internal: capable backend without class")
-    return best.cls
+        backend = instance(requested, options)
+    else:
+        raise SpecError(f"backend must be a name, 'auto' or a kvhal.Backend instance, got {type(name).__name__}")
+    why_not = refusal(backend, spec)
+    if why_not is None:
+        return backend
+    ok, _ = _capable(spec, skip=requested)
+    if not allow_fallback or not ok:
+        raise UnsupportedError(
+            f"backend {requested!r} refuses this spec ({why_not}); backends that take it: {', '.join(ok) or 'none'} "
+            "(pick one of them, or pass allow_fallback=True to use the best of them)"
+        )
+    warnings.warn(f"kvhal: {requested!r} refuses this spec ({why_not}); falling back to {ok[0]!r}", stacklevel=3)
+    return instance(ok[0])

@@ -61,6 +61,15 @@ class CacheSpec:
         """K+V bytes one token takes over all layers and KV heads."""
         return self.n_layers * self.n_kv_heads * (self.k_row_bytes + self.v_row_bytes)
 
+    def page_nbytes(self, which: str) -> int:
+        """Bytes of one block's K (``which="k"``) or V page of one layer: ``n_kv_heads * block_size`` rows."""
+        return self.n_kv_heads * self.block_size * (self.k_row_bytes if which == "k" else self.v_row_bytes)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one whole block, all layers, K and V: the unit of raw block I/O (snapshots, tiers)."""
+        return self.n_layers * (self.page_nbytes("k") + self.page_nbytes("v"))
+
     def pool_shape(self, n_blocks: int, which: str) -> tuple[int, int, int, int]:
         """Pool layout, shared by every backend: ``[n_blocks, n_kv_heads, block_size, row_bytes]`` uint8.
 

@@ -4,7 +4,7 @@
     python wheels/build.py --smoke [--with-deps] [NAME ...]   # install each in a fresh venv, run `kvhal info`
 
 Needs pip, hatchling, setuptools, wheel>=0.40 and tomli-w in the running interpreter (`nox -s wheels`
-installs them). A row whose source dir is not in this checkout (backends written on other branches)
+installs them). A row whose source dir is not in this checkout (a partial clone)
 or whose compiled artifacts are missing is skipped with one line; ``--strict`` makes either an error.
 ``--smoke`` installs each wheel with ``--no-deps`` plus numpy (so a CPU machine can check GPU wheels:
 their SDK is imported lazily and `kvhal info` says why the backend is unavailable); ``--with-deps``
@@ -71,7 +71,7 @@ class Skip(Exception):
 
 def check_source(v: Variant) -> None:
     if not (v.src / "pyproject.toml").is_file():
-        raise Skip(f"{v.source}/pyproject.toml is not in this checkout (its backend lives on another branch)")
+        raise Skip(f"{v.source}/pyproject.toml is not in this checkout")
     for pattern in v.artifacts:
         if not list(v.src.glob(pattern)):
             raise Skip(f"no {v.source}/{pattern}: run `nox -s {v.compile}` first")

@@ -4,8 +4,10 @@
     python backends/cuda/build_kernels.py cuda12   # NVRTC 12.9 (nvidia-cuda-nvrtc-cu12): sm_70..sm_90 + PTX
     python backends/cuda/build_kernels.py rocm     # Debian hipcc: gfx908 gfx90a gfx1030 code objects
 
-Writes kvhal_cuda/prebuilt/<target>/ (gitignored, shipped in the wheels) with manifest.json: the source's
-sha256, compiler, options and per-artifact arch, size, sha256 and compile seconds. Every warning is an
+Every compiler gets kvhal_cuda.source.kernel_source(): kvhal.cu with platform.h and the constants generated
+from kvhal's format registry inlined (so kvhal must be importable). Writes kvhal_cuda/prebuilt/<target>/
+(gitignored, shipped in the wheels) with manifest.json: that source's sha256, compiler, options and
+per-artifact arch, size, sha256 and compile seconds. Every warning is an
 error (nvcc -Werror all-warnings incl. ptxas spills; an NVRTC log with any warning; hipcc -Werror), and
 every artifact is checked to define all kernels. Exit 0 on success, 1 on failure, 3 when the target's
 compiler is not installed (one line says which and how to get it).
@@ -27,11 +29,10 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE / "kvhal_cuda"
-KERNELS = PKG / "kernels"
-SOURCE = KERNELS / "kvhal.cu"
 MISSING = 3
 DEPRECATED_70 = "Architectures prior to '<compute/sm>_75' are deprecated"
 
@@ -42,23 +43,35 @@ TARGETS = {
     "rocm": {"gfx": ["gfx908", "gfx90a", "gfx1030"]},
 }
 COMMON = ["--std=c++17"]  # fmad stays on: quantization uses __f*_rn, which never contract
-NVCC = [*COMMON, "-O3", "-Werror", "all-warnings", "-Xptxas", "-warn-spills,-warn-lmem-usage", "-I", str(KERNELS)]
+NVCC = [*COMMON, "-O3", "-Werror", "all-warnings", "-Xptxas", "-warn-spills,-warn-lmem-usage"]
 # code object v5: what ROCm 6/7 runtimes load (Debian's clang 15 defaults to v4)
 HIPCC = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-fno-gpu-flush-denormals-to-zero",
-         "-mcode-object-version=5", "-I", str(KERNELS)]  # fmt: skip
+         "-mcode-object-version=5"]  # fmt: skip
+
+
+def source() -> Any:
+    """kvhal_cuda/source.py: the one source every compiler and the runtime see (imports kvhal, not cupy)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from kvhal_cuda import source
+    finally:
+        sys.path.remove(str(HERE))
+    return source
 
 
 def kernel_source() -> str:
-    """The backend's own inlining (kvhal_cuda/source.py), loaded by path: no kvhal import needed here."""
-    spec = importlib.util.spec_from_file_location("_kvhal_cuda_source", PKG / "source.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return str(mod.kernel_source())
+    return str(source().kernel_source())
 
 
 def kernel_names() -> list[str]:
-    return re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', SOURCE.read_text())
+    return list(source().kernel_names())
+
+
+def write_source(directory: Path) -> Path:
+    """kernel_source() as a file for nvcc/hipcc, outside the output directory."""
+    path = directory / "kvhal.cu"
+    path.write_text(kernel_source())
+    return path
 
 
 def check_defines_all(data: bytes, what: str) -> None:
@@ -116,16 +129,19 @@ def build_nvcc(out: Path, spec: dict, jobs: int) -> dict:
         ("ptx", f"compute_{a}", ["-ptx", f"-arch=compute_{a}"], f"kvhal.compute_{a}.ptx") for a in spec["ptx"]
     ]
 
-    def one(job: tuple[str, str, list[str], str]) -> dict:
-        kind, arch, flags, name = job
-        dt, _ = run([nvcc, *flags, *NVCC, "-o", str(out / name), str(SOURCE)])
-        data = (out / name).read_bytes()
-        check_defines_all(data, name)
-        return artifact(kind, arch, name, data, dt)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_source(Path(tmp))
 
-    with ThreadPoolExecutor(jobs) as pool:
-        artifacts = list(pool.map(one, jobs_list))
-    return {"compiler": f"nvcc {version} ({nvcc})", "options": NVCC[:-2], "artifacts": artifacts}
+        def one(job: tuple[str, str, list[str], str]) -> dict:
+            kind, arch, flags, name = job
+            dt, _ = run([nvcc, *flags, *NVCC, "-o", str(out / name), str(src)])
+            data = (out / name).read_bytes()
+            check_defines_all(data, name)
+            return artifact(kind, arch, name, data, dt)
+
+        with ThreadPoolExecutor(jobs) as pool:
+            artifacts = list(pool.map(one, jobs_list))
+    return {"compiler": f"nvcc {version} ({nvcc})", "options": NVCC, "artifacts": artifacts}
 
 
 # ---- CUDA 12: NVRTC through its C API (what cuda.bindings.nvrtc wraps), no nvcc, no GPU -------------------
@@ -225,17 +241,20 @@ def build_hipcc(out: Path, spec: dict, jobs: int) -> dict:
     version = subprocess.run([hipcc, "--version"], capture_output=True, text=True, env=env).stdout.splitlines()
     version_line = next((v for v in version if v.startswith("HIP version")), "hipcc")
 
-    def one(arch: str) -> dict:
-        name = f"kvhal.{arch}.hsaco"
-        dt, _ = run([hipcc, "--genco", f"--offload-arch={arch}", *HIPCC, "-o", str(out / name), str(SOURCE)], env)
-        data = (out / name).read_bytes()
-        check_defines_all(data, name)
-        return artifact("hsaco", arch, name, data, dt)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_source(Path(tmp))
 
-    with ThreadPoolExecutor(jobs) as pool:
-        artifacts = list(pool.map(one, spec["gfx"]))
+        def one(arch: str) -> dict:
+            name = f"kvhal.{arch}.hsaco"
+            dt, _ = run([hipcc, "--genco", f"--offload-arch={arch}", *HIPCC, "-o", str(out / name), str(src)], env)
+            data = (out / name).read_bytes()
+            check_defines_all(data, name)
+            return artifact("hsaco", arch, name, data, dt)
+
+        with ThreadPoolExecutor(jobs) as pool:
+            artifacts = list(pool.map(one, spec["gfx"]))
     checks = [hiprtc_check(spec["gfx"][0])]
-    return {"compiler": f"hipcc, {version_line}", "checks": [c for c in checks if c], "options": ["HIP_PLATFORM=amd", "--genco", *HIPCC[:-2]],
+    return {"compiler": f"hipcc, {version_line}", "checks": [c for c in checks if c], "options": ["HIP_PLATFORM=amd", "--genco", *HIPCC],
             "artifacts": artifacts}  # fmt: skip
 
 

@@ -26,10 +26,10 @@ def make_cache(name: str, fmt_k: str, fmt_v: str | None = None, *, layers: int =
 
 
 def pool_bytes(cache: kvhal.KVCache, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    n = cache.n_blocks
-    p = cache.pools[layer]
-    k = np.asarray(cache.backend.to_numpy(p.k)).view(np.uint8).reshape(cache.spec.pool_shape(n, "k"))
-    v = np.asarray(cache.backend.to_numpy(p.v)).view(np.uint8).reshape(cache.spec.pool_shape(n, "v"))
+    """Layer ``layer``'s K and V pools, read straight from the backend's arrays."""
+    n, p = cache.n_blocks, cache.pools
+    k = np.asarray(cache.backend.to_numpy(p.k[layer])).view(np.uint8).reshape(cache.spec.pool_shape(n, "k"))
+    v = np.asarray(cache.backend.to_numpy(p.v[layer])).view(np.uint8).reshape(cache.spec.pool_shape(n, "v"))
     return k, v
 
 
@@ -41,7 +41,7 @@ def kv(rng: np.random.Generator, n: int, heads: int = 2, dim: int = 64) -> tuple
 
 
 def claimed(info: kvhal.BackendInfo) -> list[str]:
-    return [f for f in ALL_FORMATS if all(info.supports(f, op) for op in ("store", "load", "attention"))]
+    return [f for f in ALL_FORMATS if f in info.formats]
 
 
 @pytest.fixture()
@@ -224,3 +224,300 @@ def test_typed_errors_and_atomic_store(backend_info, rng):
         np.testing.assert_array_equal(x, y)
     assert before[1] == after[1]
     assert kvhal.to_numpy(cache.load(s, 0)[0]).shape == (20, 2, 64)
+
+
+def snapshot(cache: kvhal.KVCache) -> tuple:
+    """Everything a failed call must leave as it was: every pool byte, the stats, each sequence's lengths."""
+    pools = [tuple(x.copy() for x in pool_bytes(cache, layer)) for layer in range(cache.spec.n_layers)]
+    lens = {s: [cache.seq_len(s, layer) for layer in range(cache.spec.n_layers)] for s in cache.seqs}
+    return pools, cache.stats(), lens
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    for pa, pb in zip(a[0], b[0]):
+        for x, y in zip(pa, pb):
+            np.testing.assert_array_equal(x, y)
+    assert a[1:] == b[1:]
+
+
+def test_bad_input_is_a_typed_error_and_changes_nothing(backend_info, rng):
+    """Mistyped and out-of-range arguments: a KVHalError naming the problem, nothing changed."""
+    fmt = "bf16" if "bf16" in claimed(backend_info) else claimed(backend_info)[-1]
+    cache = make_cache(backend_info.name, fmt, layers=2, bs=8, cap=128)
+    s = cache.new_seq()
+    empty = cache.new_seq()
+    k, v = kv(rng, 12)
+    for layer in (0, 1):
+        cache.store(s, layer, k, v)
+    q = rng.standard_normal((1, 4, 64), dtype=np.float32)
+    before = snapshot(cache)
+    cases = [
+        (kvhal.PositionError, lambda: cache.store(s, True, k[:1], v[:1])),  # a bool is not layer 1
+        (kvhal.PositionError, lambda: cache.load(s, True)),
+        (kvhal.PositionError, lambda: cache.attention(True, q, [s])),
+        (kvhal.PositionError, lambda: cache.seq_len(s, True)),
+        (kvhal.PositionError, lambda: cache.store(s, 1.0, k[:1], v[:1])),
+        (kvhal.SequenceError, lambda: cache.store(True, 0, k[:1], v[:1])),  # True is not sequence 1
+        (kvhal.SequenceError, lambda: cache.store(0.0, 0, k[:1], v[:1])),  # nor 0.0 sequence 0
+        (kvhal.SequenceError, lambda: cache.store(np.float64(0), 0, k[:1], v[:1])),
+        (kvhal.SequenceError, lambda: cache.seq_len("0")),
+        (kvhal.SequenceError, lambda: cache.attention(0, q, s)),  # seqs must be a list
+        (kvhal.PositionError, lambda: cache.seq_rm(s, 1, 4.5)),
+        (kvhal.PositionError, lambda: cache.seq_rm(s, "1", 4)),
+        (kvhal.PositionError, lambda: cache.seq_cp(s, 1.5, 4)),
+        (kvhal.PositionError, lambda: cache.load(s, 0, 1.5)),
+        (kvhal.PositionError, lambda: cache.load(s, 0, None)),
+        (kvhal.PositionError, lambda: cache.load(s, 0, 0, 2.5)),
+        (kvhal.PositionError, lambda: cache.load(s, 0, 0, 13)),
+        (kvhal.DTypeError, lambda: cache.store(s, 0, "kv", "kv")),
+        (kvhal.DTypeError, lambda: cache.store(s, 0, [[[1.0] * 64, [1.0] * 63]], [[[1.0] * 64, [1.0] * 63]])),  # ragged
+        (kvhal.DTypeError, lambda: cache.store(s, 0, k[:1].astype(np.float64), v[:1])),
+        (kvhal.DTypeError, lambda: cache.attention(0, "q", [s])),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], scale="x")),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], scale=float("nan"))),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], scale=True)),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], window=2.0)),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], window=True)),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], causal="yes")),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], q_lens=[1.0])),
+        (kvhal.ShapeError, lambda: cache.attention(0, q, [s], q_lens=[True])),
+        (kvhal.ShapeError, lambda: cache.attention(0, q[:, :0], [s])),  # 0 query heads: one answer everywhere
+        (kvhal.ShapeError, lambda: cache.attention(0, q[:, :3], [s])),
+        (kvhal.SpecError, lambda: kvhal.KVCache(cache.spec, True, backend=backend_info.name)),
+        (kvhal.SpecError, lambda: kvhal.KVCache(cache.spec, 16.0, backend=backend_info.name)),
+        (kvhal.SpecError, lambda: kvhal.KVCache(cache.spec, 16, backend=backend_info.name,
+                                                backend_options={"no_such_option": 1})),
+    ]
+    for err, call in cases:
+        with pytest.raises(err) as info:
+            call()
+        assert isinstance(info.value, kvhal.KVHalError) and len(str(info.value)) > 20, str(info.value)
+    assert_same(before, snapshot(cache))
+    # empty ranges are empty results, not errors, on every backend (including one that covers no page)
+    for lo, hi in ((0, None), (8, 8), (0, 0), (12, 12)):
+        src = empty if hi is None else s
+        k0, v0 = (kvhal.to_numpy(x) for x in cache.load(src, 0, lo, hi))
+        assert k0.shape == v0.shape == (0, 2, 64)
+    # p1=None means "to the end" for every range call, as for load
+    t = cache.seq_cp(s, 4, None)
+    assert cache.seq_len(t) == 8
+    cache.seq_rm(t, 2, None)
+    assert cache.seq_len(t) == 2
+
+
+def test_two_caches_share_one_backend_instance(backend_info, rng):
+    """One instance serves any number of caches (different specs), also from two threads at once."""
+    import threading
+
+    from kvhal import registry
+
+    fmts = claimed(backend_info)
+    backend = registry.instance(backend_info.name)
+    specs = [
+        kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmts[-1], v_format=fmts[0], block_size=16),
+        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format=fmts[0], v_format=fmts[-1], block_size=8),
+    ]
+    caches = [kvhal.KVCache(sp, 256, backend=backend) for sp in specs]
+    refs = [kvhal.KVCache(sp, 256, backend="reference") for sp in specs]
+    assert caches[0].backend is caches[1].backend
+    data = [kv(rng, 70, sp.n_kv_heads, sp.head_dim) for sp in specs]
+    qs = [rng.standard_normal((2, 2 * sp.n_kv_heads, sp.head_dim), dtype=np.float32) for sp in specs]
+    errors: list[BaseException] = []
+    outs: dict[int, np.ndarray] = {}
+
+    def work(i: int, c: kvhal.KVCache) -> None:
+        try:
+            s = c.new_seq()
+            for t0 in range(0, 70, 10):  # interleaved small stores, as two engines' decode loops would
+                for layer in range(c.spec.n_layers):
+                    c.store(s, layer, data[i][0][t0 : t0 + 10], data[i][1][t0 : t0 + 10])
+            outs[i] = kvhal.to_numpy(c.attention(0, qs[i], [s], [2]))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i, c)) for i, c in enumerate(caches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (c, r) in enumerate(zip(caches, refs)):
+        s = r.new_seq()
+        for layer in range(r.spec.n_layers):
+            r.store(s, layer, *data[i])
+        for layer in range(r.spec.n_layers):
+            for x, y in zip(pool_bytes(c, layer), pool_bytes(r, layer)):
+                np.testing.assert_array_equal(x, y)
+        want = kvhal.to_numpy(r.attention(0, qs[i], [s], [2]))
+        assert float(np.abs(outs[i] - want).max()) <= c.backend.attention_tolerance + r.backend.attention_tolerance
+
+
+def test_read_write_blocks_round_trip_and_match_reference(backend_info, rng):
+    """Raw block I/O: the same bytes as the reference, and written blocks read back and attend the same."""
+    fmts = claimed(backend_info)
+    spec_args = {"layers": 2, "bs": 8, "cap": 128}
+    src = make_cache(backend_info.name, fmts[-1], fmts[0], **spec_args)
+    ref = make_cache("reference", fmts[-1], fmts[0], **spec_args)
+    k, v = kv(rng, 29)
+    for c in (src, ref):
+        s = c.new_seq()
+        for layer in (0, 1):
+            c.store(s, layer, k, v)
+    ids = np.array([3, 0, 2], np.int64)
+    got = src.backend.read_blocks(src.pools, ids)
+    want = ref.backend.read_blocks(ref.pools, ids)
+    assert got.dtype == np.uint8 and got.shape == (3, src.spec.block_nbytes)
+    np.testing.assert_array_equal(got, want)
+    for layer in (0, 1):  # and they are the pool bytes, in the documented order
+        kp, vp = pool_bytes(src, layer)
+        kb, vb = src.spec.page_nbytes("k"), src.spec.page_nbytes("v")
+        at = layer * (kb + vb)
+        np.testing.assert_array_equal(got[:, at : at + kb], kp[ids].reshape(3, -1))
+        np.testing.assert_array_equal(got[:, at + kb : at + kb + vb], vp[ids].reshape(3, -1))
+    # write the reference's blocks into a fresh cache of this backend: bytes and attention follow
+    dst = make_cache(backend_info.name, fmts[-1], fmts[0], **spec_args)
+    all_ids = np.arange(4, dtype=np.int64)
+    dst.backend.write_blocks(dst.pools, all_ids[::-1].copy(), ref.backend.read_blocks(ref.pools, all_ids[::-1].copy()))
+    for layer in (0, 1):
+        for x, y in zip(pool_bytes(dst, layer), pool_bytes(ref, layer)):
+            np.testing.assert_array_equal(x[:4], y[:4])
+    with pytest.raises(kvhal.ShapeError):
+        dst.backend.write_blocks(dst.pools, all_ids[:1], np.zeros((1, 3), np.uint8))
+
+
+SNAPSHOT_CHILD = """
+import sys, numpy as np, kvhal
+spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=sys.argv[2], v_format=sys.argv[3], block_size=8)
+c = kvhal.KVCache(spec, 128, backend=sys.argv[1], fingerprint=kvhal.Fingerprint("contract"))
+[s] = c.restore(sys.argv[4])
+q = np.load(sys.argv[5])
+np.save(sys.argv[6], kvhal.to_numpy(c.attention(1, q, [s], [3])))
+"""
+
+
+def test_snapshot_restores_byte_identically_across_backends(backend_info, rng, tmp_path):
+    """A snapshot saved on this backend restores into the reference with identical bytes (and back), and
+    into a fresh process on this backend with bit-identical attention."""
+    import subprocess
+    import sys
+
+    fmts = claimed(backend_info)
+    fk, fv = fmts[-1], fmts[0]
+    fp = kvhal.Fingerprint("contract")
+
+    def cache(name: str) -> kvhal.KVCache:
+        spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fk, v_format=fv, block_size=8)
+        return kvhal.KVCache(spec, 128, backend=name, fingerprint=fp)
+
+    src = cache(backend_info.name)
+    k, v = kv(rng, 27)
+    s = src.new_seq()
+    src.append_tokens(s, list(range(27)))
+    for layer in (0, 1):
+        src.store(s, layer, k, v)
+    path = tmp_path / "c.kvs"
+    src.save(path, seqs=[s])
+    ref = cache("reference")
+    ref.new_seq()  # occupy nothing, but shift the ids
+    [r] = ref.restore(path)
+    got = ref.backend.read_blocks(ref.pools, np.array(ref._seqs[r].blocks))
+    want = src.backend.read_blocks(src.pools, np.array(src._seqs[s].blocks))
+    np.testing.assert_array_equal(got, want)
+    ref.save(tmp_path / "back.kvs", seqs=[r])
+    back = cache(backend_info.name)
+    [b] = back.restore(tmp_path / "back.kvs")
+    np.testing.assert_array_equal(
+        back.backend.read_blocks(back.pools, np.array(back._seqs[b].blocks)),
+        src.backend.read_blocks(src.pools, np.array(src._seqs[s].blocks)),
+    )
+    assert back.match_prefix(list(range(30)))[1] == 24
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    np.save(tmp_path / "q.npy", q)
+    want = kvhal.to_numpy(src.attention(1, q, [s], [3]))
+    subprocess.run([sys.executable, "-c", SNAPSHOT_CHILD, backend_info.name, fk, fv, str(path), str(tmp_path / "q.npy"),
+                    str(tmp_path / "out.npy")], check=True)
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)
+
+
+def test_evict_equals_a_fresh_cache_of_the_kept_tokens(backend_info, rng):
+    """After evict, attention over the kept tokens equals a fresh cache that stored only them, bit for bit."""
+    from kvhal.eviction import SinkWindow
+
+    fmt = claimed(backend_info)[-1]
+    k, v = kv(rng, 45)
+    c = make_cache(backend_info.name, fmt, layers=2, bs=8, cap=256)
+    s = c.new_seq()
+    for layer in (0, 1):
+        c.store(s, layer, k, v)
+    shared = c.seq_cp(s, 0, 16)  # the sinks' whole block stays shared with this copy
+    res = c.evict(s, SinkWindow(sinks=8, window=13), keep_tokens=17)  # the window shrinks to 9
+    kept = np.r_[np.arange(8), np.arange(36, 45)]
+    np.testing.assert_array_equal(res.kept, kept)
+    np.testing.assert_array_equal(res.dropped, np.setdiff1d(np.arange(45), kept))
+    assert c.seq_len(s) == 17 and c._seqs[s].blocks[0] == c._seqs[shared].blocks[0]
+    fresh = make_cache(backend_info.name, fmt, layers=2, bs=8, cap=256)
+    f = fresh.new_seq()
+    for layer in (0, 1):
+        fresh.store(f, layer, k[kept], v[kept])
+    q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    for layer in (0, 1):
+        got = kvhal.to_numpy(c.attention(layer, q, [s], [2]))
+        np.testing.assert_array_equal(got, kvhal.to_numpy(fresh.attention(layer, q, [f], [2])))
+        for x, y in zip(c.load(s, layer), fresh.load(f, layer)):
+            np.testing.assert_array_equal(kvhal.to_numpy(x), kvhal.to_numpy(y))
+
+
+def test_tier_round_trip(backend_info, rng):
+    """Blocks written down to a tier when their space is reused come back through match_prefix, bit-exact."""
+    from kvhal.tiers import HostTier
+
+    fmt = claimed(backend_info)[-1]
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8)
+    tier = HostTier(max_bytes=1 << 22)
+    c = kvhal.KVCache(spec, 64, backend=backend_info.name, fingerprint=kvhal.Fingerprint("contract"), tiers=[tier])
+    k, v = kv(rng, 33)
+    s = c.new_seq()
+    c.append_tokens(s, list(range(33)))
+    for layer in (0, 1):
+        c.store(s, layer, k, v)
+    q = rng.standard_normal((1, 4, 64), dtype=np.float32)
+    want = kvhal.to_numpy(c.attention(1, q, [s], [1])).copy()
+    c.free_seq(s)
+    filler = c.new_seq()
+    for layer in (0, 1):
+        c.store(filler, layer, *kv(rng, 64))  # reuses every cached block: written down to the tier
+    c.free_seq(filler)
+    assert c.stats().tier_written_blocks == 4
+    t, n = c.match_prefix(list(range(33)))
+    assert n == 32 and c.stats().tier_hit_blocks == 4
+    for layer in (0, 1):
+        c.store(t, layer, k[32:], v[32:])
+    np.testing.assert_array_equal(kvhal.to_numpy(c.attention(1, q, [t], [1])), want)
+
+
+def test_block_io_rejects_bad_ids(backend_info):
+    c = make_cache(backend_info.name, claimed(backend_info)[-1], cap=64)
+    data = c.backend.read_blocks(c.pools, np.array([0, 1]))
+    for bad in (np.array([c.n_blocks]), np.array([-1]), np.array([0.5]), np.zeros((1, 1), np.int64)):
+        with pytest.raises((kvhal.PositionError, kvhal.ShapeError)):
+            c.backend.read_blocks(c.pools, bad)
+    with pytest.raises((kvhal.PositionError, kvhal.ShapeError)):
+        c.backend.write_blocks(c.pools, np.array([0]), data)  # 1 id, 2 blocks of data
+
+
+def test_streamed_attention_equals_resident(backend_info, rng):
+    """A sequence offloaded to host memory and streamed through the arena attends like a resident one."""
+    fmt = claimed(backend_info)[-1]
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8)
+    small = kvhal.KVCache(spec, 32, backend=backend_info.name, stream_arena_tokens=24)
+    big = kvhal.KVCache(spec, 256, backend=backend_info.name)
+    s, r = small.new_seq(), big.new_seq()
+    k, v = kv(rng, 200)
+    for start in range(0, 200, 20):
+        small.store(s, 0, k[start : start + 20], v[start : start + 20])
+        big.store(r, 0, k[start : start + 20], v[start : start + 20])
+        small.offload(s, keep_tokens=8)
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    got = kvhal.to_numpy(small.attention(0, q, [s], [3]))
+    want = kvhal.to_numpy(big.attention(0, q, [r], [3]))
+    assert float(np.abs(got - want).max()) <= 2 * big.backend.attention_tolerance

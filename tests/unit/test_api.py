@@ -71,7 +71,7 @@ def test_validation_errors_change_nothing():
     c = cache()
     s = c.new_seq()
     c.store(s, 0, rows(5), rows(5))
-    snapshot = c.stats(), [p.k.copy() for p in c.pools]
+    snapshot = c.stats(), [k.copy() for k in c.pools.k]
     bad = [
         (kvhal.ShapeError, lambda: c.store(s, 0, rows(3, heads=1), rows(3, heads=1))),
         (kvhal.ShapeError, lambda: c.store(s, 0, rows(3), rows(2))),
@@ -95,8 +95,8 @@ def test_validation_errors_change_nothing():
             call()
         assert isinstance(info.value, kvhal.KVHalError) and len(str(info.value)) > 20
     assert c.stats() == snapshot[0]
-    for p, k in zip(c.pools, snapshot[1]):
-        np.testing.assert_array_equal(p.k, k)
+    for p, k in zip(c.pools.k, snapshot[1]):
+        np.testing.assert_array_equal(p, k)
 
 
 def test_float16_and_torch_inputs_through_dlpack():
@@ -172,7 +172,7 @@ def test_unsupported_format_is_an_error_unless_fallback_allowed(monkeypatch):
 
     monkeypatch.setattr(registry, "_classes", lambda: {"reference": ReferenceBackend, "f16only": F16Only})
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="q4_0", v_format="f16")
-    with pytest.raises(kvhal.UnsupportedError, match="backends that can: reference"):
+    with pytest.raises(kvhal.UnsupportedError, match="backends that take it: reference"):
         kvhal.KVCache(spec, 16, backend="f16only")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -201,3 +201,116 @@ def test_attention_default_scale_gqa_and_q_lens_defaults():
     np.testing.assert_allclose(out, attention_f64(q, [ka, kb], [ka, kb], [1, 1]), atol=1e-6)
     with pytest.raises(kvhal.ShapeError, match="q_lens"):
         c.attention(0, rows(3, heads=8), [a, b])
+
+
+def test_supports_sees_the_spec_and_auto_moves_on(monkeypatch):
+    """A device limit is refused by supports() before anything is allocated; auto takes the next backend."""
+    allocated = []
+
+    class SmallHeads(ReferenceBackend):
+        name = "smallheads"
+
+        @classmethod
+        def probe(cls) -> kvhal.Probe:
+            return kvhal.Probe(10, "test backend with a head_dim limit")
+
+        def supports(self, spec, op):
+            return super().supports(spec, op) or (f"head_dim {spec.head_dim} > 64" if spec.head_dim > 64 else None)
+
+        def allocate(self, spec, n_blocks):
+            allocated.append(spec)
+            return super().allocate(spec, n_blocks)
+
+    class Absent(ReferenceBackend):
+        name = "absent"
+
+        @classmethod
+        def probe(cls) -> kvhal.Probe:
+            return kvhal.Probe(None, "no such device here")
+
+    from kvhal import registry
+
+    monkeypatch.setattr(
+        registry, "_classes", lambda: {"reference": ReferenceBackend, "smallheads": SmallHeads, "absent": Absent}
+    )
+    big = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=128)
+    small = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=64)
+    assert kvhal.KVCache(small, 16).backend.name == "smallheads"
+    assert kvhal.KVCache(big, 16).backend.name == "reference"
+    with pytest.raises(kvhal.UnsupportedError, match="head_dim 128 > 64"):
+        kvhal.KVCache(big, 16, backend="smallheads")
+    assert allocated == [small]  # the refusal came before allocation
+    with pytest.raises(kvhal.BackendUnavailableError, match="no such device here"):
+        kvhal.KVCache(small, 16, backend="absent")
+    info = {b.name: b for b in kvhal.backends()}
+    assert info["smallheads"].refusal(big) == "head_dim 128 > 64" and info["smallheads"].refusal(small) is None
+    assert "no such device here" in info["absent"].refusal(small)
+    from kvhal.cli import info_data
+
+    rows = {r["name"]: r for r in info_data(big)["backends"]}
+    assert rows["smallheads"]["spec_refused"] == "head_dim 128 > 64" and rows["reference"]["spec_refused"] is None
+
+
+def test_info_spec_cli(capsys):
+    from kvhal.cli import main
+
+    assert main(["info", "--spec", "head_dim=512,k_format=q8_0", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["spec"]["head_dim"] == 512
+    assert {r["name"]: r["spec_refused"] for r in data["backends"]}["reference"] is None
+    assert main(["info", "--spec", "head_dim=x"]) == 2
+    assert "takes an integer" in capsys.readouterr().err
+    assert main(["info", "--spec", "nope=1"]) == 2
+
+
+def test_backend_options_are_parsed_once_with_typed_errors(monkeypatch):
+    from kvhal.backend_util import Option, parse_options, positive
+
+    opts = (Option("threads", int, 4, env="KVHAL_TEST_THREADS", check=positive), Option("device", str, "x"))
+    assert parse_options("t", {}, opts) == {"threads": 4, "device": "x"}
+    assert parse_options("t", {"threads": np.int64(2)}, opts)["threads"] == 2
+    monkeypatch.setenv("KVHAL_TEST_THREADS", "3")
+    assert parse_options("t", {}, opts)["threads"] == 3
+    assert parse_options("t", {"threads": 5}, opts)["threads"] == 5  # the argument wins over the variable
+    for bad, match in (
+        ({"thread": 1}, "no option thread; the options it takes: device, threads"),
+        ({"threads": True}, "must be int, got bool"),
+        ({"threads": "2"}, "must be int, got str"),
+        ({"threads": 0}, "must be > 0"),
+        ({"device": 3}, "must be str"),
+    ):
+        with pytest.raises(kvhal.SpecError, match=match):
+            parse_options("t", bad, opts)
+    monkeypatch.setenv("KVHAL_TEST_THREADS", "many")
+    with pytest.raises(kvhal.SpecError, match="KVHAL_TEST_THREADS"):
+        parse_options("t", {}, opts)
+    with pytest.raises(kvhal.SpecError, match="no option threads"):
+        kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 16, backend="reference",
+                      backend_options={"threads": 2})
+
+
+def test_visible_range_matches_the_rule():
+    from kvhal.backend_util import visible_range
+
+    seq_lens, q_lens = np.array([5, 9, 3]), np.array([2, 3, 1])
+    for causal, window in ((True, None), (False, None), (True, 2), (False, 4)):
+        seq, pos, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+        want = []
+        for s, (n, nq) in enumerate(zip(seq_lens, q_lens)):
+            for i in range(nq):
+                p = n - nq + i
+                vis = [j for j in range(n) if (not causal or j <= p) and (window is None or j > p - window)]
+                want.append((s, p, min(vis), max(vis) + 1))
+        assert list(zip(seq.tolist(), pos.tolist(), lo.tolist(), hi.tolist())) == want
+
+
+def test_format_table_comes_from_the_registry():
+    from kvhal.backend_util import format_id, format_table
+
+    table = format_table()
+    assert [row[0] for row in table] == formats.names()
+    for name, fid, block_len, block_bytes in table:
+        f = formats.get(name)
+        assert format_id(name) == fid and (f.block_len, f.block_bytes) == (block_len, block_bytes)

@@ -26,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from kvhal import formats
+
 OPSET = 26  # BitCast arrived in opset 26
 IR_VERSION = 13  # the IR of opset 26 (onnx 1.21); pinned so a newer onnx does not outrun onnxruntime
-QK = 32
+QK = 32  # values per ggml block: the nibble and high-bit layouts below are written for it
 FLOAT_VIEW: dict[str, np.dtype[Any]] = {
     "f32": np.dtype(np.uint32),
     "f16": np.dtype(np.uint16),
@@ -151,23 +153,23 @@ def dequantize(g: _Builder, x: str, fmt: str, lead: int, head_dim: int) -> str:
         return g.cast(g.bitcast(x, np.float16), np.float32)
     if fmt == "bf16":  # bf16 is the top half of an f32
         return g.bitcast(g.shl(g.cast(x, np.uint32), 16, np.uint32), np.float32)
-    nblk = head_dim // QK
-    bb = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}[fmt]
-    b = g.reshape(x, [0] * lead + [nblk, bb])
+    f = formats.get(fmt)
+    end = f.block_bytes  # the quants run to the end of each block
+    b = g.reshape(x, [0] * lead + [head_dim // f.block_len, end])
     d = _f16_field(g, b, 0, signed=fmt == "q8_0")
     if fmt == "q8_0":
-        out = g.op("Mul", d, g.cast(g.last(b, 2, 34), np.float32))
+        out = g.op("Mul", d, g.cast(g.last(b, 2, end), np.float32))
     elif fmt == "q4_0":
-        q = g.op("Sub", g.cast(_nibbles(g, g.last(b, 2, 18)), np.float32), g.const(8, np.float32))
+        q = g.op("Sub", g.cast(_nibbles(g, g.last(b, 2, end)), np.float32), g.const(8, np.float32))
         out = g.op("Mul", d, q)
     elif fmt == "q4_1":
-        q = g.cast(_nibbles(g, g.last(b, 4, 20)), np.float32)
+        q = g.cast(_nibbles(g, g.last(b, 4, end)), np.float32)
         out = g.op("Add", g.op("Mul", d, q), _f16_field(g, b, 2))
     elif fmt == "q5_0":
-        q5 = g.op("BitwiseOr", _nibbles(g, g.last(b, 6, 22)), g.shl(_high_bits(g, g.last(b, 2, 6), lead), 4, np.uint8))
+        q5 = g.op("BitwiseOr", _nibbles(g, g.last(b, 6, end)), g.shl(_high_bits(g, g.last(b, 2, 6), lead), 4, np.uint8))
         out = g.op("Mul", d, g.op("Sub", g.cast(q5, np.float32), g.const(16, np.float32)))
     else:  # q5_1
-        q5 = g.op("BitwiseOr", _nibbles(g, g.last(b, 8, 24)), g.shl(_high_bits(g, g.last(b, 4, 8), lead), 4, np.uint8))
+        q5 = g.op("BitwiseOr", _nibbles(g, g.last(b, 8, end)), g.shl(_high_bits(g, g.last(b, 4, 8), lead), 4, np.uint8))
         out = g.op("Add", g.op("Mul", d, g.cast(q5, np.float32)), _f16_field(g, b, 2))
     return g.reshape(out, [0] * lead + [head_dim])
 
@@ -231,8 +233,8 @@ def quantize(g: _Builder, x: str, fmt: str, head_dim: int) -> str:
         odd = g.op("BitwiseAnd", g.shr(u, 16, np.uint32), g.const(1, np.uint32))
         r = g.op("Add", g.op("Add", u, g.const(0x7FFF, np.uint32)), odd)
         return g.cast(g.shr(r, 16, np.uint32), np.uint16)
-    nblk = head_dim // QK
-    b = g.reshape(x, [0, 0, nblk, QK])
+    f = formats.get(fmt)
+    b = g.reshape(x, [0, 0, head_dim // f.block_len, f.block_len])
     k = g.const([-1], np.int64)
     if fmt == "q8_0":
         d = g.op("Div", g.op("ReduceMax", g.op("Abs", b), k, keepdims=1), g.const(127, np.float32))
@@ -269,9 +271,7 @@ def quantize(g: _Builder, x: str, fmt: str, head_dim: int) -> str:
 
 def row_elems(fmt: str, head_dim: int) -> int:
     """Elements of one stored row in ``view_dtype(fmt)``."""
-    if fmt in FLOAT_VIEW:
-        return head_dim
-    return head_dim // QK * {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}[fmt]
+    return formats.get(fmt).row_bytes(head_dim) // view_dtype(fmt).itemsize
 
 
 def store_graph(k_fmt: str, v_fmt: str, n_kv_heads: int, head_dim: int) -> bytes:

@@ -54,8 +54,10 @@ def cache(
     spec = kvhal.CacheSpec(
         n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt, v_format=v_fmt or fmt, block_size=bs
     )
-    opts = {} if backend != "arm" or kleidiai is None else {"kleidiai": kleidiai}
-    return kvhal.KVCache(spec, cap, backend=backend, backend_options=opts)
+    if backend != "arm":
+        return kvhal.KVCache(spec, cap, backend=backend)
+    # a fresh instance: it reads the environment the test set (the registry's shared one read it once)
+    return kvhal.KVCache(spec, cap, backend=ArmBackend(**({} if kleidiai is None else {"kleidiai": kleidiai})))
 
 
 def adversarial(fmt: str, rng: np.random.Generator, n: int = 24, heads: int = 2, dim: int = 64) -> np.ndarray:
@@ -82,8 +84,8 @@ def adversarial(fmt: str, rng: np.random.Generator, n: int = 24, heads: int = 2,
 
 
 def pool_bytes(c: kvhal.KVCache) -> tuple[np.ndarray, np.ndarray]:
-    p = c.pools[0]
-    return (np.asarray(c.backend.to_numpy(p.k)).view(np.uint8), np.asarray(c.backend.to_numpy(p.v)).view(np.uint8))
+    p = c.pools
+    return (np.asarray(c.backend.to_numpy(p.k[0])).view(np.uint8), np.asarray(c.backend.to_numpy(p.v[0])).view(np.uint8))
 
 
 @pytest.mark.parametrize("kleidiai", TOGGLE)
@@ -176,7 +178,7 @@ def test_split_runs_match_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = c.backend
     assert isinstance(backend, ArmBackend)
     monkeypatch.setattr(ArmBackend, "run_budget", 20_000)
-    runs = backend._plan(np.array(lens), np.array(q_lens), np.array([0, 20, 21]), 4)
+    runs = backend._plan(c.spec, np.array(lens), np.array(q_lens), np.array([0, 20, 21]), 4)
     assert len(runs) > len(lens)  # some sequence's queries were split across runs
     split = kvhal.to_numpy(c.attention(0, q, seqs, q_lens, window=17))
     np.testing.assert_allclose(split, whole, rtol=0, atol=1e-6)
@@ -273,22 +275,27 @@ def test_providers_option_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_bad_settings_are_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(kvhal.SpecError, match="no option"):
         ArmBackend(thread_count=4)
-    for bad in (-1, "two", True, 1.5):
-        with pytest.raises(kvhal.SpecError, match="thread count"):
+    for bad in (-1, "two", True, 1.5, "2"):  # no silent truncation or bool-as-int
+        with pytest.raises(kvhal.SpecError, match="option threads"):
             ArmBackend(threads=bad)
-    with pytest.raises(kvhal.SpecError, match="kleidiai"):
-        ArmBackend(kleidiai="maybe")
-    with pytest.raises(kvhal.SpecError, match="names no provider"):
-        ArmBackend(providers=[])
+    for bad in ("maybe", 2, 0.0, "1"):
+        with pytest.raises(kvhal.SpecError, match="option kleidiai"):
+            ArmBackend(kleidiai=bad)
+    for bad in ([], ",", ["CPUExecutionProvider", 1], 3):
+        with pytest.raises(kvhal.SpecError, match="option providers"):
+            ArmBackend(providers=bad)
+    for env, value in (("KVHAL_KLEIDIAI", "yes"), ("KVHAL_ORT_THREADS", "-1"), ("KVHAL_ORT_THREADS", "1.5")):
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            probe = ArmBackend.probe()
+            assert probe.score is None and env in probe.reason and value in probe.reason
+            with pytest.raises(kvhal.SpecError, match=env):
+                ArmBackend()
+            with pytest.raises(kvhal.BackendUnavailableError, match=env):
+                kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 16, backend="arm")
     monkeypatch.setenv("KVHAL_KLEIDIAI", "yes")
-    assert ArmBackend.probe() is None
-    assert (
-        ArmBackend.unavailable_reason()
-        == "KVHAL_KLEIDIAI='yes': use 1 (KleidiAI on) or 0 (off), or True/False as a backend option"
-    )
-    with pytest.raises(kvhal.BackendUnavailableError, match="KVHAL_KLEIDIAI"):
-        cache("f16")
     assert ArmBackend(kleidiai=False).settings.kleidiai is False  # the option still beats a bad env value
+    assert ArmBackend(kleidiai=0).settings.kleidiai is False
 
 
 @pytest.mark.parametrize("machine", ["x86_64", "aarch64", "arm64"])
@@ -296,7 +303,7 @@ def test_probe_reports_kleidiai(monkeypatch: pytest.MonkeyPatch, machine: str) -
     monkeypatch.setattr(platform, "machine", lambda: machine)
     monkeypatch.setenv("KVHAL_KLEIDIAI", "0")
     p = ArmBackend.probe()
-    assert p is not None
+    assert p.available
     assert "KleidiAI off (KVHAL_KLEIDIAI=0; mlas.disable_kleidiai=1)" in p.reason
     if machine == "x86_64":
         assert "cannot apply on this x86_64 machine (arm64 only)" in p.reason and p.score == 5
@@ -305,13 +312,23 @@ def test_probe_reports_kleidiai(monkeypatch: pytest.MonkeyPatch, machine: str) -
     assert "KleidiAI off" in ArmBackend().describe()
 
 
-def test_unavailable_reason_when_onnxruntime_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_reason_when_onnxruntime_missing_or_old(monkeypatch: pytest.MonkeyPatch) -> None:
     real = kvhal_arm.importlib.util.find_spec
-    monkeypatch.setattr(kvhal_arm.importlib.util, "find_spec", lambda m: None if m == "onnxruntime" else real(m))
-    assert ArmBackend.probe() is None
-    assert ArmBackend.unavailable_reason() == (
-        "onnxruntime is not installed (pip install kvhal-arm, or pip install onnxruntime onnx)"
+    with monkeypatch.context() as m:
+        m.setattr(kvhal_arm.importlib.util, "find_spec", lambda name: None if name == "onnxruntime" else real(name))
+        assert ArmBackend.probe() == kvhal.Probe(
+            None, "onnxruntime is not installed (pip install kvhal-arm, or pip install onnxruntime onnx)"
+        )
+        with pytest.raises(kvhal.BackendUnavailableError, match="onnxruntime is not installed"):
+            ArmBackend()
+    real_version = kvhal_arm.importlib.metadata.version
+    monkeypatch.setattr(
+        kvhal_arm.importlib.metadata, "version", lambda d: "1.24.4" if d == "onnxruntime" else real_version(d)
     )
+    probe = ArmBackend.probe()
+    assert probe.score is None and "onnxruntime 1.24.4 is too old" in probe.reason and ">= 1.25" in probe.reason
+    with pytest.raises(kvhal.BackendUnavailableError, match="too old"):
+        ArmBackend()
 
 
 def test_import_kvhal_imports_no_onnxruntime() -> None:

@@ -21,7 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-QK = 32
+from kvhal import formats
+
+QK = 32  # values per ggml block: the nibble and high-bit layouts below are written for it
 _Codec = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -197,35 +199,35 @@ def _q5_1_dq(b: torch.Tensor) -> torch.Tensor:
     return _f16_from(b[:, 0:2]) * q + _f16_from(b[:, 2:4])
 
 
-# name -> (quantize, dequantize, block_len, block_bytes); block_len 1 means a whole-row float codec
-CODECS: dict[str, tuple[_Codec, _Codec, int, int]] = {
-    "f32": (_f32_q, _f32_dq, 1, 4),
-    "f16": (_f16_q, _f16_dq, 1, 2),
-    "bf16": (_bf16_q, _bf16_dq, 1, 2),
-    "q8_0": (_q8_0_q, _q8_0_dq, QK, 34),
-    "q4_0": (_q4_0_q, _q4_0_dq, QK, 18),
-    "q4_1": (_q4_1_q, _q4_1_dq, QK, 20),
-    "q5_0": (_q5_0_q, _q5_0_dq, QK, 22),
-    "q5_1": (_q5_1_q, _q5_1_dq, QK, 24),
+# name -> (quantize, dequantize); block sizes come from the format registry (block_len 1: a whole-row float codec)
+CODECS: dict[str, tuple[_Codec, _Codec]] = {
+    "f32": (_f32_q, _f32_dq),
+    "f16": (_f16_q, _f16_dq),
+    "bf16": (_bf16_q, _bf16_dq),
+    "q8_0": (_q8_0_q, _q8_0_dq),
+    "q4_0": (_q4_0_q, _q4_0_dq),
+    "q4_1": (_q4_1_q, _q4_1_dq),
+    "q5_0": (_q5_0_q, _q5_0_dq),
+    "q5_1": (_q5_1_q, _q5_1_dq),
 }
 
 
 def quantize(name: str, x: torch.Tensor) -> torch.Tensor:
     """Float rows ``[..., n]`` (f32/f16/bf16, any device) -> bytes ``[..., row_bytes]`` uint8, same device."""
-    q, _, block_len, block_bytes = CODECS[name]
+    f = formats.get(name)
     x = x.to(torch.float32)  # exact for f16/bf16 inputs, as the reference's astype(float32)
-    if block_len == 1:
-        return q(x)
+    if f.block_len == 1:
+        return CODECS[name][0](x)
     n = x.shape[-1]
-    out = q(x.reshape(-1, block_len))
-    return out.reshape(*x.shape[:-1], n // block_len * block_bytes)
+    out = CODECS[name][0](x.reshape(-1, f.block_len))
+    return out.reshape(*x.shape[:-1], n // f.block_len * f.block_bytes)
 
 
 def dequantize(name: str, b: torch.Tensor) -> torch.Tensor:
     """Bytes ``[..., row_bytes]`` uint8 -> f32 rows ``[..., n]``."""
-    _, dq, block_len, block_bytes = CODECS[name]
-    if block_len == 1:
-        return dq(b)
+    f = formats.get(name)
+    if f.block_len == 1:
+        return CODECS[name][1](b)
     nb = b.shape[-1]
-    out = dq(b.reshape(-1, block_bytes))
-    return out.reshape(*b.shape[:-1], nb // block_bytes * block_len)
+    out = CODECS[name][1](b.reshape(-1, f.block_bytes))
+    return out.reshape(*b.shape[:-1], nb // f.block_bytes * f.block_len)

@@ -60,7 +60,9 @@ def fake_torch_npu(monkeypatch, tmp_path: Path, body: str) -> None:
 
 
 def state() -> tuple[kvhal.Probe | None, str]:
-    return AscendBackend.probe(), AscendBackend.unavailable_reason()
+    """The probe when the backend is usable (else None) and its reason either way."""
+    p = AscendBackend.probe()
+    return (p if p.available else None), p.reason
 
 
 @pytest.mark.parametrize("device", [None, "cpu", "npu"])
@@ -140,9 +142,35 @@ def test_probe_cpu_and_bad_value(probe_env):
     assert probe is not None and probe.device == "cpu" and probe.score < kvhal_ascend.NPU_SCORE
     probe_env.setenv(kvhal_ascend.ENV_DEVICE, "gpu")
     probe, reason = state()
-    assert probe is None and "'gpu'" in reason
-    with pytest.raises(kvhal.BackendUnavailableError, match="gpu"):
+    assert probe is None and "'gpu'" in reason and kvhal_ascend.ENV_DEVICE in reason
+    with pytest.raises(kvhal.SpecError, match="gpu"):
+        AscendBackend()
+    with pytest.raises(kvhal.BackendUnavailableError, match="gpu"):  # by name: the probe's reason
+        make("ascend")
+    with pytest.raises(kvhal.SpecError, match="gpu"):
         AscendBackend(device="gpu")
+    assert AscendBackend(device="cpu").device.type == "cpu"  # the option beats the environment
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_batch_bytes": "big"},
+        {"attention_batch_bytes": 0},
+        {"attention_batch_bytes": True},
+        {"attention_batch_bytes": 1.5e6},
+        {"device": 0},
+        {"device": ""},
+        {"no_such_option": 1},
+    ],
+)
+def test_bad_options_are_spec_errors(options):
+    with pytest.raises(kvhal.SpecError, match="backend 'ascend'"):
+        AscendBackend(**options)
+
+
+def test_codecs_cover_every_claimed_format():
+    assert set(ggml_torch.CODECS) == set(AscendBackend.formats) == set(formats.names())
 
 
 def test_probe_cuda_check_path(probe_env):
@@ -181,8 +209,8 @@ def make(backend, fmt="q8_0", heads=2, dim=64, cap=128) -> kvhal.KVCache:
 
 
 def pools_np(cache: kvhal.KVCache) -> list[np.ndarray]:
-    p = cache.pools[0]
-    return [np.asarray(cache.backend.to_numpy(x)) for x in (p.k, p.v)]
+    p = cache.pools
+    return [np.asarray(cache.backend.to_numpy(x)) for x in (p.k[0], p.v[0])]
 
 
 @pytest.fixture()
@@ -282,15 +310,15 @@ def test_check_values_on_device_matches_format(cpu, monkeypatch, fmt, dtype):
         def host_copy(*a, **k):
             raise AssertionError("check_values copied the tensor to the host")
 
-        with monkeypatch.context() as m:  # no whole-tensor trip through numpy or the host
-            m.setattr(torch.Tensor, "numpy", host_copy)
-            m.setattr(torch.Tensor, "cpu", host_copy)
-            m.setattr(cpu, "to_numpy", host_copy)
-            if want is None:
+        if want is None:
+            with monkeypatch.context() as m:  # valid input: no whole-tensor trip through numpy or the host
+                m.setattr(torch.Tensor, "numpy", host_copy)
+                m.setattr(torch.Tensor, "cpu", host_copy)
+                m.setattr(cpu, "to_numpy", host_copy)
                 cpu.check_values(f, t)
-                continue
-            with pytest.raises(kvhal.NonFiniteError) as err:
-                cpu.check_values(f, t)
+            continue
+        with pytest.raises(kvhal.NonFiniteError) as err:  # the format's own words, not a copy of them
+            cpu.check_values(f, t)
         assert str(err.value) == want, name
 
 
@@ -366,13 +394,32 @@ def test_copy_slots_overlapping_gathers_then_scatters(cpu):
     rng = np.random.default_rng(9)
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="q4_1", v_format="bf16", block_size=8)
     ref = ReferenceBackend()
-    ours, theirs = cpu.allocate(spec, 4)[0], ref.allocate(spec, 4)[0]
+    ours, theirs = cpu.allocate(spec, 4), ref.allocate(spec, 4)
     k, v = rng.standard_normal((2, 32, 2, 64), dtype=np.float32)
     slots = np.arange(32)
-    cpu.store(ours, cpu.asarray(k, "k"), cpu.asarray(v, "v"), slots)
-    ref.store(theirs, k, v, slots)
+    cpu.store(ours, 0, cpu.asarray(k, "k"), cpu.asarray(v, "v"), slots)
+    ref.store(theirs, 0, k, v, slots)
     src, dst = np.arange(3, 20), np.arange(7, 24)  # overlapping, forward
-    cpu.copy_slots(ours, src, dst)
-    ref.copy_slots(theirs, src, dst)
-    np.testing.assert_array_equal(cpu.to_numpy(ours.k), theirs.k)
-    np.testing.assert_array_equal(cpu.to_numpy(ours.v), theirs.v)
+    cpu.copy_slots(ours, 0, src, dst)
+    ref.copy_slots(theirs, 0, src, dst)
+    np.testing.assert_array_equal(cpu.to_numpy(ours.k[0]), theirs.k[0])
+    np.testing.assert_array_equal(cpu.to_numpy(ours.v[0]), theirs.v[0])
+
+
+def test_block_io_of_no_blocks_and_repeated_writes(cpu):
+    rng = np.random.default_rng(2)
+    spec = kvhal.CacheSpec(n_layers=3, n_kv_heads=2, head_dim=64, k_format="q5_0", v_format="f16", block_size=4)
+    ours, theirs = cpu.allocate(spec, 6), ReferenceBackend().allocate(spec, 6)
+    none = np.zeros(0, np.int64)
+    assert cpu.read_blocks(ours, none).shape == (0, spec.block_nbytes)
+    cpu.write_blocks(ours, none, np.zeros((0, spec.block_nbytes), np.uint8))
+    data = rng.integers(0, 256, (3, spec.block_nbytes), dtype=np.uint8)
+    data.flags.writeable = False  # a read-only source is fine (and not written)
+    for backend, pools in ((cpu, ours), (ReferenceBackend(), theirs)):
+        backend.write_blocks(pools, np.array([5, 1, 2]), data)
+    all_ids = np.arange(6)
+    np.testing.assert_array_equal(cpu.read_blocks(ours, all_ids), ReferenceBackend().read_blocks(theirs, all_ids))
+    for layer in range(3):
+        np.testing.assert_array_equal(cpu.to_numpy(ours.k[layer]), theirs.k[layer])
+    with pytest.raises(kvhal.ShapeError):
+        cpu.write_blocks(ours, all_ids[:1], data[:1].astype(np.int8))

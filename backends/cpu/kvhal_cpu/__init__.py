@@ -1,148 +1,97 @@
 """kvhal's fast CPU backend: fused attention straight over the quantized pages.
 
 The kernels (``csrc/``) are compiled into one shared library when the package is built and loaded
-here with ctypes; the instruction set is picked at run time from cpuid (``KVHAL_CPU_ISA`` or the
-``isa`` option forces one). Pools are numpy ``uint8`` arrays in kvhal's layout, so ``to_numpy`` is free
-and the bytes are the reference backend's.
-
-Options (``backend_options`` of ``KVCache``, or ``CpuBackend(...)``):
-  threads   worker threads; default ``KVHAL_CPU_THREADS`` or ``os.cpu_count()``
-  isa       "scalar", "avx2", "avx512" or "neon"; default ``KVHAL_CPU_ISA`` or the best this CPU has
-  kv_split  KV tokens per split-KV slice (0: never split); default 1024. Slices depend only on the
-            shapes, never on the thread count, so results do not change with ``threads``.
-  tile      KV tokens per tile of the AVX-512 kernels: 64, 128, or 0 (default ``KVHAL_CPU_TILE`` or 0: 128
-            when K and V are both quantized and the call's K/V fits in a third of the L3, else 64).
-            Other ISAs have one tile size and ignore it.
+here with ctypes (``_abi``); the instruction set is picked at run time from cpuid unless the ``isa``
+option forces one. Pools are numpy ``uint8`` arrays in kvhal's layout, so ``to_numpy`` is free and the
+bytes are the reference backend's. Options (``backend_options`` of ``KVCache``, or ``CpuBackend(...)``)
+are ``OPTIONS`` below, each also read from its environment variable.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import mmap
 import os
 import platform
-from pathlib import Path
+import threading
 from typing import Any
 
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import Backend, LayerPools, Probe
-from kvhal.errors import BackendUnavailableError, KVHalError, SpecError
+from kvhal.backend import HostPoolsBackend, Op, Pools, Probe
+from kvhal.backend_util import Option, format_id, non_negative, one_of, parse_options
+from kvhal.errors import BackendUnavailableError, KVHalError
 from kvhal.spec import CacheSpec
 
-__all__ = ["CpuBackend", "ISAS", "available_isas", "best_isa"]
+from ._abi import ERRORS, ISAS, Args, library_path, open_library
 
-ISAS = ("scalar", "avx2", "avx512", "neon")  # enum order of csrc/kvcpu.h
-_FMT_IDS = {name: i for i, name in enumerate(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"))}
-DEFAULT_KV_SPLIT = 1024
+__all__ = ["OPTIONS", "CpuBackend", "ISAS", "available_isas", "best_isa"]
+
 TILES = (0, 64, 128)
-_ERRORS = {-1: "the requested ISA is not supported by this CPU", -2: "out of memory", -3: "invalid arguments"}
+OPTIONS = (
+    Option("threads", int, 0, env="KVHAL_CPU_THREADS", check=non_negative, help="worker threads; 0: os.cpu_count()"),
+    Option(
+        "isa", str, "auto", env="KVHAL_CPU_ISA", check=one_of("auto", *ISAS),
+        help="instruction set of the kernels; auto: the best this CPU runs",
+    ),
+    Option(
+        "kv_split", int, 1024, env="KVHAL_CPU_KV_SPLIT", check=non_negative,
+        help="KV tokens per split-KV slice (0: never split); slices depend on shapes only, so results do not "
+        "change with threads",
+    ),
+    Option(
+        "tile", int, 0, env="KVHAL_CPU_TILE", check=one_of(*TILES),
+        help="KV tokens per tile of the AVX-512 kernels; 0: 128 when K and V are both quantized and the call's "
+        "K/V fits in a third of the L3, else 64",
+    ),
+)  # fmt: skip
 
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
-
-
-def _library_path() -> Path | None:
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_kvcpu{suffix}"
-        if p.exists():
-            return p
-    return None
-
-
-def _load() -> ctypes.CDLL:
-    """The kernel library, loaded once; raises BackendUnavailableError when it is missing or broken."""
-    global _lib, _lib_error
-    if _lib is not None:
-        return _lib
-    if _lib_error is None:
-        path = _library_path()
-        if path is None:
-            _lib_error = (
-                "its compiled kernels (kvhal_cpu/_kvcpu*.so) are missing: reinstall kvhal-cpu from a wheel, "
-                "or with a C compiler present (pip install kvhal-cpu builds them)"
-            )
-        else:
-            try:
-                lib = ctypes.CDLL(str(path))
-                _declare(lib)
-                if lib.kvc_abi_version() != 2:
-                    raise OSError("ABI version mismatch")
-                _lib = lib
-                return lib
-            except (OSError, AttributeError) as e:
-                _lib_error = f"its kernel library {path.name} failed to load ({e}); reinstall kvhal-cpu"
-    raise BackendUnavailableError(f"backend 'cpu' is unavailable: {_lib_error}")
+_lib: tuple[ctypes.CDLL, frozenset[str]] | str | None = None  # the library and its formats, or why not
+_lib_lock = threading.Lock()
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    sigs: dict[str, tuple[Any, list[Any]]] = {
-        "kvc_abi_version": (i, []),
-        "kvc_isa_supported": (i, [i]),
-        "kvc_best_isa": (i, []),
-        "kvc_scan_f32": (i, [p, i64, p]),
-        "kvc_store": (i, [i, i, i, i, p, p, i64, i, i, p, p, p, i]),
-        "kvc_load": (i, [i, i, i, p, p, i64, i, i, i, p]),
-        "kvc_copy_slots": (i, [p, i64, p, p, i64, i, i]),
-        "kvc_attention": (i, [i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i, i, i, f, i, i, i]),
-    }
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
+def _library() -> tuple[ctypes.CDLL, frozenset[str]]:
+    """The kernel library (loaded once) and the formats it runs; BackendUnavailableError says why not."""
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            path = library_path()
+            if path is None:
+                _lib = (
+                    "its compiled kernels (kvhal_cpu/_kvcpu*.so) are missing: reinstall kvhal-cpu from a wheel, "
+                    "or with a C compiler present (pip install kvhal-cpu builds them)"
+                )
+            else:
+                try:
+                    _lib = open_library(path)
+                except OSError as e:
+                    _lib = f"its kernel library {path.name} cannot be used ({e}); reinstall kvhal-cpu"
+    if isinstance(_lib, str):
+        raise BackendUnavailableError(f"backend 'cpu' is unavailable: {_lib}")
+    return _lib
 
 
 def available_isas() -> list[str]:
     """The instruction sets this machine runs, baseline first."""
-    lib = _load()
+    lib, _ = _library()
     return [name for k, name in enumerate(ISAS) if lib.kvc_isa_supported(k)]
 
 
 def best_isa() -> str:
-    return ISAS[_load().kvc_best_isa()]
+    return ISAS[_library()[0].kvc_best_isa()]
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise BackendUnavailableError(f"{name}={raw!r} is not a non-negative integer; unset it or set e.g. {name}=4")
-    return value
-
-
-def _pick_isa(isa: str | None) -> int:
-    requested = isa or os.environ.get("KVHAL_CPU_ISA", "").strip().lower() or "auto"
-    lib = _load()
+def _pick_isa(lib: ctypes.CDLL, requested: str) -> int:
     if requested == "auto":
         return int(lib.kvc_best_isa())
-    if requested not in ISAS:
-        raise BackendUnavailableError(
-            f"KVHAL_CPU_ISA / isa={requested!r} is not one of auto, {', '.join(ISAS)}; unset it to use the best"
-        )
     k = ISAS.index(requested)
     if not lib.kvc_isa_supported(k):
         raise BackendUnavailableError(
-            f"ISA {requested!r} was requested but this CPU ({platform.machine()}) runs only "
-            f"{', '.join(available_isas())}; unset KVHAL_CPU_ISA or pick one of those"
+            f"ISA {requested!r} was requested (isa option or KVHAL_CPU_ISA) but this CPU ({platform.machine()}) "
+            f"runs only {', '.join(available_isas())}; pick one of those, or unset it for the best"
         )
     return k
-
-
-def _threads(threads: int | None) -> int:
-    n = threads if threads is not None else _env_int("KVHAL_CPU_THREADS")
-    if n is None or n == 0:
-        n = os.cpu_count() or 1
-    if not isinstance(n, int) or n < 1:
-        raise SpecError(f"threads must be a positive int, got {n!r}")
-    return n
 
 
 _HUGE = 2 << 20
@@ -176,72 +125,62 @@ def _ptr(a: np.ndarray) -> int:
         return int(a.ctypes.data)
 
 
-class CpuBackend(Backend):
+class CpuBackend(HostPoolsBackend):
     name = "cpu"
-    formats = frozenset(_FMT_IDS)
-    # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits) measure <= 1.5e-4 on the contract
+    formats = frozenset(formats.names())  # all registered; supports() refuses any the kernel library lacks
+    # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits) measure <= 1.65e-4 on the contract
     # cases; the f32 paths (scalar, AVX2, NEON, and the float formats everywhere) stay near 1e-6.
-    # allocate() sets the figure of the path this instance takes.
-    attention_tolerance = 3e-4
+    # An instance declares the figure of the kernels its ISA runs.
     INT_TOLERANCE = 3e-4
     F32_TOLERANCE = 1e-5
+    attention_tolerance = INT_TOLERANCE
 
     @classmethod
-    def probe(cls) -> Probe | None:
+    def probe(cls) -> Probe:
         try:
-            isa = ISAS[_pick_isa(None)]
-            threads = _threads(None)
+            lib, _ = _library()
+            opts = parse_options(cls.name, {}, OPTIONS)
+            isa = ISAS[_pick_isa(lib, opts["isa"])]
         except KVHalError as e:
-            cls._reason = str(e)
-            return None
-        return Probe(score=50, reason=f"native kernels, {isa}, {threads} threads", device=f"host {platform.machine()}")
+            return Probe(None, str(e))
+        threads = opts["threads"] or os.cpu_count() or 1
+        return Probe(50, f"native kernels, {isa}, {threads} threads", device=f"host {platform.machine()}")
 
-    _reason = "its probe found no usable CPU kernels"
+    def __init__(self, **options: Any) -> None:
+        opts = parse_options(self.name, options, OPTIONS)
+        self._lib, self._runs = _library()
+        self.isa = ISAS[_pick_isa(self._lib, opts["isa"])]
+        self.threads: int = opts["threads"] or os.cpu_count() or 1
+        self.kv_split: int = opts["kv_split"]
+        self.tile: int = opts["tile"]
+        self.attention_tolerance = self.INT_TOLERANCE if self.isa == "avx512" else self.F32_TOLERANCE
 
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        return cls._reason
-
-    def __init__(
-        self,
-        *,
-        threads: int | None = None,
-        isa: str | None = None,
-        kv_split: int | None = None,
-        tile: int | None = None,
-    ) -> None:
-        self._lib = _load()
-        self.isa = ISAS[_pick_isa(isa)]
-        self._isa = ISAS.index(self.isa)
-        self.threads = _threads(threads)
-        split = kv_split if kv_split is not None else _env_int("KVHAL_CPU_KV_SPLIT")
-        if split is None:
-            split = DEFAULT_KV_SPLIT
-        if not isinstance(split, int) or split < 0:
-            raise SpecError(f"kv_split must be a non-negative int (0: never split), got {split!r}")
-        self.kv_split = split
-        tile = tile if tile is not None else _env_int("KVHAL_CPU_TILE")
-        if tile is None:
-            tile = 0
-        if not isinstance(tile, int) or isinstance(tile, bool) or tile not in TILES:
-            raise SpecError(f"tile must be one of {', '.join(map(str, TILES))} (0: chosen per call), got {tile!r}")
-        self.tile = tile
+    def supports(self, spec: CacheSpec, op: Op) -> str | None:
+        why = super().supports(spec, op)
+        for fmt in (spec.k_format, spec.v_format):
+            if why is None and fmt not in self._runs:
+                why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"
+        return why
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
-            raise KVHalError(f"cpu backend {what} failed: {_ERRORS.get(rc, f'error {rc}')}")
+            raise KVHalError(f"cpu backend {what} failed: {ERRORS.get(rc, f'error {rc}')}")
 
-    def allocate(self, spec: CacheSpec, n_blocks: int) -> list[LayerPools]:
-        self.spec = spec
-        self._kf, self._vf = _FMT_IDS[spec.k_format], _FMT_IDS[spec.v_format]
-        quantized = spec.k_fmt.block_len > 1 or spec.v_fmt.block_len > 1
-        self.attention_tolerance = self.INT_TOLERANCE if self.isa == "avx512" and quantized else self.F32_TOLERANCE
-        pools = []
-        for _ in range(spec.n_layers):
-            k = _zeros(spec.pool_shape(n_blocks, "k"))
-            v = _zeros(spec.pool_shape(n_blocks, "v"))
-            pools.append(LayerPools(k, v, k.nbytes + v.nbytes))
-        return pools
+    def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
+        k = [_zeros(spec.pool_shape(n_blocks, "k")) for _ in range(spec.n_layers)]
+        v = [_zeros(spec.pool_shape(n_blocks, "v")) for _ in range(spec.n_layers)]
+        isa = ISAS.index(self.isa)
+        # per layer: the fields of kv_args that stay fixed for this cache; each call copies its layer's
+        layers = [
+            Args(
+                isa=isa, threads=self.threads, kv_split=self.kv_split, tile=self.tile,
+                kfmt=format_id(spec.k_format), vfmt=format_id(spec.v_format), n_kv_heads=spec.n_kv_heads,
+                head_dim=spec.head_dim, block_size=spec.block_size, krow=spec.k_row_bytes, vrow=spec.v_row_bytes,
+                kpool=_ptr(kp), vpool=_ptr(vp),
+            )
+            for kp, vp in zip(k, v)
+        ]  # fmt: skip
+        return Pools(spec, n_blocks, k, v, sum(a.nbytes for a in k + v), state=layers)
 
     def check_values(self, fmt: formats.Format, x: Any) -> None:
         a = x if isinstance(x, np.ndarray) else self.to_numpy(x)
@@ -252,35 +191,29 @@ class CpuBackend(Backend):
                 return
         fmt.check_values(np.asarray(a))  # the slow path raises the canonical message
 
-    def store(self, pools: LayerPools, k: Any, v: Any, slots: np.ndarray) -> None:
-        spec = self.spec
+    def store(self, pools: Pools, layer: int, k: Any, v: Any, slots: np.ndarray) -> None:
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
-        rc = self._lib.kvc_store(
-            self._isa, self.threads, self._kf, self._vf, _ptr(k), _ptr(v), k.shape[0], spec.n_kv_heads,
-            spec.head_dim, _ptr(pools.k), _ptr(pools.v), _ptr(slots), spec.block_size,
-        )  # fmt: skip
-        self._check(rc, "store")
+        a = Args.from_buffer_copy(pools.state[layer])
+        a.k, a.v, a.slots, a.n = _ptr(k), _ptr(v), _ptr(slots), k.shape[0]
+        self._check(self._lib.kvc_store(a), "store")
 
-    def load(self, pools: LayerPools, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        spec = self.spec
+    def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        spec = pools.spec
         ids = np.ascontiguousarray(block_ids, dtype=np.int64)
-        out = []
-        for pool, fmt in ((pools.k, self._kf), (pools.v, self._vf)):
-            x = np.empty((n, spec.n_kv_heads, spec.head_dim), np.float32)
-            rc = self._lib.kvc_load(
-                self._isa, self.threads, fmt, _ptr(pool), _ptr(ids), n, spec.n_kv_heads, spec.head_dim,
-                spec.block_size, _ptr(x),
-            )  # fmt: skip
-            self._check(rc, "load")
-            out.append(x)
-        return out[0], out[1]
+        k = np.empty((n, spec.n_kv_heads, spec.head_dim), np.float32)
+        v = np.empty_like(k)
+        a = Args.from_buffer_copy(pools.state[layer])
+        a.blocks, a.n, a.kout, a.vout = _ptr(ids), n, _ptr(k), _ptr(v)
+        self._check(self._lib.kvc_load(a), "load")
+        return k, v
 
     def attention(
         self,
         q: Any,
-        pools: LayerPools,
+        pools: Pools,
+        layer: int,
         block_table: np.ndarray,
         seq_lens: np.ndarray,
         q_lens: np.ndarray,
@@ -288,28 +221,21 @@ class CpuBackend(Backend):
         causal: bool,
         window: int | None,
     ) -> np.ndarray:
-        spec = self.spec
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         bt = np.ascontiguousarray(block_table, dtype=np.int32)
         sl = np.ascontiguousarray(seq_lens, dtype=np.int32)
         ql = np.ascontiguousarray(q_lens, dtype=np.int32)
-        rc = self._lib.kvc_attention(
-            self._isa, self.threads, self.kv_split, self._kf, self._vf, _ptr(q), _ptr(out), _ptr(pools.k),
-            _ptr(pools.v), _ptr(bt), _ptr(sl), _ptr(ql), sl.shape[0], bt.shape[1], q.shape[1], spec.n_kv_heads, spec.head_dim,
-            spec.block_size, scale, int(causal), int(window or 0), self.tile,
-        )  # fmt: skip
-        self._check(rc, "attention")
+        a = Args.from_buffer_copy(pools.state[layer])
+        a.q, a.out, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(out), _ptr(bt), _ptr(sl), _ptr(ql)
+        a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
+        a.scale, a.causal, a.window = scale, causal, window or 0
+        self._check(self._lib.kvc_attention(a), "attention")
         return out
 
-    def copy_slots(self, pools: LayerPools, src: np.ndarray, dst: np.ndarray) -> None:
-        spec = self.spec
+    def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
         s = np.ascontiguousarray(src, dtype=np.int64)
         d = np.ascontiguousarray(dst, dtype=np.int64)
-        for pool, rb in ((pools.k, spec.k_row_bytes), (pools.v, spec.v_row_bytes)):
-            self._check(
-                self._lib.kvc_copy_slots(
-                    _ptr(pool), rb, _ptr(s), _ptr(d), s.shape[0], spec.n_kv_heads, spec.block_size
-                ),
-                "copy_slots",
-            )
+        a = Args.from_buffer_copy(pools.state[layer])
+        a.slots, a.dst_slots, a.n = _ptr(s), _ptr(d), s.shape[0]
+        self._check(self._lib.kvc_copy_slots(a), "copy_slots")

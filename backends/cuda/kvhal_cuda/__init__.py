@@ -3,18 +3,21 @@
 ``cuda`` runs under cupy-cuda12x or cupy-cuda13x, whichever is installed, and loads the prebuilt
 cubin/PTX for the device's arch (kvhal_cuda/prebuilt/, shipped in the kvhal-cuda12/13 wheels), compiling
 with NVRTC only for an arch with none. ``rocm`` is the same source through HIP (cupy on ROCm).
-Launch geometry and metadata packing live in ``plan`` (tested on the CPU), cupy glue in ``runtime``.
+Launch geometry, spec limits and metadata packing live in ``plan`` (tested on the CPU), cupy glue in
+``runtime``; the kernel source with its generated constants in ``source``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import Backend, LayerPools, Probe
-from kvhal.errors import DTypeError, UnsupportedError
+from kvhal.backend import Backend, Op, Pools, Probe
+from kvhal.backend_util import Option, check_block_data, non_negative, parse_options
+from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
 
@@ -24,55 +27,65 @@ __all__ = ["CudaBackend", "RocmBackend"]
 __version__ = "0.1.0"
 
 _i32 = np.int32
+_i64 = np.int64
 _f32 = np.float32
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """``Pools.state`` of one cache: its kernel plan and, for raw block I/O, a device table of its pool
+    addresses (``[2 * n_layers]`` uint64: each layer's K pool, then its V pool)."""
+
+    plan: plan.CachePlan
+    pool_table: Any
 
 
 class CudaBackend(Backend):
     name = "cuda"
     platform: ClassVar[str] = "cuda"
-    formats = frozenset(plan.FORMAT_IDS)
+    formats = frozenset(formats.names())  # kvhal.cu dispatches on every registered format (a host test checks)
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("device", int, 0, env="KVHAL_CUDA_DEVICE", check=non_negative, help="CUDA device index"),
+    )
 
     @classmethod
-    def probe(cls) -> Probe | None:
+    def probe(cls) -> Probe:
         from . import runtime
 
-        return runtime.probe(cls.platform)[0]
+        try:
+            device = parse_options(cls.name, {}, cls.OPTIONS)["device"]
+        except SpecError as e:  # a bad KVHAL_CUDA_DEVICE: unusable, and the reason says which
+            return Probe(None, str(e))
+        return runtime.probe(cls.platform, device)
 
-    @classmethod
-    def unavailable_reason(cls) -> str:
+    def __init__(self, **options: Any) -> None:
+        """Options: ``device`` (the device index; ``KVHAL_CUDA_DEVICE`` / ``KVHAL_ROCM_DEVICE`` when not given)."""
+        self._rt = self._runtime(parse_options(self.name, options, self.OPTIONS))
+        self._xp = self._rt.xp
+
+    def _runtime(self, options: dict[str, Any]) -> Any:
+        """The device runtime (kernel module and launches); the tests' emulator overrides this."""
         from . import runtime
 
-        return runtime.probe(cls.platform)[1]
+        return runtime.CupyRuntime(options["device"], self.platform)
 
-    def __init__(self, device: int = 0, _runtime: Any = None) -> None:
-        """``device``: the CUDA/HIP device index. ``_runtime`` replaces cupy (the tests' CPU emulator)."""
-        super().__init__()
-        if _runtime is None:
-            from . import runtime
-
-            _runtime = runtime.CupyRuntime(device, self.platform)
-        self._rt = _runtime
-        self._xp = _runtime.xp
+    def supports(self, spec: CacheSpec, op: Op) -> str | None:
+        return super().supports(spec, op) or plan.spec_refusal(spec, op)
 
     # -- pools --------------------------------------------------------------------------------------------
 
-    def allocate(self, spec: CacheSpec, n_blocks: int) -> list[LayerPools]:
-        if spec.head_dim > plan.MAX_HEAD_DIM:
-            raise UnsupportedError(
-                f"the {self.name} kernels take head_dim <= {plan.MAX_HEAD_DIM}, got {spec.head_dim}; "
-                "use the reference or cpu backend for wider heads"
-            )
-        self.spec = spec
-        pools = []
+    def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
+        cache_plan = plan.CachePlan.of(spec)
+        xp = self._xp
         with self._rt.device:
-            for _ in range(spec.n_layers):
-                k = self._xp.zeros(spec.pool_shape(n_blocks, "k"), self._xp.uint8)
-                v = self._xp.zeros(spec.pool_shape(n_blocks, "v"), self._xp.uint8)
-                pools.append(LayerPools(k, v, int(k.nbytes + v.nbytes)))
-        return pools
+            k = [xp.zeros(spec.pool_shape(n_blocks, "k"), xp.uint8) for _ in range(spec.n_layers)]
+            v = [xp.zeros(spec.pool_shape(n_blocks, "v"), xp.uint8) for _ in range(spec.n_layers)]
+            table = self._rt.pointer_table([p for kv in zip(k, v) for p in kv])
+        nbytes = sum(int(a.nbytes) for a in k + v)
+        return Pools(spec, n_blocks, k, v, nbytes, CacheState(cache_plan, table))
 
     # -- arrays -------------------------------------------------------------------------------------------
 
@@ -103,39 +116,39 @@ class CudaBackend(Backend):
     def _f32(self, x: Any) -> Any:
         return self._xp.ascontiguousarray(x, dtype=self._xp.float32)
 
-    def store(self, pools: LayerPools, k: Any, v: Any, slots: np.ndarray) -> None:
-        sp = self.spec
+    def store(self, pools: Pools, layer: int, k: Any, v: Any, slots: np.ndarray) -> None:
+        cp: plan.CachePlan = pools.state.plan
         n = int(k.shape[0])
+        H, D = cp.n_kv_heads, cp.head_dim
         with self._rt.device:
             slots_d = self._rt.to_device(np.ascontiguousarray(slots, np.int64))
-            for x, pool, fmt, rb in ((k, pools.k, sp.k_fmt, sp.k_row_bytes), (v, pools.v, sp.v_fmt, sp.v_row_bytes)):
-                name, grid, block = plan.store_launch(fmt.name, n, sp.n_kv_heads, sp.head_dim)
-                args = (self._f32(x), slots_d, pool, _i32(n), _i32(sp.n_kv_heads), _i32(sp.head_dim),
-                        _i32(sp.block_size), _i32(rb), _i32(plan.FORMAT_IDS[fmt.name]))  # fmt: skip
+            for x, pool, side in ((k, pools.k[layer], cp.k), (v, pools.v[layer], cp.v)):
+                name, grid, block = plan.store_launch(side.fmt, n, H, D)
+                args = (self._f32(x), slots_d, pool, _i32(n), _i32(H), _i32(D), _i32(cp.block_size),
+                        _i32(side.row_bytes), _i32(side.fmt_id))  # fmt: skip
                 self._rt.launch(name, grid, block, args)
 
-    def load(self, pools: LayerPools, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
-        sp = self.spec
-        shape = (n, sp.n_kv_heads, sp.head_dim)
+    def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
+        cp: plan.CachePlan = pools.state.plan
+        H, D = cp.n_kv_heads, cp.head_dim
+        xp = self._xp
         with self._rt.device:
-            out = (self._xp.empty(shape, self._xp.float32), self._xp.empty(shape, self._xp.float32))
+            out = (xp.empty((n, H, D), xp.float32), xp.empty((n, H, D), xp.float32))
             if n == 0:
                 return out
             ids = self._rt.to_device(np.ascontiguousarray(block_ids, np.int32))
-            grid, block = plan.grid_1d(n * sp.n_kv_heads * sp.head_dim)
-            for o, pool, fmt, rb in (
-                (out[0], pools.k, sp.k_fmt, sp.k_row_bytes),
-                (out[1], pools.v, sp.v_fmt, sp.v_row_bytes),
-            ):
-                args = (pool, ids, o, _i32(n), _i32(sp.n_kv_heads), _i32(sp.head_dim), _i32(sp.block_size), _i32(rb),
-                        _i32(plan.FORMAT_IDS[fmt.name]))  # fmt: skip
+            grid, block = plan.grid_1d(n * H * D)
+            for o, pool, side in ((out[0], pools.k[layer], cp.k), (out[1], pools.v[layer], cp.v)):
+                args = (pool, ids, o, _i32(n), _i32(H), _i32(D), _i32(cp.block_size), _i32(side.row_bytes),
+                        _i32(side.fmt_id))  # fmt: skip
                 self._rt.launch("kvhal_load", grid, block, args)
         return out
 
     def attention(
         self,
         q: Any,
-        pools: LayerPools,
+        pools: Pools,
+        layer: int,
         block_table: np.ndarray,
         seq_lens: np.ndarray,
         q_lens: np.ndarray,
@@ -143,11 +156,12 @@ class CudaBackend(Backend):
         causal: bool,
         window: int | None,
     ) -> Any:
-        sp = self.spec
+        cp: plan.CachePlan = pools.state.plan
         R, Hq, D = (int(d) for d in q.shape)
         pl = plan.plan_attention(
-            block_table, seq_lens, q_lens, n_heads=Hq, head_dim=D, block_size=sp.block_size, n_sm=self._rt.n_sm
-        )
+            block_table, seq_lens, q_lens, n_heads=Hq, head_dim=D, block_size=cp.block_size, n_sm=self._rt.n_sm,
+            causal=causal, window=window, geometry=cp.prefill,
+        )  # fmt: skip
         xp = self._xp
         with self._rt.device:
             qd = self._f32(q)
@@ -158,39 +172,79 @@ class CudaBackend(Backend):
                 part_lse = xp.empty((pl.n_splits, R, Hq), xp.float32)
             else:  # never written with one split
                 part_o, part_lse = out, out
-            common = (_i32(pl.n_seqs), _i32(pl.tstride))
-            shape = (_i32(R), _i32(Hq), _i32(sp.n_kv_heads), _i32(D), _i32(sp.block_size), _i32(sp.k_row_bytes),
-                     _i32(sp.v_row_bytes), _i32(plan.FORMAT_IDS[sp.k_format]), _i32(plan.FORMAT_IDS[sp.v_format]),
-                     _f32(scale), _i32(causal), _i32(window or 0), _i32(pl.split_pages), _i32(pl.n_splits))  # fmt: skip
+            shape = (_i32(R), _i32(Hq), _i32(cp.n_kv_heads), _i32(D), _i32(cp.block_size), _i32(cp.k.row_bytes),
+                     _i32(cp.v.row_bytes), _i32(cp.k.fmt_id), _i32(cp.v.fmt_id), _f32(scale), _i32(pl.split_pages),
+                     _i32(pl.n_splits))  # fmt: skip
             block = (plan.NUM_WARPS * 32, 1, 1)
-            ptrs = (qd, pools.k, pools.v, meta, out, part_o, part_lse)
+            ptrs = (qd, pools.k[layer], pools.v[layer], meta, out, part_o, part_lse)
             g = pl.prefill
             for name, grid, smem in plan.attention_launches(pl, Hq, D):
                 if name == "kvhal_attn_decode":
-                    args = (*ptrs, *common, _i32(pl.decode_off), *shape)
+                    args = (*ptrs, _i32(pl.tstride), _i32(pl.range_off), _i32(pl.decode_off), *shape)
                 elif name == "kvhal_attn_prefill":
-                    args = (*ptrs, *common, _i32(pl.tile_off), *shape, _i32(g.rows_per_warp), _i32(g.tile_tokens),
-                            _i32(g.k_stride))  # fmt: skip
+                    args = (*ptrs, _i32(pl.n_seqs), _i32(pl.tstride), _i32(pl.range_off), _i32(pl.tile_off), *shape,
+                            _i32(g.rows_per_warp), _i32(g.tile_tokens), _i32(g.k_stride))  # fmt: skip
                 else:
                     args = (part_o, part_lse, out, _i32(R), _i32(Hq), _i32(D), _i32(pl.n_splits))
                     block = (min(D, 256) + 31 & ~31, 1, 1)
                 self._rt.launch(name, grid, block, args, smem)
         return out
 
-    def copy_slots(self, pools: LayerPools, src: np.ndarray, dst: np.ndarray) -> None:
-        sp = self.spec
-        n = len(src)
+    def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
+        cp: plan.CachePlan = pools.state.plan
+        n, H = len(src), cp.n_kv_heads
         if n == 0:
             return
         with self._rt.device:
             s = self._rt.to_device(np.ascontiguousarray(src, np.int64))
             d = self._rt.to_device(np.ascontiguousarray(dst, np.int64))
-            for pool, rb in ((pools.k, sp.k_row_bytes), (pools.v, sp.v_row_bytes)):
-                tmp = self._xp.empty(n * sp.n_kv_heads * rb, self._xp.uint8)
-                grid, block = plan.grid_1d(n * sp.n_kv_heads * rb)
-                dims = (_i32(n), _i32(sp.n_kv_heads), _i32(sp.block_size), _i32(rb))
+            for pool, rb in ((pools.k[layer], cp.k.row_bytes), (pools.v[layer], cp.v.row_bytes)):
+                tmp = self._xp.empty(n * H * rb, self._xp.uint8)
+                grid, block = plan.grid_1d(n * H * rb)
+                dims = (_i32(n), _i32(H), _i32(cp.block_size), _i32(rb))
                 self._rt.launch("kvhal_copy_gather", grid, block, (pool, s, tmp, *dims))
                 self._rt.launch("kvhal_copy_scatter", grid, block, (tmp, d, pool, *dims))
+
+    # -- raw block I/O: one launch over every layer's pages and one transfer ------------------------------
+
+    @staticmethod
+    def _block_ids(pools: Pools, block_ids: Any) -> np.ndarray:
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise PositionError(f"block ids must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= pools.n_blocks):
+            raise PositionError(f"block ids must lie in [0, {pools.n_blocks}), got {ids.min()}..{ids.max()}")
+        return ids
+
+    def _blocks_launch(self, pools: Pools, kernel: str, ids: np.ndarray, raw: Any) -> None:
+        cp: plan.CachePlan = pools.state.plan
+        L = pools.spec.n_layers
+        grid, block = plan.blocks_launch(len(ids), L)
+        ids_d = self._rt.to_device(ids)
+        args = (pools.state.pool_table, ids_d, raw, _i32(L), _i64(cp.k.page_bytes), _i64(cp.v.page_bytes))
+        self._rt.launch(kernel, grid, block, args)
+
+    def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
+        ids = self._block_ids(pools, block_ids)
+        nb = pools.spec.block_nbytes
+        if ids.size == 0:
+            return np.zeros((0, nb), np.uint8)
+        with self._rt.device:
+            raw = self._xp.empty((ids.size, nb), self._xp.uint8)
+            self._blocks_launch(pools, "kvhal_blocks_gather", ids, raw)
+            return self._rt.to_host(raw)
+
+    def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
+        ids = self._block_ids(pools, block_ids)
+        data = check_block_data(pools.spec, data)
+        if data.shape[0] != ids.size:
+            raise ShapeError(f"{ids.size} block ids for {data.shape[0]} blocks of data; give one id per block")
+        if ids.size == 0:
+            return
+        with self._rt.device:
+            raw = self._rt.to_device(np.ascontiguousarray(data))
+            self._blocks_launch(pools, "kvhal_blocks_scatter", ids, raw)
 
     def synchronize(self) -> None:
         self._rt.synchronize()
@@ -201,3 +255,4 @@ class RocmBackend(CudaBackend):
 
     name = "rocm"
     platform = "rocm"
+    OPTIONS = (Option("device", int, 0, env="KVHAL_ROCM_DEVICE", check=non_negative, help="HIP device index"),)

@@ -1,8 +1,8 @@
 """Host-side logic of the CUDA/HIP kernels, in plain numpy so it is unit-tested without a GPU.
 
-Launch geometry, the packed metadata buffer the attention kernels read, the split-KV partition and
-its log-sum-exp merge, and which compiled kernel binary fits a device. ``kernels/kvhal.cu`` mirrors
-the constants here (a test checks that they agree).
+Launch geometry, the device limits a spec must fit, the packed metadata buffer the attention kernels
+read, the split-KV partition and its log-sum-exp merge, and which compiled kernel binary fits a device.
+The constants below reach ``kernels/kvhal.cu`` as generated defines (``source.constants_header``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FORMAT_IDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}
-QUANTIZED = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"})
+from kvhal import formats
+from kvhal.backend_util import format_id, visible_range
+from kvhal.errors import ShapeError, UnsupportedError
+from kvhal.spec import CacheSpec
+
 NUM_WARPS = 4  # KV_NW: warps per attention CTA
 MAX_HEAD_DIM = 256  # 32 * KV_MAXC: lane-owned output elements live in registers
 MAX_ROWS_PER_WARP = 4  # KV_RPW_MAX
@@ -30,14 +33,73 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# ---- elementwise kernels: store, load, copy ---------------------------------------------------------
+# ---- what a spec must fit ------------------------------------------------------------------------------
+
+
+def spec_refusal(spec: CacheSpec, op: str) -> str | None:
+    """Why the kernels cannot run ``op`` for ``spec``, or None (``CudaBackend.supports``; nothing it passes
+    is refused later). Store, load and copies take any spec; attention has two limits."""
+    if op != "attention":
+        return None
+    if spec.head_dim > MAX_HEAD_DIM:
+        return (
+            f"head_dim {spec.head_dim} > {MAX_HEAD_DIM}: the CUDA/HIP attention kernels keep a row's output in "
+            f"registers (32 lanes x {MAX_HEAD_DIM // 32}); use the cpu or reference backend for wider heads"
+        )
+    if spec.n_kv_heads > GRID_YZ_MAX:
+        return f"n_kv_heads {spec.n_kv_heads} > {GRID_YZ_MAX}, the most query heads one attention launch covers"
+    return None
+
+
+def quantized(fmt: str) -> bool:
+    """Block formats: one 32-lane warp quantizes one block (kvhal.cu checks block_len == 32)."""
+    return formats.get(fmt).block_len > 1
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One side (K or V) of a cache as its kernels see it."""
+
+    fmt: str
+    fmt_id: int
+    row_bytes: int
+    page_bytes: int  # one layer's page of one block: n_kv_heads * block_size rows
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What every call on one cache needs, fixed by its spec: built once by ``allocate`` (``Pools.state``)."""
+
+    n_kv_heads: int
+    head_dim: int
+    block_size: int
+    k: PoolPlan
+    v: PoolPlan
+    prefill: PrefillGeometry | None  # None when attention refuses the spec (head_dim too wide)
+
+    @classmethod
+    def of(cls, spec: CacheSpec) -> CachePlan:
+        def side(fmt: str, row_bytes: int, which: str) -> PoolPlan:
+            return PoolPlan(fmt, format_id(fmt), row_bytes, spec.page_nbytes(which))
+
+        return cls(
+            spec.n_kv_heads,
+            spec.head_dim,
+            spec.block_size,
+            side(spec.k_format, spec.k_row_bytes, "k"),
+            side(spec.v_format, spec.v_row_bytes, "v"),
+            prefill_geometry(spec.head_dim) if spec_refusal(spec, "attention") is None else None,
+        )
+
+
+# ---- elementwise kernels: store, load, copy, raw block I/O -------------------------------------------
 
 
 def grid_1d(n_threads: int, threads: int = ELEMENTWISE_THREADS) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Grid and block for one thread per item (x may reach 2**31 - 1 on every supported arch)."""
     blocks = max(1, _ceil(n_threads, threads))
     if blocks > 2**31 - 1:
-        raise ValueError(f"{n_threads} work items exceed one launch; store/load fewer tokens per call")
+        raise ShapeError(f"{n_threads} work items exceed one kernel launch; store or load fewer tokens per call")
     return (blocks, 1, 1), (threads, 1, 1)
 
 
@@ -45,11 +107,16 @@ def store_launch(
     fmt: str, n: int, n_heads: int, head_dim: int
 ) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
     """kvhal_store_quant runs one 32-lane warp per 32-value block; kvhal_store_float one thread per value."""
-    if fmt in QUANTIZED:
+    if quantized(fmt):
         grid, block = grid_1d(n * n_heads * (head_dim // 32) * 32)
         return "kvhal_store_quant", grid, block
     grid, block = grid_1d(n * n_heads * head_dim)
     return "kvhal_store_float", grid, block
+
+
+def blocks_launch(n_blocks: int, n_layers: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """kvhal_blocks_gather/scatter: one CTA per (block, layer, K or V) page, its threads striding the page."""
+    return grid_1d(n_blocks * n_layers * 2 * ELEMENTWISE_THREADS)
 
 
 # ---- attention geometry ---------------------------------------------------------------------------------
@@ -73,33 +140,19 @@ def k_stride(head_dim: int) -> int:
 
 def prefill_geometry(head_dim: int, smem_limit: int = SMEM_LIMIT) -> PrefillGeometry:
     """The largest tile that fits: q rows, a K tile (padded stride) and a V tile, all f32."""
-    check_head_dim(head_dim)
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise UnsupportedError(f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}, what the CUDA/HIP kernels hold")
     kst = k_stride(head_dim)
     for bt, rpw in ((32, 4), (32, 2), (16, 4), (16, 2), (32, 1), (16, 1), (8, 4), (8, 2), (8, 1)):
         smem = 4 * (NUM_WARPS * rpw * head_dim + bt * kst + bt * head_dim)
         if smem <= smem_limit:
             return PrefillGeometry(rpw, bt, kst, smem)
-    raise ValueError(f"head_dim {head_dim} does not fit a prefill tile in {smem_limit} bytes of shared memory")
+    raise UnsupportedError(f"head_dim {head_dim} does not fit a prefill tile in {smem_limit} bytes of shared memory")
 
 
 def decode_smem_bytes(head_dim: int) -> int:
     """Per-warp softmax states merged at the end of kvhal_attn_decode: [NUM_WARPS][head_dim + 2] f32."""
     return 4 * NUM_WARPS * (head_dim + 2)
-
-
-def check_head_dim(head_dim: int) -> None:
-    if not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}, what the CUDA/HIP kernels hold in registers"
-        )
-
-
-def visible_range(pos: np.ndarray | int, n_kv: np.ndarray | int, causal: bool, window: int | None):
-    """KV interval ``[lo, hi)`` query position ``pos`` sees (kvhal/backend.py): j <= pos, j > pos - window."""
-    pos = np.asarray(pos)
-    lo = np.maximum(0, pos - window + 1) if window else np.zeros_like(pos)
-    hi = pos + 1 if causal else np.broadcast_to(np.asarray(n_kv), pos.shape).copy()
-    return lo, hi
 
 
 def split_range(p: int, split_pages: int, block_size: int) -> tuple[int, int]:
@@ -131,9 +184,11 @@ def choose_splits(
 class AttentionPlan:
     """Everything the attention launches need; ``meta`` is uploaded once per call."""
 
-    meta: np.ndarray  # int32: table [S, tstride] | seq_lens | q_lens | q_start | decode (s, row) | tiles (s, i0, nr)
+    # int32: table [S, tstride] | seq_lens | q_lens | q_start | lo [R] | hi [R] | decode (s, row) | tiles (s, i0, nr)
+    meta: np.ndarray
     n_seqs: int
     tstride: int
+    range_off: int  # row r sees KV [meta[range_off + r], meta[range_off + R + r])
     decode_off: int
     n_decode: int
     tile_off: int
@@ -145,13 +200,15 @@ class AttentionPlan:
 
     def unpack(self) -> dict[str, np.ndarray]:
         """The sections of ``meta`` as the kernels index them (for tests and debugging)."""
-        S, ts, m = self.n_seqs, self.tstride, self.meta
+        S, ts, R, m = self.n_seqs, self.tstride, self.n_rows, self.meta
         base = S * ts
         return {
             "table": m[:base].reshape(S, ts),
             "seq_lens": m[base : base + S],
             "q_lens": m[base + S : base + 2 * S],
             "q_start": m[base + 2 * S : base + 3 * S],
+            "lo": m[self.range_off : self.range_off + R],
+            "hi": m[self.range_off + R : self.range_off + 2 * R],
             "decode": m[self.decode_off : self.decode_off + 2 * self.n_decode].reshape(-1, 2),
             "tiles": m[self.tile_off : self.tile_off + 3 * self.n_tiles].reshape(-1, 3),
         }
@@ -161,13 +218,13 @@ def pack_block_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: 
     """The core's ``[S, max_blocks]`` table (padded with -1) as C-contiguous int32, every used page checked."""
     table = np.ascontiguousarray(block_table, dtype=np.int32)
     if table.ndim != 2 or table.shape[0] != len(seq_lens):
-        raise ValueError(f"block_table has shape {table.shape}; expected [{len(seq_lens)}, max_blocks]")
+        raise ShapeError(f"block_table has shape {table.shape}; expected [{len(seq_lens)}, max_blocks]")
     need = -(-np.asarray(seq_lens, np.int64) // block_size)
     if (need > table.shape[1]).any():
-        raise ValueError("block_table is narrower than its sequences need")
+        raise ShapeError("block_table is narrower than its sequences need")
     used = np.arange(table.shape[1])[None, :] < need[:, None]
     if (table[used] < 0).any():
-        raise ValueError("block_table has a -1 inside a sequence's pages")
+        raise ShapeError("block_table has a -1 inside a sequence's pages")
     return table
 
 
@@ -180,12 +237,16 @@ def plan_attention(
     head_dim: int,
     block_size: int,
     n_sm: int,
+    causal: bool = True,
+    window: int | None = None,
+    geometry: PrefillGeometry | None = None,
 ) -> AttentionPlan:
-    """Route each sequence's queries (one query: the split-KV decode kernel; more: prefill tiles)."""
+    """Route each sequence's queries (one query: the split-KV decode kernel; more: prefill tiles) and give
+    every query row its visible KV interval (``kvhal.backend_util.visible_range``)."""
     seq_lens = np.asarray(seq_lens, np.int32)
     q_lens = np.asarray(q_lens, np.int32)
     table = pack_block_table(block_table, seq_lens, block_size)
-    geom = prefill_geometry(head_dim)
+    geom = geometry or prefill_geometry(head_dim)
     S, ts = table.shape
     q_start = np.zeros(S, np.int32)
     np.cumsum(q_lens[:-1], out=q_start[1:])
@@ -198,17 +259,22 @@ def plan_attention(
             for i0 in range(0, nq, geom.rows_per_tile):
                 tiles.append((s, i0, min(geom.rows_per_tile, nq - i0)))
     n_rows = int(q_lens.sum())
+    if len(decode) > 2**31 - 1 or len(tiles) > 2**31 - 1 or n_heads > GRID_YZ_MAX:
+        raise ShapeError(
+            f"attention over {n_rows} query rows x {n_heads} heads exceeds one launch grid; attend in smaller batches"
+        )
+    _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
     n_ctas = (len(decode) + len(tiles)) * n_heads
     n_splits, split_pages = choose_splits(n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim)
     dec = np.asarray(decode, np.int32).reshape(-1)
     til = np.asarray(tiles, np.int32).reshape(-1)
-    meta = np.concatenate([table.reshape(-1), seq_lens, q_lens, q_start, dec, til]).astype(np.int32)
-    decode_off = S * ts + 3 * S
-    if len(decode) > 2**31 - 1 or len(tiles) > 2**31 - 1 or n_heads > GRID_YZ_MAX:
-        raise ValueError("attention batch exceeds one launch grid")
+    meta = np.concatenate([table.reshape(-1), seq_lens, q_lens, q_start, lo, hi, dec, til]).astype(np.int32)
+    range_off = S * ts + 3 * S
+    decode_off = range_off + 2 * n_rows
     return AttentionPlan(
-        meta, S, ts, decode_off, len(decode), decode_off + dec.size, len(tiles), n_rows, n_splits, split_pages, geom
-    )
+        meta, S, ts, range_off, decode_off, len(decode), decode_off + dec.size, len(tiles), n_rows, n_splits,
+        split_pages, geom,
+    )  # fmt: skip
 
 
 # ---- the split-KV merge, as kvhal_attn_merge computes it ----------------------------------------------
@@ -287,12 +353,14 @@ def attention_launches(plan: AttentionPlan, n_heads: int, head_dim: int) -> list
 
 
 __all__ = [
-    "FORMAT_IDS",
     "AttentionPlan",
+    "CachePlan",
+    "PoolPlan",
     "KernelChoice",
     "PrefillGeometry",
     "arch_refusal",
     "attention_launches",
+    "blocks_launch",
     "choose_cuda_binary",
     "choose_hip_binary",
     "choose_splits",
@@ -302,7 +370,8 @@ __all__ = [
     "pack_block_table",
     "plan_attention",
     "prefill_geometry",
+    "quantized",
     "split_range",
+    "spec_refusal",
     "store_launch",
-    "visible_range",
 ]

@@ -21,19 +21,9 @@ from kvhal import Probe
 from kvhal.errors import BackendUnavailableError
 
 from . import plan
-from .source import KERNEL_DIR, kernel_source, source_sha256  # noqa: F401  (re-exported)
+from .source import kernel_names, kernel_source, source_sha256
 
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
-KERNEL_NAMES = (
-    "kvhal_store_quant",
-    "kvhal_store_float",
-    "kvhal_load",
-    "kvhal_copy_gather",
-    "kvhal_copy_scatter",
-    "kvhal_attn_decode",
-    "kvhal_attn_prefill",
-    "kvhal_attn_merge",
-)
 # distributions that provide the `cupy` module; they overwrite each other's files when several are installed
 CUPY_DISTS = {"cuda12": "cupy-cuda12x", "cuda13": "cupy-cuda13x", "source": "cupy"}
 CUPY_ROCM_DISTS = ("cupy-rocm-7-0", "cupy-rocm-6-0", "cupy-rocm-5-0")
@@ -132,7 +122,10 @@ def query_device(index: int = 0) -> DeviceInfo:
         runtime_name = "HIP" if is_hip else "CUDA"
         raise BackendUnavailableError(f"the {runtime_name} runtime found no usable device ({e}){hint}") from e
     if count <= index:
-        raise BackendUnavailableError(f"device {index} requested but {count} visible (check CUDA_VISIBLE_DEVICES)")
+        raise BackendUnavailableError(
+            f"device {index} requested but {count} visible (check KVHAL_CUDA_DEVICE / KVHAL_ROCM_DEVICE and "
+            "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)"
+        )
     props = rt.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     gcn = props.get("gcnArchName", b"")
@@ -165,11 +158,11 @@ def refusal(info: DeviceInfo, platform: str) -> str | None:
     return plan.arch_refusal(info.cc, info.runtime // 1000)
 
 
-@lru_cache(maxsize=2)
-def probe(platform: str) -> tuple[Probe | None, str]:
-    """(Probe or None, reason) for "cuda" or "rocm"; cached, as the registry probes on every listing."""
+@lru_cache(maxsize=8)
+def probe(platform: str, device: int = 0) -> Probe:
+    """The probe of "cuda" or "rocm" on device index ``device``; cached, as the registry probes on every listing."""
     if importlib.util.find_spec("cupy") is None:
-        return None, f"cupy is not installed: {install_hint(platform)}"
+        return Probe(None, f"cupy is not installed: {install_hint(platform)}")
     dists = installed_cupy()
     if CUPY_DISTS["cuda12"] in dists and CUPY_DISTS["cuda13"] in dists:
         warnings.warn(
@@ -181,16 +174,16 @@ def probe(platform: str) -> tuple[Probe | None, str]:
     which = ", ".join(f"{k} {v}" for k, v in dists.items()) or "cupy"
     rocm_dists = [d for d in dists if d in CUPY_ROCM_DISTS]
     if dists and platform == "rocm" and not rocm_dists:
-        return None, f"the installed cupy is a CUDA build ({which}): {INSTALL_HINT['rocm']}"
+        return Probe(None, f"the installed cupy is a CUDA build ({which}): {INSTALL_HINT['rocm']}")
     if dists and platform == "cuda" and len(rocm_dists) == len(dists):
-        return None, f"the installed cupy is a ROCm build ({which}); use the rocm backend (KVHAL_BACKEND=rocm)"
+        return Probe(None, f"the installed cupy is a ROCm build ({which}); use the rocm backend (KVHAL_BACKEND=rocm)")
     try:
-        info = query_device(0)
+        info = query_device(device)
     except Exception as e:
-        return None, f"{which} is installed but unusable here: {type(e).__name__}: {e}"
+        return Probe(None, f"{which} is installed but unusable here: {type(e).__name__}: {e}")
     why = refusal(info, platform)
     if why:
-        return None, f"{info.name}: {why}"
+        return Probe(None, f"{info.name}: {why}")
     choice = choose_binary(info.flavor, info.arch)
     if info.is_hip:
         stack = f"{info.gcn_arch}, HIP runtime {info.runtime}"
@@ -198,11 +191,14 @@ def probe(platform: str) -> tuple[Probe | None, str]:
         stack = f"sm_{info.cc}, CUDA runtime {_version(info.runtime)}, driver {_version(info.driver)}"
     kernels = choice.note if choice.kind != "compile" else f"{choice.note}: NVRTC/hiprtc compiles at first use"
     reason = f"{info.name} ({stack}, {info.n_sm} SMs) via {which}; kernels: {kernels}"
-    return Probe(score=100, reason=reason, device=f"{platform}:0 {info.name}"), reason
+    return Probe(score=100, reason=reason, device=f"{platform}:{device} {info.name}")
 
 
 class CupyRuntime:
-    """One device: its kernel module and launches. The emulated runtime in tests has the same surface."""
+    """One device: its kernel module and launches. The emulated runtime in tests has the same surface.
+
+    Immutable once built (the kernel functions are looked up here), so caches on several threads share it.
+    """
 
     def __init__(self, device: int, platform: str) -> None:
         import cupy  # noqa: PLC0415
@@ -215,8 +211,8 @@ class CupyRuntime:
         self.device = cupy.cuda.Device(device)
         self.n_sm = self.info.n_sm
         with self.device:
-            self.module = self._load(cupy)
-        self._fns: dict[str, Any] = {}
+            module = self._load(cupy)
+            self._fns = {name: module.get_function(name) for name in kernel_names()}
 
     def _load(self, cupy: Any) -> Any:
         choice = choose_binary(self.info.flavor, self.info.arch)
@@ -243,15 +239,16 @@ class CupyRuntime:
     def launch(
         self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, smem: int = 0
     ) -> None:
-        fn = self._fns.get(name)
-        if fn is None:
-            fn = self._fns[name] = self.module.get_function(name)
         with self.device:
-            fn(grid, block, args, shared_mem=smem)
+            self._fns[name](grid, block, args, shared_mem=smem)
 
     def to_device(self, a: np.ndarray) -> Any:
         with self.device:
             return self.xp.asarray(a)
+
+    def pointer_table(self, arrays: list[Any]) -> Any:
+        """A device uint64 array of the arrays' device addresses (raw block I/O reaches every pool at once)."""
+        return self.to_device(np.array([a.data.ptr for a in arrays], np.uint64))
 
     def to_host(self, a: Any) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)

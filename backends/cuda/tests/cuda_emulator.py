@@ -2,7 +2,8 @@
 with the host C++ compiler, behind the same runtime surface as kvhal_cuda.runtime.CupyRuntime.
 
 Device arrays are numpy arrays with guard bytes on both sides, checked after every launch, so an
-out-of-bounds write fails the test that caused it.
+out-of-bounds write fails the test that caused it. The emulator runs one launch at a time (its state is
+global), so launches from several threads take a lock, as they would queue on one GPU.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvhal_cuda import CudaBackend, runtime
+from kvhal_cuda import CudaBackend, source
 
 import kvhal
+from kvhal.backend_util import Option, positive
 
 HERE = Path(__file__).parent
 GUARD = 64
@@ -37,15 +40,17 @@ def build() -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or clang++) to build the CUDA kernel emulator")
-    src = (HERE / "emu" / "emu.cpp").read_text() + runtime.kernel_source()
-    tag = hashlib.sha256(src.encode()).hexdigest()[:16]
+    kernels = source.kernel_source()
+    tag = hashlib.sha256(((HERE / "emu" / "emu.cpp").read_text() + kernels).encode()).hexdigest()[:16]
     out = Path(tempfile.gettempdir()) / f"kvhal-cuda-emu-{tag}.so"
     if not out.exists():
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
-               "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror",
-               "-I", str(runtime.KERNEL_DIR), "-o", str(tmp), str(HERE / "emu" / "emu.cpp")]  # fmt: skip
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        with tempfile.TemporaryDirectory() as inc:
+            (Path(inc) / "kvhal.cu").write_text(kernels)
+            cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
+                   "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Werror",
+                   "-I", inc, "-o", str(tmp), str(HERE / "emu" / "emu.cpp")]  # fmt: skip
+            p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
             raise RuntimeError(f"building the kernel emulator failed:\n{' '.join(cmd)}\n{p.stderr}")
         tmp.replace(out)
@@ -57,6 +62,7 @@ class _GuardedNumpy:
 
     def __init__(self) -> None:
         self._live: list[weakref.ref[np.ndarray]] = []
+        self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(np, name)
@@ -67,7 +73,8 @@ class _GuardedNumpy:
         buf = np.full(n + 2 * GUARD, CANARY, np.uint8)
         body = buf[GUARD : GUARD + n]
         body[:] = 0 if fill == 0 else 0xA5  # empty() holds garbage, as device memory does
-        self._live.append(weakref.ref(buf))
+        with self._lock:
+            self._live.append(weakref.ref(buf))
         return body.view(dtype).reshape(shape)
 
     def zeros(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
@@ -77,6 +84,10 @@ class _GuardedNumpy:
         return self._alloc(shape, dtype, None)
 
     def check(self, kernel: str) -> None:
+        with self._lock:
+            self._check(kernel)
+
+    def _check(self, kernel: str) -> None:
         alive = []
         for ref in self._live:
             buf = ref()
@@ -98,6 +109,7 @@ class EmuRuntime:
         self.n_sm = n_sm
         self.device = contextlib.nullcontext()
         self.launches: list[tuple[str, tuple[int, int, int], tuple[int, int, int], int]] = []
+        self._lock = threading.Lock()
 
     def launch(
         self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, smem: int = 0
@@ -109,41 +121,49 @@ class EmuRuntime:
                 c: Any = ctypes.c_void_p(a.ctypes.data)
             elif isinstance(a, np.int32):
                 c = ctypes.c_int(int(a))
+            elif isinstance(a, np.int64):
+                c = ctypes.c_longlong(int(a))
             elif isinstance(a, np.float32):
                 c = ctypes.c_float(float(a))
             else:
-                raise TypeError(f"{name}: argument of type {type(a).__name__}; pass np.int32/np.float32/arrays")
+                raise TypeError(f"{name}: argument of type {type(a).__name__}; pass np.int32/int64/float32/arrays")
             keep.append(c)
             ptrs.append(ctypes.cast(ctypes.pointer(c), ctypes.c_void_p))
         argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        err = ctypes.create_string_buffer(512)
-        self.launches.append((name, grid, block, smem))
-        rc = self.lib.emu_launch(name.encode(), *grid, *block, ctypes.c_size_t(smem), argv, err, ctypes.c_size_t(512))
-        if rc:
-            raise AssertionError(err.value.decode())
-        self.xp.check(name)
+        err, err_len = ctypes.create_string_buffer(512), ctypes.c_size_t(512)
+        with self._lock:
+            self.launches.append((name, grid, block, smem))
+            rc = self.lib.emu_launch(name.encode(), *grid, *block, ctypes.c_size_t(smem), argv, err, err_len)
+            if rc:
+                raise AssertionError(err.value.decode())
+            self.xp.check(name)
 
     def to_device(self, a: np.ndarray) -> np.ndarray:
         out = self.xp.empty(a.shape, a.dtype)
         out[...] = a
         return out
 
+    def pointer_table(self, arrays: list[np.ndarray]) -> np.ndarray:
+        return self.to_device(np.array([a.ctypes.data for a in arrays], np.uint64))
+
     def to_host(self, a: Any) -> np.ndarray:
-        return np.asarray(a)
+        return np.array(a)  # a copy, as a device-to-host transfer is
 
     def synchronize(self) -> None:
         pass
 
 
 class EmulatedCudaBackend(CudaBackend):
-    """CudaBackend with its kernels on the CPU emulator: the contract suite runs it as ``cuda-emu``."""
+    """CudaBackend with its kernels on the CPU emulator: the contract suite runs it as ``cuda-emu``.
+
+    ``n_sm`` (``KVHAL_CUDA_EMU_SMS``) is the SM count the split-KV heuristic plans for."""
 
     name = "cuda-emu"
-    n_sm = 4
+    OPTIONS = (Option("n_sm", int, 4, env="KVHAL_CUDA_EMU_SMS", check=positive),)
 
     @classmethod
-    def probe(cls) -> kvhal.Probe | None:
+    def probe(cls) -> kvhal.Probe:
         return kvhal.Probe(score=-100, reason="kvhal.cu on the CPU SIMT emulator (tests only)", device="emulator")
 
-    def __init__(self, n_sm: int | None = None) -> None:
-        super().__init__(_runtime=EmuRuntime(n_sm or self.n_sm))
+    def _runtime(self, options: dict[str, Any]) -> EmuRuntime:
+        return EmuRuntime(options["n_sm"])

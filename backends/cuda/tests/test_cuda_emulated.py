@@ -20,15 +20,15 @@ if cuda_emulator.compiler() is None:
 FMTS = formats.names()
 
 
-def make(fmt_k, fmt_v=None, *, heads=2, dim=64, bs=16, cap=512, n_sm=4):
-    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=heads, head_dim=dim, k_format=fmt_k, v_format=fmt_v or fmt_k,
+def make(fmt_k, fmt_v=None, *, heads=2, dim=64, bs=16, cap=512, n_sm=4, layers=1):
+    spec = kvhal.CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt_k, v_format=fmt_v or fmt_k,
                            block_size=bs)  # fmt: skip
-    backend = cuda_emulator.EmulatedCudaBackend(n_sm)
+    backend = cuda_emulator.EmulatedCudaBackend(n_sm=n_sm)
     return kvhal.KVCache(spec, cap, backend=backend), kvhal.KVCache(spec, cap, backend="reference")
 
 
 def pools(c):
-    return [np.asarray(kvhal.to_numpy(x)).view(np.uint8) for x in (c.pools[0].k, c.pools[0].v)]
+    return [np.asarray(kvhal.to_numpy(x)).view(np.uint8) for x in (c.pools.k[0], c.pools.v[0])]
 
 
 def hard_blocks(rng, dim=64):
@@ -144,3 +144,52 @@ def test_splits_do_not_change_decode_beyond_rounding():
         a.store(s, 0, k, v)
         outs.append(kvhal.to_numpy(a.attention(0, q, [s], [1])))
     assert float(np.abs(outs[0] - outs[1]).max()) < 1e-6
+
+
+def test_raw_block_io_is_one_launch_each_way_and_checks_its_ids():
+    rng = np.random.default_rng(3)
+    a, ref = make("q4_0", "bf16", heads=3, dim=32, bs=5, cap=60, layers=3)  # 270-byte K pages: 16-bit copies
+    k = rng.standard_normal((23, 3, 32), dtype=np.float32)
+    for c in (a, ref):
+        s = c.new_seq()
+        for layer in range(3):
+            c.store(s, layer, k * (layer + 1), -k)
+    rt = a.backend._rt
+    ids = np.array([4, 1, 0], np.int64)
+    rt.launches.clear()
+    got = a.backend.read_blocks(a.pools, ids)
+    assert [name for name, *_ in rt.launches] == ["kvhal_blocks_gather"]
+    np.testing.assert_array_equal(got, ref.backend.read_blocks(ref.pools, ids))
+    rt.launches.clear()
+    a.backend.write_blocks(a.pools, np.array([2, 3, 11]), got)  # block 11: free, past every sequence
+    assert [name for name, *_ in rt.launches] == ["kvhal_blocks_scatter"]
+    np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.array([2, 3, 11])), got)
+    np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.array([0, 1])), got[[2, 1]])  # untouched
+    assert a.backend.read_blocks(a.pools, np.zeros(0, np.int64)).shape == (0, a.spec.block_nbytes)
+    before = a.backend.read_blocks(a.pools, np.arange(a.n_blocks))
+    for bad in (np.array([a.n_blocks]), np.array([-1]), np.array([[0]]), np.array([0.0])):
+        with pytest.raises(kvhal.PositionError):
+            a.backend.read_blocks(a.pools, bad)
+        with pytest.raises(kvhal.PositionError):
+            a.backend.write_blocks(a.pools, bad, got[:1])
+    with pytest.raises(kvhal.ShapeError):
+        a.backend.write_blocks(a.pools, ids[:2], got)
+    np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.arange(a.n_blocks)), before)
+
+
+def test_wide_heads_store_and_load_though_attention_refuses():
+    """supports() refuses only attention past head_dim 256; store and load run any width."""
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=320, k_format="q4_1", v_format="f16", block_size=4)
+    backend, ref = cuda_emulator.EmulatedCudaBackend(), kvhal.registry.instance("reference")
+    assert "head_dim 320" in (backend.supports(spec, "attention") or "") and backend.supports(spec, "store") is None
+    x = np.random.default_rng(8).standard_normal((6, 2, 320), dtype=np.float32)
+    slots = np.array([9, 10, 11, 0, 1, 2], np.int64)
+    got = []
+    for b in (backend, ref):
+        pools = b.allocate(spec, 3)
+        b.store(pools, 0, b.asarray(x, "k"), b.asarray(-x, "v"), slots)
+        got.append(
+            (b.read_blocks(pools, np.arange(3)), *(b.to_numpy(a) for a in b.load(pools, 0, np.array([2, 0]), 7)))
+        )
+    for a, r in zip(*got, strict=True):
+        np.testing.assert_array_equal(a, r)

@@ -6,34 +6,48 @@ import re
 
 import numpy as np
 import pytest
-from kvhal_cuda import plan, runtime
+from kvhal_cuda import CudaBackend, plan, runtime, source
 
-from kvhal import formats
+import kvhal
+from kvhal import formats, registry
+from kvhal.backend_util import format_table, visible_range
 from tests.oracle import attention_f64
 
-SRC = (runtime.KERNEL_DIR / "kvhal.cu").read_text()
+SRC = runtime.kernel_source()
 
 
 def cu_define(name: str) -> int:
     m = re.search(rf"^#define {name} (\d+)", SRC, re.M)
-    assert m, f"{name} not defined in kvhal.cu"
+    assert m, f"{name} not defined in the kernel source"
     return int(m.group(1))
 
 
-def test_constants_agree_with_kernel_source():
-    for fmt, i in plan.FORMAT_IDS.items():
-        assert cu_define(f"KV_{fmt.upper()}") == i
-    assert set(plan.FORMAT_IDS) == set(formats.names())
+def test_constants_are_generated_from_the_registry_and_plan():
+    for name, fid, block_len, block_bytes in format_table():
+        n = f"KV_{name.upper()}"
+        got = cu_define(n), cu_define(f"{n}_BLOCK_LEN"), cu_define(f"{n}_BLOCK_BYTES")
+        assert got == (fid, block_len, block_bytes)
     assert cu_define("KV_NW") == plan.NUM_WARPS
     assert cu_define("KV_MAXC") * 32 == plan.MAX_HEAD_DIM
     assert cu_define("KV_RPW_MAX") == plan.MAX_ROWS_PER_WARP
-    for fmt in plan.QUANTIZED:  # block sizes hard-coded in kv_deq / block_bytes
-        assert f"case KV_{fmt.upper()}: return {formats.get(fmt).block_bytes};" in SRC
+    # nothing typed twice: the checked-in source defines none of them and spells no block size
+    cu = (source.KERNEL_DIR / "kvhal.cu").read_text() + (source.KERNEL_DIR / "platform.h").read_text()
+    assert not re.search(r"^#define KV_(NW|MAXC|RPW_MAX|F32|F16|BF16|Q\d)", cu, re.M)
+    assert not re.search(r"\b(34|18|20|22|24)\b", re.sub(r"//.*", "", cu))
 
 
-def test_kernel_names_exist():
-    for name in runtime.KERNEL_NAMES:
-        assert re.search(rf'extern "C" __global__ void (__launch_bounds__\(\w+ \* 32, \d\)\s+)?{name}\(', SRC), name
+def test_kernels_dispatch_every_registered_format():
+    dispatch = re.search(r"#define KV_DISPATCH\(fmt, CALL\)(.*?)\n\n", SRC, re.S)
+    assert dispatch
+    cases = set(re.findall(r"KV_(\w+)\)", dispatch.group(1)))
+    assert {f"{n.upper()}" for n in formats.names()} <= cases | {"DEQ"}
+    assert CudaBackend.formats == frozenset(formats.names())
+
+
+def test_every_launched_kernel_is_in_the_source():
+    launched = set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "__init__.py").read_text()))
+    launched |= set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "plan.py").read_text()))
+    assert len(source.kernel_names()) == 10 and launched == set(source.kernel_names())
 
 
 @pytest.mark.parametrize("fmt", formats.names())
@@ -43,7 +57,7 @@ def test_store_launch_covers_every_block(fmt, dims):
     name, grid, block = plan.store_launch(fmt, n, h, d)
     threads = grid[0] * block[0]
     assert block[0] % 32 == 0 and block[0] <= 1024
-    if fmt in plan.QUANTIZED:
+    if formats.get(fmt).block_len == 32:
         assert name == "kvhal_store_quant"
         warps = n * h * d // 32
         assert threads // 32 >= warps > (grid[0] - 1) * block[0] // 32  # all blocks, no empty CTA
@@ -67,33 +81,37 @@ def test_prefill_geometry_fits_and_is_bank_conflict_free(d):
         assert (g.tile_tokens, g.rows_per_warp) == (32, 4)
 
 
-def test_head_dim_limit():
-    with pytest.raises(ValueError, match="head_dim 512"):
+def test_head_dim_limit_is_refused_by_supports():
+    with pytest.raises(kvhal.UnsupportedError, match="head_dim 512"):
         plan.prefill_geometry(512)
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=512, k_format="q8_0", v_format="q8_0")
+    backend = CudaBackend.__new__(CudaBackend)  # supports() needs no device
+    assert "head_dim 512 > 256" in (backend.supports(spec, "attention") or "")
+    assert backend.supports(spec, "store") is None and backend.supports(spec, "load") is None
+    assert "attention: head_dim 512" in (registry.refusal(backend, spec) or "")  # so no cache is made with it
+    assert plan.CachePlan.of(spec).prefill is None
+    assert backend.supports(kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=256), "attention") is None
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 1, 7])
-def test_visible_range_is_the_backend_mask(causal, window):
-    n_kv, n_q = 30, 9
-    pos = np.arange(n_kv - n_q, n_kv)
-    lo, hi = plan.visible_range(pos, n_kv, causal, window)
-    j = np.arange(n_kv)[None, :]
-    mask = np.ones((n_q, n_kv), bool)
-    if causal:
-        mask &= j <= pos[:, None]
-    if window is not None:
-        mask &= j > pos[:, None] - window
-    assert np.array_equal(mask, (j >= lo[:, None]) & (j < hi[:, None]))
-    assert (hi > lo).all()  # every query sees at least one key
+def test_meta_carries_the_core_visible_range(causal, window):
+    rng = np.random.default_rng(4)
+    table, lens, qls = ragged(rng, 6)
+    p = plan.plan_attention(table, lens, qls, n_heads=4, head_dim=64, block_size=16, n_sm=8, causal=causal,
+                            window=window)  # fmt: skip
+    u = p.unpack()
+    _, _, lo, hi = visible_range(lens, qls, causal, window)
+    assert np.array_equal(u["lo"], lo) and np.array_equal(u["hi"], hi)
+    assert (u["hi"] > u["lo"]).all()  # every query sees at least one key
 
 
 def test_pack_block_table_checks_pages():
     t = plan.pack_block_table(np.array([[3, 1, -1], [0, -1, -1]], np.int64), np.array([20, 5]), 16)
     assert t.dtype == np.int32 and t.flags.c_contiguous
-    with pytest.raises(ValueError, match="-1 inside"):
+    with pytest.raises(kvhal.ShapeError, match="-1 inside"):
         plan.pack_block_table(np.array([[3, -1]]), np.array([20]), 16)
-    with pytest.raises(ValueError, match="narrower"):
+    with pytest.raises(kvhal.ShapeError, match="narrower"):
         plan.pack_block_table(np.array([[3]]), np.array([20]), 16)
 
 
@@ -142,7 +160,7 @@ def test_split_heuristic():
     assert 1 < n and n * 64 * 64 * 257 * 4 <= plan.WORKSPACE_LIMIT < (n + 1) * 64 * 64 * 257 * 4
 
 
-def split_kv_emulation(q, ks, vs, q_lens, p, bs, scale, causal, window):
+def split_kv_emulation(q, ks, vs, p, bs, scale):
     """The kernels' arithmetic in float64: every (row, head, split) gives a normalized partial and its
     log-sum-exp over the split's visible tokens (-inf when none), merged by plan.merge_splits."""
     R, Hq, D = q.shape
@@ -150,10 +168,10 @@ def split_kv_emulation(q, ks, vs, q_lens, p, bs, scale, causal, window):
     part_lse = np.full((p.n_splits, R, Hq), -np.inf)
     u = p.unpack()
     for s in range(p.n_seqs):
-        nkv, nq, r0 = int(u["seq_lens"][s]), int(u["q_lens"][s]), int(u["q_start"][s])
+        nq, r0 = int(u["q_lens"][s]), int(u["q_start"][s])
         group = Hq // ks[s].shape[1]
         for i in range(nq):
-            lo, hi = (int(x) for x in plan.visible_range(nkv - nq + i, nkv, causal, window))
+            lo, hi = int(u["lo"][r0 + i]), int(u["hi"][r0 + i])
             for sp in range(p.n_splits):
                 a, b = plan.split_range(sp, p.split_pages, bs)
                 a, b = max(a, lo), min(b, hi)
@@ -174,12 +192,13 @@ def test_split_kv_merge_equals_float64_attention(causal, window):
     bs, Hkv, Hq, D = 16, 2, 4, 32
     table, lens, qls = ragged(rng, 5, bs, 700)
     lens[0], qls[0] = 3, 1  # a short sequence: every split past its one page is empty
-    p = plan.plan_attention(table, lens, qls, n_heads=Hq, head_dim=D, block_size=bs, n_sm=64)
+    p = plan.plan_attention(table, lens, qls, n_heads=Hq, head_dim=D, block_size=bs, n_sm=64, causal=causal,
+                            window=window)  # fmt: skip
     assert p.n_splits > 1
     ks = [rng.standard_normal((n, Hkv, D)) for n in lens]
     vs = [rng.standard_normal((n, Hkv, D)) for n in lens]
     q = rng.standard_normal((int(qls.sum()), Hq, D))
-    got, lse = split_kv_emulation(q, ks, vs, qls, p, bs, 0.2, causal, window)
+    got, lse = split_kv_emulation(q, ks, vs, p, bs, 0.2)
     assert np.isneginf(lse).any()  # some splits lie past short sequences or outside windows
     want = attention_f64(q, ks, vs, list(qls), scale=0.2, causal=causal, window=window)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)

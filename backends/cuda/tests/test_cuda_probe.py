@@ -32,10 +32,10 @@ def test_import_does_not_import_cupy():
 
 def test_no_cupy_reason(monkeypatch):
     monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: None)
-    assert CudaBackend.probe() is None
-    assert "cupy is not installed" in CudaBackend.unavailable_reason()
-    assert "kvhal-cuda13" in CudaBackend.unavailable_reason()
-    assert "ROCm" in RocmBackend.unavailable_reason()
+    p = CudaBackend.probe()
+    assert p.score is None and not p.available
+    assert "cupy is not installed" in p.reason and "kvhal-cuda13" in p.reason
+    assert "ROCm" in RocmBackend.probe().reason
 
 
 def test_kvhal_lists_both_with_reasons():
@@ -55,10 +55,27 @@ def fake_stack(monkeypatch, dev: runtime.DeviceInfo, dists: dict[str, str]):
 def test_probe_reports_versions_and_kernels(monkeypatch):
     fake_stack(monkeypatch, info(runtime=12090, driver=13000), {"cupy-cuda12x": "14.2.0"})
     p = CudaBackend.probe()
-    assert p is not None and p.score > 0
+    assert p.score is not None and p.score > 0 and p.device == "cuda:0 NVIDIA H100"
     for part in ("sm_90", "CUDA runtime 12.9", "driver 13.0", "cupy-cuda12x 14.2.0", "kernels:"):
         assert part in p.reason
-    assert RocmBackend.probe() is None and "CUDA build" in RocmBackend.unavailable_reason()
+    r = RocmBackend.probe()
+    assert r.score is None and "CUDA build" in r.reason
+
+
+def test_device_option_from_env(monkeypatch):
+    asked = []
+    fake_stack(monkeypatch, info(), {"cupy-cuda13x": "14.2.0"})
+    monkeypatch.setattr(runtime, "query_device", lambda index=0: asked.append(index) or info(index=index))
+    monkeypatch.setenv("KVHAL_CUDA_DEVICE", "1")
+    assert CudaBackend.probe().device == "cuda:1 NVIDIA H100" and asked == [1]
+    monkeypatch.setenv("KVHAL_CUDA_DEVICE", "one")
+    p = CudaBackend.probe()
+    assert p.score is None and "KVHAL_CUDA_DEVICE" in p.reason and "not an integer" in p.reason
+    monkeypatch.setenv("KVHAL_CUDA_DEVICE", "-1")
+    assert "must be >= 0" in CudaBackend.probe().reason
+    for bad in ({"device": "0"}, {"device": True}, {"device": -1}, {"devices": 0}):
+        with pytest.raises(kvhal.SpecError):
+            CudaBackend(**bad)  # refused before any device is touched
 
 
 def test_both_cupy_warns(monkeypatch):
@@ -80,13 +97,13 @@ def test_refusals(monkeypatch, dev, match):
     fake_stack(monkeypatch, dev, {"cupy-cuda13x": "14.2.0"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert CudaBackend.probe() is None
-    assert match in CudaBackend.unavailable_reason()
+        p = CudaBackend.probe()
+    assert p.score is None and match in p.reason
 
 
 def test_cuda12_keeps_volta(monkeypatch):
     fake_stack(monkeypatch, info(cc=70, runtime=12090, driver=12090), {"cupy-cuda12x": "14.2.0"})
-    assert CudaBackend.probe() is not None
+    assert CudaBackend.probe().available
 
 
 def test_prebuilt_choice_and_stale_manifest(monkeypatch, tmp_path):

@@ -10,10 +10,9 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import kvhal_opencl
 import numpy as np
 import pytest
-from kvhal_opencl import ENV_DEVICE, OpenCLBackend
+from kvhal_opencl import ENV_DEVICE, OpenCLBackend, device
 
 import kvhal
 from kvhal import formats
@@ -21,8 +20,8 @@ from kvhal.formats.ggml import _inverse
 from kvhal.reference import ReferenceBackend
 from tests.oracle import attention_f64
 
-if OpenCLBackend.probe() is None:
-    pytest.skip(f"opencl unavailable: {OpenCLBackend.unavailable_reason()}", allow_module_level=True)
+if not OpenCLBackend.probe().available:
+    pytest.skip(f"opencl unavailable: {OpenCLBackend.probe().reason}", allow_module_level=True)
 
 F32 = np.float32
 ALL = formats.names()
@@ -122,18 +121,18 @@ def division_sensitive_blocks(rng: np.random.Generator, fmt: str, n_blocks: int 
 
 
 def pools_of(backend: kvhal.Backend, spec: kvhal.CacheSpec, k: np.ndarray, v: np.ndarray, slots: np.ndarray, nb: int):
-    pools = backend.allocate(spec, nb)[0]
-    backend.store(pools, k, v, slots)
-    return pools, [np.asarray(backend.to_numpy(p)).view(np.uint8) for p in (pools.k, pools.v)]
+    pools = backend.allocate(spec, nb)
+    backend.store(pools, 0, k, v, slots)
+    return pools, [np.asarray(backend.to_numpy(p)).view(np.uint8) for p in (pools.k[0], pools.v[0])]
 
 
-def fp64_division_device(backend: OpenCLBackend) -> kvhal_opencl._Device:
+def fp64_division_device(backend: OpenCLBackend) -> device.Device:
     """A private device state whose programs divide through cl_khr_fp64 (the path for devices without
     correctly rounded float32 division), so that path is checked wherever the device has fp64."""
     d = backend.dev
     if "cl_khr_fp64" not in d.device.extensions:
         pytest.skip(f"{d.device.name} has no cl_khr_fp64")
-    fresh = kvhal_opencl._Device(d.cl, d.device, d.index)
+    fresh = device.Device(d.cl, d.device, d.index)
     fresh.div_options = ["-DKVHAL_DIV_FP64"]
     return fresh
 
@@ -164,7 +163,7 @@ def test_kernel_bytes_on_adversarial_data(fmt: str, division: str) -> None:
         assert bad.size == 0, f"{fmt} {which}: {bad.size} rows differ from the reference, first row {bad[:1]}"
     # load: every page, bit for bit equal to the reference's dequantization
     ids = np.arange(nb)
-    for x, y in zip(ocl.load(cl_pools, ids, nb * bs), ref.load(ref_pools, ids, nb * bs), strict=True):
+    for x, y in zip(ocl.load(cl_pools, 0, ids, nb * bs), ref.load(ref_pools, 0, ids, nb * bs), strict=True):
         np.testing.assert_array_equal(bits(kvhal.to_numpy(x)), bits(y))
 
 
@@ -178,7 +177,7 @@ def test_float_formats_on_head_dims_off_32(fmt: str, dim: int) -> None:
     k, v = rng.standard_normal((2, 23, 2, dim), dtype=F32)
     for cache in (c, r):
         cache.store(cache.new_seq(), 0, k, v)
-    for x, y in ((c.pools[0].k.get(), r.pools[0].k), (c.pools[0].v.get(), r.pools[0].v)):
+    for x, y in ((c.pools.k[0].get(), r.pools.k[0]), (c.pools.v[0].get(), r.pools.v[0])):
         np.testing.assert_array_equal(x, y)
     q = rng.standard_normal((5, 6, dim), dtype=F32)
     f = formats.get(fmt)
@@ -221,9 +220,9 @@ def test_copy_slots_overlapping_ranges() -> None:
     results = []
     for b in (OpenCLBackend(), ReferenceBackend()):
         pools, _ = pools_of(b, spec, k, v, slots, 6)
-        b.copy_slots(pools, src, dst)
-        b.copy_slots(pools, dst[::-1], src[::-1] + 4)
-        results.append([np.asarray(b.to_numpy(p)) for p in (pools.k, pools.v)])
+        b.copy_slots(pools, 0, src, dst)
+        b.copy_slots(pools, 0, dst[::-1], src[::-1] + 4)
+        results.append([np.asarray(b.to_numpy(p)) for p in (pools.k[0], pools.v[0])])
     for x, y in zip(*results, strict=True):
         np.testing.assert_array_equal(x, y)
 
@@ -241,8 +240,8 @@ def test_device_arrays_and_f16_inputs() -> None:
     r.store(r.new_seq(), 0, k16.astype(F32), v16.astype(F32))
     for c in (a, r):
         c.store(c.new_seq(), 0, *c.load(0, 0, 3, 17))  # on opencl: offset views of device arrays
-    np.testing.assert_array_equal(a.pools[0].k.get(), r.pools[0].k)
-    np.testing.assert_array_equal(a.pools[0].v.get(), r.pools[0].v)
+    np.testing.assert_array_equal(a.pools.k[0].get(), r.pools.k[0])
+    np.testing.assert_array_equal(a.pools.v[0].get(), r.pools.v[0])
     q = rng.standard_normal((2, 4, 64), dtype=F32)
     q_dev = cl_array.to_device(a.backend.dev.queue, q)
     out = a.attention(0, q_dev, [1], [2])
@@ -280,14 +279,125 @@ def test_pool_larger_than_the_device_allows() -> None:
         b.allocate(spec, too_many)
 
 
+def private_device(backend: OpenCLBackend) -> device.Device:
+    """A private runtime of the backend's device, for tests that change what it reports."""
+    d = device.Device(backend.dev.cl, backend.dev.device, backend.dev.index)
+    backend.dev = d
+    return d
+
+
+def test_device_without_exact_division_refuses_quantized_specs_before_allocating() -> None:
+    b = OpenCLBackend()
+    d = private_device(b)
+    d.div_options = None  # as on a device with neither CORRECTLY_ROUNDED_DIVIDE_SQRT nor cl_khr_fp64
+    q8 = kvhal.CacheSpec(1, 2, 64, "q8_0", "f16", 16)
+    for op in ("store", "load", "attention"):
+        why = b.supports(q8, op)
+        assert why is not None and "neither correctly rounded float32 division nor cl_khr_fp64" in why and "q8_0" in why
+    assert b.supports(kvhal.CacheSpec(1, 2, 64, "f16", "bf16", 16), "attention") is None
+    with pytest.raises(kvhal.UnsupportedError, match="neither correctly rounded"):
+        kvhal.KVCache(q8, 64, backend=b)
+    assert not d.programs  # refused before anything was built
+    with pytest.warns(UserWarning, match="falling back"):
+        c = kvhal.KVCache(q8, 64, backend=b, allow_fallback=True)
+    assert c.backend.name != "opencl"
+
+
+def test_raw_blocks_in_batches_and_bad_ids() -> None:
+    """Staging buffers larger than the device allows are split into batches; ids are checked first."""
+    rng = np.random.default_rng(9)
+    b = OpenCLBackend()
+    d = private_device(b)
+    spec = kvhal.CacheSpec(2, 2, 32, "q4_1", "f32", 4)
+    c, r = kvhal.KVCache(spec, 40, backend=b), kvhal.KVCache(spec, 40, backend="reference")
+    fresh = kvhal.KVCache(spec, 40, backend=b)
+    k, v = rng.standard_normal((2, 37, 2, 32), dtype=F32)
+    for cache in (c, r):
+        s = cache.new_seq()
+        for layer in (0, 1):
+            cache.store(s, layer, k, v)
+    d.max_alloc = 2 * spec.block_nbytes + 1  # two blocks per batch
+    assert b.supports(spec, "store") is None
+    ids = np.array([5, 0, 9, 3, 1], np.int64)
+    want = r.backend.read_blocks(r.pools, ids)
+    np.testing.assert_array_equal(b.read_blocks(c.pools, ids), want)
+    b.write_blocks(fresh.pools, ids, want)
+    np.testing.assert_array_equal(b.read_blocks(fresh.pools, ids), want)
+    assert b.read_blocks(c.pools, np.array([], np.int64)).shape == (0, spec.block_nbytes)
+    before = b.read_blocks(fresh.pools, np.arange(10))
+    for bad in (np.array([10]), np.array([-1]), np.array([0.0]), np.array([[0]])):
+        with pytest.raises(kvhal.PositionError, match=r"block ids must be ints in \[0, 10\)"):
+            b.write_blocks(fresh.pools, bad, want[: bad.size])
+    with pytest.raises(kvhal.ShapeError, match="one id per block"):
+        b.write_blocks(fresh.pools, ids[:2], want)
+    np.testing.assert_array_equal(b.read_blocks(fresh.pools, np.arange(10)), before)
+    d.max_alloc = spec.block_nbytes - 1
+    assert "lower block_size" in b.supports(spec, "store")
+
+
+def test_one_spec_on_four_threads() -> None:
+    """Caches of one spec share kernel objects; four threads storing and attending at once stay exact."""
+    import threading
+
+    spec = kvhal.CacheSpec(2, 2, 64, "q5_0", "q8_0", 8)
+    rng = np.random.default_rng(12)
+    data = [rng.standard_normal((2, 90, 2, 64), dtype=F32) for _ in range(4)]
+    q = rng.standard_normal((3, 4, 64), dtype=F32)
+    backend = OpenCLBackend()
+    caches = [kvhal.KVCache(spec, 128, backend=backend) for _ in range(4)]
+    outs: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            c, (k, v) = caches[i], data[i]
+            s = c.new_seq()
+            for t in range(0, 90, 3):
+                for layer in (0, 1):
+                    c.store(s, layer, k[t : t + 3], v[t : t + 3])
+                outs[i] = kvhal.to_numpy(c.attention(1, q, [s], [3]))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: between setting a kernel's arguments and enqueueing it
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for i, c in enumerate(caches):
+        r = kvhal.KVCache(spec, 128, backend="reference")
+        s = r.new_seq()
+        for layer in (0, 1):
+            r.store(s, layer, *data[i])
+        ids = np.arange(c.n_blocks)
+        np.testing.assert_array_equal(c.backend.read_blocks(c.pools, ids), r.backend.read_blocks(r.pools, ids))
+        want = r.attention(1, q, [s], [3])
+        assert np.abs(outs[i] - want).max() <= OpenCLBackend.attention_tolerance
+
+
+def test_options_are_typed() -> None:
+    with pytest.raises(kvhal.SpecError, match="has no option threads; the options it takes: device"):
+        OpenCLBackend(threads=2)
+    with pytest.raises(kvhal.SpecError, match="option device must be str, got int"):
+        OpenCLBackend(device=0)
+    with pytest.raises(kvhal.SpecError, match="option device must be str"):
+        kvhal.KVCache(kvhal.CacheSpec(1, 2, 64), 16, backend="opencl", backend_options={"device": True})
+
+
 # ---- device selection and unavailable reasons ------------------------------------------------------
 
 
 @pytest.fixture()
 def fresh_select():
-    kvhal_opencl._select.cache_clear()
-    yield kvhal_opencl._select
-    kvhal_opencl._select.cache_clear()
+    device.select.cache_clear()
+    yield device.select
+    device.select.cache_clear()
 
 
 def test_device_env_var_by_index_and_name(monkeypatch, fresh_select) -> None:
@@ -300,13 +410,15 @@ def test_device_env_var_by_index_and_name(monkeypatch, fresh_select) -> None:
     assert first.name.strip() in OpenCLBackend.probe().device
     assert OpenCLBackend().dev.device.int_ptr == first.int_ptr
     monkeypatch.setenv(ENV_DEVICE, "7:3")
-    assert OpenCLBackend.probe() is None
-    reason = OpenCLBackend.unavailable_reason()
-    assert "KVHAL_OPENCL_DEVICE='7:3' matches no OpenCL device" in reason and "[0:0]" in reason
+    probe = OpenCLBackend.probe()
+    assert probe.score is None and not probe.available
+    assert "KVHAL_OPENCL_DEVICE='7:3' matches no OpenCL device" in probe.reason and "[0:0]" in probe.reason
     with pytest.raises(kvhal.BackendUnavailableError, match="matches no OpenCL device"):
         OpenCLBackend(device="no such device anywhere")
     info = {i.name: i for i in kvhal.backends()}["opencl"]
-    assert not info.available and info.reason == reason
+    assert not info.available and info.reason == probe.reason
+    monkeypatch.delenv(ENV_DEVICE)
+    assert OpenCLBackend(device="0:0").dev.device.int_ptr == first.int_ptr  # the option, not the environment
 
 
 def test_default_prefers_gpu_then_accelerator_then_cpu() -> None:
@@ -317,7 +429,7 @@ def test_default_prefers_gpu_then_accelerator_then_cpu() -> None:
         return SimpleNamespace(name=name, type=t, platform=SimpleNamespace(name="plat"))
 
     cpu, acc, gpu, gpu2 = dev("cpu", 2), dev("acc", 8), dev("gpu", 4), dev("gpu2", 4)
-    choose = kvhal_opencl._choose
+    choose = device.choose
     assert choose(cl, [("0:0", cpu), ("1:0", acc), ("1:1", gpu), ("2:0", gpu2)], "") == (gpu, "1:1")
     assert choose(cl, [("0:0", cpu), ("1:0", acc)], "") == (acc, "1:0")
     assert choose(cl, [("0:0", cpu)], "") == (cpu, "0:0")
@@ -329,13 +441,15 @@ def test_default_prefers_gpu_then_accelerator_then_cpu() -> None:
 def test_reason_without_pyopencl(monkeypatch, fresh_select) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "pyopencl" else real(n, *a))
-    assert OpenCLBackend.probe() is None
-    assert OpenCLBackend.unavailable_reason().startswith("pyopencl is not installed (pip install pyopencl")
+    probe = OpenCLBackend.probe()
+    assert probe.score is None and probe.reason.startswith("pyopencl is not installed (pip install pyopencl")
+    with pytest.raises(kvhal.BackendUnavailableError, match="pyopencl is not installed"):
+        OpenCLBackend()
 
 
 def test_reason_without_icd(tmp_path) -> None:
     """With no ICD registered (an empty vendors directory) the reason names the Debian packages."""
-    code = "from kvhal_opencl import OpenCLBackend as B; print(B.probe()); print(B.unavailable_reason())"
+    code = "from kvhal_opencl import OpenCLBackend as B; p = B.probe(); print(p.score); print(p.reason)"
     env = {**os.environ, "OCL_ICD_VENDORS": str(tmp_path)}
     env.pop(ENV_DEVICE, None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -350,7 +464,7 @@ def test_gpu_launch_path_on_this_device() -> None:
     """The GPU launch logic (one unit per work item, queried work-group sizes, many KV splits) run on
     whatever device is here, against the reference and float64."""
     b = OpenCLBackend()
-    d = kvhal_opencl._Device(b.dev.cl, b.dev.device, b.dev.index)
+    d = device.Device(b.dev.cl, b.dev.device, b.dev.index)
     d.is_cpu = False
     b.dev = d
     rng = np.random.default_rng(5)
@@ -362,7 +476,7 @@ def test_gpu_launch_path_on_this_device() -> None:
         s = cache.new_seq()
         cache.store(s, 0, k, v)
         cache.seq_cp(s, 5, 300)
-    for x, y in ((c.pools[0].k.get(), r.pools[0].k), (c.pools[0].v.get(), r.pools[0].v)):
+    for x, y in ((c.pools.k[0].get(), r.pools.k[0]), (c.pools.v[0].get(), r.pools.v[0])):
         np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(kvhal.to_numpy(c.load(1, 0)[1]), r.load(1, 0)[1])
     kd, vd = (f.dequantize(f.quantize(x)) for f, x in ((spec.k_fmt, k), (spec.v_fmt, v)))
@@ -377,11 +491,15 @@ def test_attention_half_reader_is_exact_for_every_finite_half() -> None:
     import pyopencl.array as cl_array
 
     dev = OpenCLBackend().dev
-    src = kvhal_opencl._source("formats.cl") + (
-        "kernel void one(global const ushort* h, global float* a) {"
-        " a[get_global_id(0)] = half1((global const uchar*)(h + get_global_id(0))); }"
-        "kernel void sixteen(global const ushort* h, global float* b) {"
-        " vstore16(halves16(h + 16 * get_global_id(0)), get_global_id(0), b); }"
+    src = (
+        device.format_header()
+        + device.source("formats.cl")
+        + (
+            "kernel void one(global const ushort* h, global float* a) {"
+            " a[get_global_id(0)] = half1((global const uchar*)(h + get_global_id(0))); }"
+            "kernel void sixteen(global const ushort* h, global float* b) {"
+            " vstore16(halves16(h + 16 * get_global_id(0)), get_global_id(0), b); }"
+        )
     )
     prog = cl.Program(dev.ctx, src).build(options=["-DHEAD_DIM=32", *dev.ftz])
     bits_ = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

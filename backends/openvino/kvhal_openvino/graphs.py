@@ -14,6 +14,8 @@ graph is compiled once per (formats, heads, head_dim, block_size) and never per 
 from __future__ import annotations
 
 import functools
+import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -21,8 +23,10 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from kvhal import formats
+from kvhal.spec import CacheSpec
 
-QK = 32  # values per quantized block
+# every quantized format stores 32-value blocks (ggml's QK), unpacked below as two 16-value halves
+QK = formats.get("q8_0").block_len
 I64 = np.int64
 
 # the typed views of a pool row each format's dequantizer reads
@@ -123,7 +127,7 @@ def dequantize(fmt: str, views: dict[str, ov.Node], lead: int, dim: int) -> ov.N
     if fmt in ("f16", "bf16"):
         return _f32(views[fmt])
     f = formats.get(fmt)
-    nb, bb, blead = dim // QK, f.block_bytes, lead + 1
+    nb, bb, blead = dim // f.block_len, f.block_bytes, lead + 1
     body = _split_last(views["u8"], lead, nb, bb)
     scales = _half(_last(body, 0, 2 * N_SCALES[fmt]), blead, N_SCALES[fmt])  # [*lead, nb, 1 or 2]
     d = _last(scales, 0, 1)
@@ -217,7 +221,7 @@ def quantize(fmt: str, x: ov.Node, dim: int) -> list[ov.Node]:
         return [ops.convert(x, "f16")]  # IEEE round to nearest even
     if fmt == "bf16":
         return [_bf16_quantize(x, lead, dim)]
-    b = _split_last(x, lead, dim // QK, QK)
+    b = _split_last(x, lead, dim // QK, QK)  # quantized formats only: blocks of QK values
     blead = lead + 1
     if fmt == "q8_0":
         d = _div_const(ops.reduce_max(ops.abs(b), const([-1], I64), keep_dims=True), 127)
@@ -358,14 +362,16 @@ def attention_model(k_fmt: str, v_fmt: str, n_heads: int, kv_heads: int, block_s
 
 _CORE: ov.Core | None = None
 _COMPILED: dict[tuple[Any, ...], ov.CompiledModel] = {}
+_LOCK = threading.RLock()  # caches on several threads share one Core and compile each graph once
 compiles = 0  # compile_model calls made by this process (the compile-cache test watches it)
 
 
 def core() -> ov.Core:
     global _CORE
-    if _CORE is None:
-        _CORE = ov.Core()
-    return _CORE
+    with _LOCK:
+        if _CORE is None:
+            _CORE = ov.Core()
+        return _CORE
 
 
 @functools.lru_cache(maxsize=1)
@@ -397,11 +403,45 @@ def compiled(device: str, key: tuple[Any, ...]) -> ov.CompiledModel:
     """The compiled graph for ``key = (op, *shape_class)``, built and compiled once per process."""
     global compiles
     full = (device, *key)
-    cm = _COMPILED.get(full)
-    if cm is None:
-        op, *args = key
-        build: Any = {"store": store_model, "load": load_model, "attention": attention_model}[op]
-        cm = core().compile_model(build(*args), device, config(device))
-        compiles += 1
-        _COMPILED[full] = cm
-    return cm
+    with _LOCK:
+        cm = _COMPILED.get(full)
+        if cm is None:
+            op, *args = key
+            build: Any = {"store": store_model, "load": load_model, "attention": attention_model}[op]
+            cm = core().compile_model(build(*args), device, config(device))
+            compiles += 1
+            _COMPILED[full] = cm
+        return cm
+
+
+def key(op: str, spec: CacheSpec, n_heads: int = 0) -> tuple[Any, ...]:
+    """The compile-cache key of ``op``'s graph for ``spec`` (attention: for ``n_heads`` query heads)."""
+    s = spec
+    if op == "store":
+        return ("store", s.k_format, s.v_format, s.n_kv_heads, s.head_dim)
+    if op == "load":
+        return ("load", s.k_format, s.v_format, s.n_kv_heads, s.block_size, s.head_dim)
+    return ("attention", s.k_format, s.v_format, n_heads, s.n_kv_heads, s.block_size, s.head_dim)
+
+
+def refusal(device: str, spec: CacheSpec, op: str) -> str | None:
+    """Why ``device`` cannot run ``op``'s graph for ``spec``, or None.
+
+    The CPU plugin compiles these graphs for every spec kvhal takes (head_dim 1..4096, block_size 1..128,
+    1..8 KV heads, every format: backends/openvino/tests). Other devices' compilers have limits of their
+    own, not measurable here, so their graph is compiled now, before anything is allocated, and kept for
+    the cache; attention is compiled for one query head per KV head.
+    """
+    if device.split(".")[0] == "CPU":
+        return None
+    try:
+        compiled(device, key(op, spec, spec.n_kv_heads))
+    except RuntimeError as e:
+        return f"OpenVINO cannot compile kvhal's {op} graph for device {device}: {compile_error(e)}"
+    return None
+
+
+def compile_error(e: RuntimeError) -> str:
+    """OpenVINO's message without its chain of "Exception from <file>:<line>:" prefixes, on one line."""
+    text = re.sub(r"Exception from \S+:\d+:\s*", "", " ".join(str(e).split()))
+    return text[:400] + ("..." if len(text) > 400 else "")

@@ -89,6 +89,7 @@ def test_device_from_env(monkeypatch):
         cache()
     with pytest.raises(kvhal.BackendUnavailableError, match=r"'NOSUCHDEV' \(from backend_options\['device'\]\)"):
         kov.OpenVINOBackend(device="NOSUCHDEV")
+    assert kov.OpenVINOBackend.probe().score is None
     # an explicit option wins over the environment
     monkeypatch.setenv("KVHAL_OPENVINO_DEVICE", "CPU")
     assert cache(device="AUTO:CPU").backend.device == "AUTO:CPU"
@@ -129,13 +130,14 @@ def test_graphs_compile_with_f32_precision(device):
 def test_unavailable_reason_when_openvino_missing(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
-    assert kov.OpenVINOBackend.probe() is None
+    probe = kov.OpenVINOBackend.probe()
+    assert probe.score is None and not probe.available
     info = {i.name: i for i in kvhal.backends()}["openvino"]
     assert not info.available
     assert info.reason == (
         "the openvino Python package is not installed: pip install kvhal-openvino (or pip install openvino)"
     )
-    assert kov.OpenVINOBackend.unavailable_reason() == info.reason
+    assert probe.reason == info.reason
     with pytest.raises(kvhal.BackendUnavailableError, match="pip install kvhal-openvino"):
         kov.OpenVINOBackend()
     with pytest.raises(kvhal.BackendUnavailableError, match="backend 'openvino' is unavailable: the openvino"):
@@ -169,7 +171,7 @@ def test_quantize_graph_is_the_reference(fmt):
     caches = [cache(fmt, cap=len(x)), cache(fmt, cap=len(x), backend="reference")]
     for c in caches:
         c.store(c.new_seq(), 0, x, x[::-1].copy())
-    for got, want in zip((caches[0].pools[0].k, caches[0].pools[0].v), (caches[1].pools[0].k, caches[1].pools[0].v)):
+    for got, want in zip((caches[0].pools.k[0], caches[0].pools.v[0]), (caches[1].pools.k[0], caches[1].pools.v[0])):
         bad = np.argwhere((got != want).any(-1))
         assert bad.size == 0, f"{len(bad)} rows differ, first [block, head, slot] {bad[:3].tolist()}"
     k, _ = caches[0].load(0, 0)
@@ -218,7 +220,101 @@ def test_which_pools_are_read_in_place(fmt):
     """Quantized and f32 pools go to the graph as views of the pool memory; f16/bf16 ones (which the CPU
     plugin converts whole) as the pages a call reads."""
     c = cache(fmt)
-    p = c.pools[0].k
+    p = c.pools.k[0]
     views = [np.asarray(v.data) if hasattr(v, "data") else v for v in c.backend._views(p, fmt)]
     assert all(np.shares_memory(v, p) for v in views)
-    assert c.backend._copied == (fmt in ("f16", "bf16"))
+    assert c.pools.state.page_subsets == (fmt in ("f16", "bf16"))
+
+
+def test_a_graph_the_device_cannot_compile_is_refused_by_supports():
+    """Off the CPU plugin, supports() compiles the op's graph: a device whose compiler fails (HETERO:NPU,
+    no NPU compiler here) is refused before anything is allocated, and a fallback takes the spec."""
+    spec = kvhal.CacheSpec(1, 2, 64, "q8_0", "q4_0", 16)
+    ok = kov.OpenVINOBackend(device="HETERO:CPU")
+    assert all(ok.supports(spec, op) is None for op in ("store", "load", "attention"))
+    assert graphs.key("store", spec) in {k[1:] for k in graphs._COMPILED if k[0] == "HETERO:CPU"}
+    npu = kov.OpenVINOBackend(device="HETERO:NPU")
+    for op in ("store", "load", "attention"):
+        why = npu.supports(spec, op)
+        assert why is not None and why.startswith(f"OpenVINO cannot compile kvhal's {op} graph for device HETERO:NPU: ")
+        assert "Exception from" not in why
+    with pytest.raises(kvhal.UnsupportedError, match="cannot compile kvhal's store graph"):
+        kvhal.KVCache(spec, 64, backend=npu)
+    with pytest.warns(UserWarning, match="falling back"):
+        assert kvhal.KVCache(spec, 64, backend=npu, allow_fallback=True).backend.name != "openvino"
+
+
+@pytest.mark.parametrize(
+    ("heads", "dim", "bs", "fmt"),
+    [(1, 1, 1, "f32"), (3, 8, 3, "bf16"), (8, 32, 128, "q5_1"), (1, 4096, 16, "q8_0"), (2, 96, 1, "q4_0")],
+)
+def test_cpu_compiles_every_spec(heads, dim, bs, fmt):
+    """The CPU plugin compiles and runs the graphs at the edges of the spec space, exactly (supports() does
+    not compile on CPU because of this)."""
+    rng = np.random.default_rng(dim + bs)
+    spec = kvhal.CacheSpec(1, heads, dim, fmt, fmt, bs)
+    c, r = kvhal.KVCache(spec, 3 * bs + 5, backend="openvino"), kvhal.KVCache(spec, 3 * bs + 5, backend="reference")
+    k, v = rng.standard_normal((2, 2 * bs + 3, heads, dim), dtype=np.float32)
+    for x in (c, r):
+        x.store(x.new_seq(), 0, k, v)
+    np.testing.assert_array_equal(c.pools.k[0], r.pools.k[0])
+    np.testing.assert_array_equal(c.pools.v[0], r.pools.v[0])
+    np.testing.assert_array_equal(c.load(0, 0)[1], r.load(0, 0)[1])
+    q = rng.standard_normal((2, 2 * heads, dim), dtype=np.float32)
+    err = np.abs(c.attention(0, q, [0], [2]) - r.attention(0, q, [0], [2])).max()
+    assert err <= kov.OpenVINOBackend.attention_tolerance
+
+
+def test_one_spec_on_four_threads():
+    """Caches of one spec share compiled graphs but not infer requests: four threads at once stay exact."""
+    import threading
+
+    spec = kvhal.CacheSpec(2, 2, 64, "q5_0", "bf16", 8)
+    rng = np.random.default_rng(12)
+    data = [rng.standard_normal((2, 90, 2, 64), dtype=np.float32) for _ in range(4)]
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    backend = kov.OpenVINOBackend()
+    caches = [kvhal.KVCache(spec, 128, backend=backend) for _ in range(4)]
+    outs: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            c, (k, v) = caches[i], data[i]
+            s = c.new_seq()
+            for t in range(0, 90, 3):
+                for layer in (0, 1):
+                    c.store(s, layer, k[t : t + 3], v[t : t + 3])
+                outs[i] = c.attention(1, q, [s], [3])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for i, c in enumerate(caches):
+        r = kvhal.KVCache(spec, 128, backend="reference")
+        s = r.new_seq()
+        for layer in (0, 1):
+            r.store(s, layer, *data[i])
+        for layer in (0, 1):
+            np.testing.assert_array_equal(c.pools.k[layer], r.pools.k[layer])
+            np.testing.assert_array_equal(c.pools.v[layer], r.pools.v[layer])
+        assert np.abs(outs[i] - r.attention(1, q, [s], [3])).max() <= kov.OpenVINOBackend.attention_tolerance
+
+
+def test_options_are_typed():
+    with pytest.raises(kvhal.SpecError, match="has no option threads; the options it takes: device"):
+        kov.OpenVINOBackend(threads=2)
+    with pytest.raises(kvhal.SpecError, match="option device must be str, got int"):
+        kov.OpenVINOBackend(device=0)
+    with pytest.raises(kvhal.SpecError, match="option device must be str"):
+        cache(device=True)

@@ -1,5 +1,6 @@
-"""Vulkan-specific behaviour: adapter choice, exact quantization on hard inputs, pools split across
-bindings, and no buffer allocation in the decode loop. Runs on any Vulkan adapter (lavapipe in CI)."""
+"""Vulkan-specific behaviour: adapter choice and options, spec limits refused up front, exact quantization
+on hard inputs, pools split across bindings, batched raw-row moves, and no buffer allocation in the decode
+loop. Runs on any Vulkan adapter (lavapipe in CI)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvhal.reference import ReferenceBackend
 from tests.oracle import attention_f64
 
 kvhal_vulkan = pytest.importorskip("kvhal_vulkan")
-from kvhal_vulkan import VulkanBackend, VulkanPool, select_adapter  # noqa: E402
+from kvhal_vulkan import VulkanBackend, VulkanPool, adapter, backend, select_adapter, shaders  # noqa: E402
 
 FMTS = sorted(VulkanBackend.formats)
 
@@ -37,43 +38,68 @@ INTEGRATED = info("Intel(R) Graphics (RPL-S)", "IntegratedGPU", "intel")
 
 
 def test_select_prefers_a_hardware_gpu_over_the_software_one():
-    assert select_adapter([LAVAPIPE, INTEGRATED, DISCRETE], {})[0] == 2
-    assert select_adapter([LAVAPIPE, INTEGRATED, DISCRETE], {"KVHAL_VULKAN_POWER_PREFERENCE": "low-power"})[0] == 1
-    assert select_adapter([LAVAPIPE, INTEGRATED], {"KVHAL_VULKAN_ALLOW_CPU": "1"})[0] == 1
+    assert select_adapter([LAVAPIPE, INTEGRATED, DISCRETE])[0] == 2
+    assert select_adapter([LAVAPIPE, INTEGRATED, DISCRETE], power_preference="low-power")[0] == 1
+    assert select_adapter([LAVAPIPE, INTEGRATED], allow_cpu=True)[0] == 1
 
 
 def test_select_refuses_software_only_unless_allowed():
-    idx, reason = select_adapter([LAVAPIPE], {})
+    idx, reason = select_adapter([LAVAPIPE])
     assert idx is None and "KVHAL_VULKAN_ALLOW_CPU=1" in reason and "llvmpipe" in reason
-    assert select_adapter([LAVAPIPE], {"KVHAL_VULKAN_ALLOW_CPU": "1"})[0] == 0
-    idx, reason = select_adapter([LAVAPIPE, DISCRETE], {"KVHAL_VULKAN_ADAPTER": "llvmpipe"})
+    assert select_adapter([LAVAPIPE], allow_cpu=True)[0] == 0
+    idx, reason = select_adapter([LAVAPIPE, DISCRETE], "llvmpipe")
     assert idx is None and "KVHAL_VULKAN_ALLOW_CPU=1" in reason
 
 
 def test_select_by_index_or_name():
     adapters = [LAVAPIPE, INTEGRATED, DISCRETE]
-    assert select_adapter(adapters, {"KVHAL_VULKAN_ADAPTER": "1"})[0] == 1
-    assert select_adapter(adapters, {"KVHAL_VULKAN_ADAPTER": "h200"})[0] == 2
-    assert select_adapter(adapters, {"KVHAL_VULKAN_ADAPTER": "INTEL"})[0] == 1
-    assert select_adapter(adapters, {"KVHAL_VULKAN_ADAPTER": "0", "KVHAL_VULKAN_ALLOW_CPU": "1"})[0] == 0
-    idx, reason = select_adapter(adapters, {"KVHAL_VULKAN_ADAPTER": "7"})
+    assert select_adapter(adapters, "1")[0] == 1
+    assert select_adapter(adapters, "h200")[0] == 2
+    assert select_adapter(adapters, "INTEL")[0] == 1
+    assert select_adapter(adapters, "0", allow_cpu=True)[0] == 0
+    idx, reason = select_adapter(adapters, "7")
     assert idx is None and "3 Vulkan adapter(s)" in reason and "NVIDIA H200" in reason
-    idx, reason = select_adapter(adapters, {"KVHAL_VULKAN_ADAPTER": "radeon"})
+    idx, reason = select_adapter(adapters, "radeon")
     assert idx is None and "matches no Vulkan adapter" in reason and "[2] NVIDIA H200" in reason
 
 
-def test_select_explains_missing_driver_and_bad_settings():
-    idx, reason = select_adapter([], {})
+def test_select_explains_missing_driver():
+    idx, reason = select_adapter([])
     assert idx is None and "mesa-vulkan-drivers" in reason
-    idx, reason = select_adapter([DISCRETE], {"KVHAL_VULKAN_POWER_PREFERENCE": "fast"})
-    assert idx is None and "high-performance" in reason
+
+
+def test_bad_settings_are_spec_errors_and_unavailable_probes(monkeypatch):
+    """Options and their environment variables go through kvhal's option parser: a bad value is a SpecError
+    naming the option (and the variable), and the probe reports it as the reason."""
+    monkeypatch.setenv("KVHAL_VULKAN_POWER_PREFERENCE", "fast")
+    p = VulkanBackend.probe()
+    assert not p.available and "high-performance" in p.reason and "KVHAL_VULKAN_POWER_PREFERENCE" in p.reason
+    with pytest.raises(kvhal.SpecError, match="KVHAL_VULKAN_POWER_PREFERENCE"):
+        VulkanBackend()
+    monkeypatch.delenv("KVHAL_VULKAN_POWER_PREFERENCE")
+    monkeypatch.setenv("KVHAL_VULKAN_ALLOW_CPU", "yes")
+    assert "KVHAL_VULKAN_ALLOW_CPU" in VulkanBackend.probe().reason
+    monkeypatch.setenv("KVHAL_VULKAN_ALLOW_CPU", "1")
+    for bad in (
+        {"max_binding_bytes": 0},
+        {"max_binding_bytes": "big"},
+        {"max_binding_bytes": 1.5e6},
+        {"power_preference": "fast"},
+        {"allow_cpu": 2},
+        {"allow_cpu": True},
+        {"adapter": 0},
+        {"device": "0"},
+    ):
+        with pytest.raises(kvhal.SpecError) as info:
+            VulkanBackend(**bad)
+        assert next(iter(bad)) in str(info.value)
 
 
 # ---- probe on this machine ----------------------------------------------------------------------------------
 
 
 def _real_adapters() -> list[dict[str, object]]:
-    return [dict(a.info) for a in kvhal_vulkan._adapters()]
+    return [dict(a.info) for a in adapter.adapters()]
 
 
 def test_probe_reports_the_adapter(monkeypatch):
@@ -83,8 +109,8 @@ def test_probe_reports_the_adapter(monkeypatch):
     if not adapters:
         pytest.skip("no Vulkan adapter on this machine")
     p = VulkanBackend.probe()
-    assert p is not None
-    chosen = adapters[select_adapter(adapters, {"KVHAL_VULKAN_ALLOW_CPU": "1"})[0]]
+    assert p.available
+    chosen = adapters[select_adapter(adapters, allow_cpu=True)[0]]
     assert str(chosen["device"]) in p.device and str(chosen["adapter_type"]) in p.device
     assert f"0x{int(chosen['vendor_id']):04x}" in p.device
     infos = {i.name: i for i in kvhal.backends()}
@@ -97,13 +123,15 @@ def test_probe_refuses_software_adapter_without_opt_in(monkeypatch):
         pytest.skip("needs a machine whose only Vulkan adapters are software ones (lavapipe)")
     monkeypatch.delenv("KVHAL_VULKAN_ALLOW_CPU", raising=False)
     monkeypatch.delenv("KVHAL_VULKAN_ADAPTER", raising=False)
-    assert VulkanBackend.probe() is None
-    assert "KVHAL_VULKAN_ALLOW_CPU=1" in VulkanBackend.unavailable_reason()
+    p = VulkanBackend.probe()
+    assert p.score is None and "KVHAL_VULKAN_ALLOW_CPU=1" in p.reason
     with pytest.raises(kvhal.BackendUnavailableError, match="KVHAL_VULKAN_ALLOW_CPU"):
         VulkanBackend()
+    assert VulkanBackend(allow_cpu=1).gpu.info["adapter_type"] == "CPU"  # the option, not only the variable
     monkeypatch.setenv("KVHAL_VULKAN_ADAPTER", "no-such-gpu")
     monkeypatch.setenv("KVHAL_VULKAN_ALLOW_CPU", "1")
-    assert VulkanBackend.probe() is None and "matches no Vulkan adapter" in VulkanBackend.unavailable_reason()
+    p = VulkanBackend.probe()
+    assert p.score is None and "matches no Vulkan adapter" in p.reason
 
 
 # ---- the backend on the device --------------------------------------------------------------------------------
@@ -111,8 +139,9 @@ def test_probe_refuses_software_adapter_without_opt_in(monkeypatch):
 
 @pytest.fixture(scope="module")
 def available() -> None:
-    if VulkanBackend.probe() is None:
-        pytest.skip(f"vulkan unavailable: {VulkanBackend.unavailable_reason()}")
+    p = VulkanBackend.probe()
+    if not p.available:
+        pytest.skip(f"vulkan unavailable: {p.reason}")
 
 
 def spec(fmt: str, fmt_v: str | None = None, heads: int = 2, dim: int = 64, bs: int = 16, layers: int = 1):
@@ -122,10 +151,10 @@ def spec(fmt: str, fmt_v: str | None = None, heads: int = 2, dim: int = 64, bs: 
 
 
 def pool_bytes(cache: kvhal.KVCache, layer: int = 0) -> list[np.ndarray]:
-    p = cache.pools[layer]
+    p = cache.pools
     return [
         np.asarray(cache.backend.to_numpy(x)).view(np.uint8).reshape(cache.spec.pool_shape(cache.n_blocks, w))
-        for x, w in ((p.k, "k"), (p.v, "v"))
+        for x, w in ((p.k[layer], "k"), (p.v[layer], "v"))
     ]
 
 
@@ -215,7 +244,7 @@ def test_pool_split_across_bindings(available, fk, fv):
     limit = page * -(-n_blocks // per_pool) + 2  # not a whole number of pages or words
     be = VulkanBackend(max_binding_bytes=limit)
     caches = [kvhal.KVCache(sp, n_blocks * 8, backend=be), kvhal.KVCache(sp, n_blocks * 8, backend=ReferenceBackend())]
-    pool = caches[0].pools[0].k
+    pool = caches[0].pools.k[0]
     assert isinstance(pool, VulkanPool) and len(pool.buffers) > 1
     assert all(b.size <= limit for b in pool.buffers)
     rng = np.random.default_rng(11)
@@ -248,8 +277,83 @@ def test_too_many_chunks_is_a_capacity_error(available):
     be = VulkanBackend(max_binding_bytes=8192)
     with pytest.raises(kvhal.CapacityError, match="storage buffers per shader stage"):
         kvhal.KVCache(spec("f16"), 1 << 16, backend=be)
-    with pytest.raises(kvhal.CapacityError, match="block_size"):
-        kvhal.KVCache(spec("f16", bs=64), 128, backend=VulkanBackend(max_binding_bytes=1024))
+    small = VulkanBackend(max_binding_bytes=1024)
+    assert "block_size" in small.supports(spec("f16", bs=64), "store")  # refused before anything is allocated
+    with pytest.raises(kvhal.UnsupportedError, match="block_size"):
+        kvhal.KVCache(spec("f16", bs=64), 128, backend=small)
+
+
+# ---- limits refused by supports(), before anything is allocated -------------------------------------------
+
+
+def test_workgroup_memory_limit_is_refused_up_front(available):
+    """A head_dim whose attention workgroup does not fit the adapter's memory: supports() says so for
+    attention (store and load still run), a named cache is refused, and auto moves on to another backend."""
+    be = VulkanBackend()
+    budget = be.workgroup_memory
+    fits = max(d for d in range(32, 1 << 15, 32) if shaders.attention_workgroup_bytes(d, 1) <= budget)
+    ok, big = spec("f16", dim=fits, heads=1), spec("f16", dim=fits + 32, heads=1)
+    assert be.supports(ok, "attention") is None
+    assert be.supports(big, "store") is None and be.supports(big, "load") is None
+    why = be.supports(big, "attention")
+    assert why is not None and "workgroup memory" in why and str(budget) in why
+    with pytest.raises(kvhal.UnsupportedError, match="workgroup memory"):
+        kvhal.KVCache(big, 16, backend="vulkan")
+    infos = {i.name: i for i in kvhal.backends()}
+    assert "workgroup memory" in infos["vulkan"].refusal(big)
+    assert kvhal.KVCache(big, 16, backend="auto").backend.name != "vulkan"
+    # the largest accepted head_dim really runs attention
+    cache = kvhal.KVCache(ok, 16, backend=be)
+    rng = np.random.default_rng(4)
+    k, v = rng.standard_normal((2, 5, 1, fits), dtype=np.float32)
+    s = cache.new_seq()
+    cache.store(s, 0, k, v)
+    q = rng.standard_normal((1, 2, fits), dtype=np.float32)
+    f = formats.get("f16")
+    want = attention_f64(q, [f.dequantize(f.quantize(k))], [f.dequantize(f.quantize(v))], [1])
+    assert float(np.abs(kvhal.to_numpy(cache.attention(0, q, [s])) - want).max()) <= VulkanBackend.attention_tolerance
+
+
+def test_large_moves_go_in_batches(available, monkeypatch):
+    """Copies too big for one scratch binding go through the host, and raw block I/O splits into batches
+    (both by rows and by pools); the bytes stay reference-identical."""
+    monkeypatch.setattr(backend, "BATCH_BYTES", 3000)  # a few rows per batch, not a whole number of them
+    sp = spec("q5_1", "bf16", bs=4, layers=3)
+    caches = [kvhal.KVCache(sp, 256, backend="vulkan"), kvhal.KVCache(sp, 256, backend="reference")]
+    rng = np.random.default_rng(8)
+    k, v = rng.standard_normal((2, 40, 2, 64), dtype=np.float32)
+    for c in caches:
+        s = c.new_seq()
+        for layer in range(3):
+            c.store(s, layer, k, v)
+    caches[0].pools.state.scratch_limit = 4096  # below what copying these rows in one pass needs
+    for c in caches:
+        c.seq_cp(s, 1, 39)  # unaligned: 38 rows per layer moved by copy_slots
+        c.seq_rm(s, 2, 6)  # shift down within the same pages
+    for layer in range(3):
+        for got, want in zip(pool_bytes(caches[0], layer), pool_bytes(caches[1], layer), strict=True):
+            np.testing.assert_array_equal(got, want)
+    ids = np.array([9, 0, 4, 3, 5, 1], np.int64)
+    raw = caches[1].backend.read_blocks(caches[1].pools, ids)
+    np.testing.assert_array_equal(caches[0].backend.read_blocks(caches[0].pools, ids), raw)
+    fresh = kvhal.KVCache(sp, 256, backend="vulkan")
+    fresh.backend.write_blocks(fresh.pools, ids, raw)
+    np.testing.assert_array_equal(fresh.backend.read_blocks(fresh.pools, ids), raw)
+    assert fresh.backend.read_blocks(fresh.pools, ids[:0]).shape == (0, sp.block_nbytes)
+
+
+def test_shader_constants_come_from_the_format_registry():
+    """Block lengths and sizes reach the shaders through one generated table, not numbers typed in .wgsl."""
+    from kvhal.backend_util import format_table
+
+    text = shaders.prelude()
+    for name, _, length, nbytes in format_table():
+        if name in shaders.FORMATS:
+            assert f"const {name.upper()}_LEN: u32 = {length}u;" in text
+            assert f"const {name.upper()}_BYTES: u32 = {nbytes}u;" in text
+            if length > 1:
+                assert f"{nbytes}u" not in shaders.kernel_text(f"formats/{name}.wgsl")
+    assert shaders.FORMATS == VulkanBackend.formats
 
 
 # ---- decode loop: nothing allocated per step ----------------------------------------------------------------
@@ -309,7 +413,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 def run_helpers(be: VulkanBackend, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     dev, usage = be.gpu.device, be.gpu.wgpu.BufferUsage
-    mod = dev.create_shader_module(code=kvhal_vulkan._kernel_text("common.wgsl") + HELPERS)
+    mod = dev.create_shader_module(code=shaders.prelude() + HELPERS)
     pipe = dev.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
     bufs = [
         dev.create_buffer_with_data(data=np.ascontiguousarray(x, np.uint32).tobytes(), usage=usage.STORAGE)

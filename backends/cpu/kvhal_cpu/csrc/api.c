@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -24,7 +25,45 @@ static int kv_has_f16c(void) {
 }
 #endif
 
-KV_EXPORT int kvc_abi_version(void) { return 2; }
+KV_EXPORT int kvc_abi_version(void) { return 3; }
+
+/* kv_args as this build lays it out: "kv_args <size>" then "<name> <offset> <size> <kind>" per field in
+ * declaration order (kind: i int32, q int64, f float, p pointer), ';'-separated. Python compares it
+ * with its mirror, so a field added, moved, renamed or retyped on one side only refuses the library. */
+#define KV_KIND(x) _Generic((x), int32_t: 'i', int64_t: 'q', float: 'f', default: 'p')
+#define KV_FIELD(f) {#f, offsetof(kv_args, f), sizeof(((kv_args *)0)->f), KV_KIND(((kv_args *)0)->f)}
+KV_EXPORT int kvc_args_layout(char *out, int cap) {
+    static const struct {
+        const char *name;
+        size_t offset, size;
+        char kind;
+    } fields[] = {KV_FIELD(isa),        KV_FIELD(threads),     KV_FIELD(kv_split),  KV_FIELD(tile),
+                  KV_FIELD(kfmt),       KV_FIELD(vfmt),        KV_FIELD(n_kv_heads), KV_FIELD(head_dim),
+                  KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(krow),      KV_FIELD(vrow),
+                  KV_FIELD(kpool),      KV_FIELD(vpool),       KV_FIELD(k),         KV_FIELD(v),
+                  KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
+                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(q),         KV_FIELD(out),
+                  KV_FIELD(block_table), KV_FIELD(seq_lens),   KV_FIELD(q_lens),    KV_FIELD(n_seqs),
+                  KV_FIELD(max_blocks), KV_FIELD(causal),      KV_FIELD(window),    KV_FIELD(scale)};
+    int n = snprintf(out, (size_t)cap, "kv_args %zu", sizeof(kv_args));
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        n += snprintf(out + (n < cap ? n : cap), (size_t)(n < cap ? cap - n : 0), ";%s %zu %zu %c", fields[i].name,
+                      fields[i].offset, fields[i].size, fields[i].kind);
+    return n; /* the length it needs; the text is whole when that is < cap */
+}
+
+/* the formats these kernels implement, as (id, values per block, bytes per block) triples from
+ * formats.h: Python checks them against kvhal's registry and refuses the formats not listed */
+KV_EXPORT int kvc_format_table(int32_t *out, int cap) {
+    static const int implemented[] = {KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_Q4_1, KV_Q5_0, KV_Q5_1};
+    const int n = (int)(sizeof implemented / sizeof implemented[0]);
+    for (int i = 0; i < n && 3 * i + 2 < cap; i++) {
+        out[3 * i] = implemented[i];
+        out[3 * i + 1] = kv_block_len[implemented[i]];
+        out[3 * i + 2] = kv_block_bytes[implemented[i]];
+    }
+    return n;
+}
 
 static int isa_probe(int isa) {
     switch (isa) {
@@ -126,14 +165,12 @@ static void store_task(void *p, int64_t task, int worker) {
         }
 }
 
-KV_EXPORT int kvc_store(int isa_id, int threads, int kfmt, int vfmt, const float *k, const float *v, int64_t n,
-                        int H, int D, uint8_t *kpool, uint8_t *vpool, const int64_t *slots, int bs) {
-    const kv_isa *isa = get_isa(isa_id);
+KV_EXPORT int kvc_store(const kv_args *a) {
+    const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    store_ctx c = {isa, {kfmt, vfmt}, {k, v}, {kpool, vpool}, {kv_row_bytes(kfmt, D), kv_row_bytes(vfmt, D)},
-                   slots, n, H, D, bs};
-    int64_t tasks = (n * H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    kv_pool_run(store_task, &c, tasks, threads);
+    store_ctx c = {isa, {a->kfmt, a->vfmt}, {a->k, a->v}, {a->kpool, a->vpool}, {a->krow, a->vrow}, a->slots, a->n,
+                   a->n_kv_heads, a->head_dim, a->block_size};
+    kv_pool_run(store_task, &c, (a->n * a->n_kv_heads + ROWS_PER_TASK - 1) / ROWS_PER_TASK, a->threads);
     return KV_OK;
 }
 
@@ -160,18 +197,21 @@ static void load_task(void *p, int64_t task, int worker) {
     }
 }
 
-KV_EXPORT int kvc_load(int isa_id, int threads, int fmt, const uint8_t *pool, const int64_t *blocks, int64_t n,
-                       int H, int D, int bs, float *out) {
-    const kv_isa *isa = get_isa(isa_id);
+/* K and V of the first n tokens of the pages a->blocks */
+KV_EXPORT int kvc_load(const kv_args *a) {
+    const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    load_ctx c = {isa, fmt, pool, kv_row_bytes(fmt, D), blocks, n, H, D, bs, out};
-    kv_pool_run(load_task, &c, (n * H + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads);
+    const int64_t tasks = (a->n * a->n_kv_heads + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    load_ctx k = {isa, a->kfmt, a->kpool, a->krow, a->blocks, a->n, a->n_kv_heads, a->head_dim, a->block_size, a->kout};
+    load_ctx v = {isa, a->vfmt, a->vpool, a->vrow, a->blocks, a->n, a->n_kv_heads, a->head_dim, a->block_size, a->vout};
+    kv_pool_run(load_task, &k, tasks, a->threads);
+    kv_pool_run(load_task, &v, tasks, a->threads);
     return KV_OK;
 }
 
 /* gather every source row first, then scatter: sources and destinations may overlap (seq_rm) */
-KV_EXPORT int kvc_copy_slots(uint8_t *pool, int64_t row_bytes, const int64_t *src, const int64_t *dst, int64_t n,
-                             int H, int bs) {
+static int copy_slots(uint8_t *pool, int64_t row_bytes, const int64_t *src, const int64_t *dst, int64_t n, int H,
+                      int bs) {
     uint8_t *tmp = (uint8_t *)malloc((size_t)(n * H * row_bytes) + 1);
     if (!tmp) return KV_ENOMEM;
     for (int pass = 0; pass < 2; pass++)
@@ -188,6 +228,12 @@ KV_EXPORT int kvc_copy_slots(uint8_t *pool, int64_t row_bytes, const int64_t *sr
         }
     free(tmp);
     return KV_OK;
+}
+
+/* the stored rows of a->slots into a->dst_slots, K and V */
+KV_EXPORT int kvc_copy_slots(const kv_args *a) {
+    int rc = copy_slots(a->kpool, a->krow, a->slots, a->dst_slots, a->n, a->n_kv_heads, a->block_size);
+    return rc ? rc : copy_slots(a->vpool, a->vrow, a->slots, a->dst_slots, a->n, a->n_kv_heads, a->block_size);
 }
 
 /* ---- attention ---------------------------------------------------------------------------------- */
@@ -271,21 +317,19 @@ static int prefetch_pays(int64_t kv_bytes) {
     return kv_bytes > n / 3;
 }
 
-KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vfmt, const float *q, float *out,
-                            const uint8_t *kpool, const uint8_t *vpool, const int32_t *block_table,
-                            const int32_t *seq_lens, const int32_t *q_lens, int n_seqs, int max_blocks,
-                            int n_heads, int n_kv_heads, int D, int bs, float scale, int causal, int window,
-                            int tile) {
-    const kv_isa *isa = get_isa(isa_id);
+KV_EXPORT int kvc_attention(const kv_args *a) {
+    const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    if (n_seqs <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads || (tile && tile != 64 && tile != 128)) return KV_EARG;
-    if (threads < 1) threads = 1;
-    const int G = n_heads / n_kv_heads;
+    const int n_seqs = a->n_seqs, n_kv_heads = a->n_kv_heads, D = a->head_dim, split = a->kv_split, tile = a->tile;
+    const int32_t *seq_lens = a->seq_lens, *q_lens = a->q_lens;
+    if (n_seqs <= 0 || n_kv_heads <= 0 || a->n_heads % n_kv_heads || (tile && tile != 64 && tile != 128)) return KV_EARG;
+    const int threads = a->threads < 1 ? 1 : a->threads;
+    const int G = a->n_heads / n_kv_heads;
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
     if (!q_start) return KV_ENOMEM;
-    kv_call c = {n_seqs, n_heads, n_kv_heads, D, bs, max_blocks, kfmt, vfmt, causal, window,
-                 kv_row_bytes(kfmt, D), kv_row_bytes(vfmt, D), scale * 1.4426950408889634f, q, out, kpool, vpool,
-                 block_table, seq_lens, q_lens, q_start};
+    kv_call c = {n_seqs, a->n_heads, n_kv_heads, D, a->block_size, a->max_blocks, a->kfmt, a->vfmt, a->causal,
+                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, a->out, a->kpool, a->vpool,
+                 a->block_table, seq_lens, q_lens, q_start, 0};
     int64_t acc = 0;
     for (int s = 0; s < n_seqs; s++) {
         q_start[s] = acc;
@@ -320,7 +364,7 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
     /* AVX-512 tiles (tile 0: by format and where K/V sits): 128 tokens for quantized K and V from the
      * LLC, else 64 (kern_avx512_t128.c says why) */
     if (isa == &kv_isa_avx512 &&
-        (tile == 128 || (tile == 0 && !c.prefetch && kv_is_quant(kfmt) && kv_is_quant(vfmt))))
+        (tile == 128 || (tile == 0 && !c.prefetch && kv_is_quant(a->kfmt) && kv_is_quant(a->vfmt))))
         isa = &kv_isa_avx512_t128;
 #endif
     kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
@@ -368,9 +412,9 @@ KV_EXPORT int kvc_attention(int isa_id, int threads, int split, int kfmt, int vf
                 }
             }
         }
-        attn_ctx a = {&c, isa, items, groups, ws, pm, pl, po, rows_max};
-        kv_pool_run(attn_task, &a, ni, threads);
-        kv_pool_run(merge_task, &a, ng, threads);
+        attn_ctx ctx = {&c, isa, items, groups, ws, pm, pl, po, rows_max};
+        kv_pool_run(attn_task, &ctx, ni, threads);
+        kv_pool_run(merge_task, &ctx, ng, threads);
         rc = KV_OK;
     }
     for (int w = 0; ws && w < threads; w++) {

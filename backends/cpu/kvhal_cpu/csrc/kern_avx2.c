@@ -45,7 +45,7 @@ static int dequant_row_avx2(int fmt, const uint8_t *y, float *dst, int d) {
                 __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(y + 2 + 8 * i));
                 _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
             }
-            y += 34;
+            y += KV_Q8_0_BYTES;
         } else {
             const __m256 eight = _mm256_set1_ps(8.0f);
             const __m256i m4 = _mm256_set1_epi32(15);
@@ -56,7 +56,7 @@ static int dequant_row_avx2(int fmt, const uint8_t *y, float *dst, int d) {
                 _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(s, lo));
                 _mm256_storeu_ps(dst + 16 + 8 * i, _mm256_mul_ps(s, hi));
             }
-            y += 18;
+            y += KV_Q4_0_BYTES;
         }
     }
     return 1;

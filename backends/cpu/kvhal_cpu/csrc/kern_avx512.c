@@ -93,7 +93,7 @@ static int quant_row_512(int fmt, const float *x, uint8_t *y, int d) {
                 r = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);
                 _mm_storeu_si128((__m128i *)(void *)(y + 2 + 16 * half), _mm512_cvtepi32_epi8(r));
             }
-            y += 34;
+            y += KV_Q8_0_BYTES;
         } else {
             /* ggml's signed max: the first value of largest magnitude; +0.0 when all are zero */
             __mmask32 hit = (__mmask32)_mm512_cmp_ps_mask(a0, _mm512_set1_ps(amax), _CMP_EQ_OQ) |
@@ -107,7 +107,7 @@ static int quant_row_512(int fmt, const float *x, uint8_t *y, int d) {
             __m512i lo = _mm512_min_epi32(_mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(x0, vid), c85)), fifteen);
             __m512i hi = _mm512_min_epi32(_mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps(x1, vid), c85)), fifteen);
             _mm_storeu_si128((__m128i *)(void *)(y + 2), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
-            y += 18;
+            y += KV_Q4_0_BYTES;
         }
     }
     return 1;
@@ -122,7 +122,7 @@ static int dequant_row_512(int fmt, const uint8_t *y, float *dst, int d) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(y + 2));
             _mm512_storeu_ps(dst, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
             _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
-            y += 34;
+            y += KV_Q8_0_BYTES;
         } else {
             __m512 s = _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y))), eight = _mm512_set1_ps(8.0f);
             __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 2)));
@@ -130,7 +130,7 @@ static int dequant_row_512(int fmt, const uint8_t *y, float *dst, int d) {
             __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(n, 4)), eight);
             _mm512_storeu_ps(dst, _mm512_mul_ps(s, lo));
             _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, hi));
-            y += 18;
+            y += KV_Q4_0_BYTES;
         }
     }
     return 1;

@@ -21,9 +21,11 @@
  */
 
 
-enum { DEC_NB = 4, DEC_D = 128 };
+/* the permute tables and offsets below are written for ggml's 34-byte q8_0 and 18-byte q4_0 blocks */
+_Static_assert(KV_Q8_0_BYTES == 34 && KV_Q4_0_BYTES == 18, "the decode path assumes ggml's q8_0 and q4_0 blocks");
+enum { DEC_NB = 4, DEC_D = 128, DEC_Q8_RB = DEC_NB * KV_Q8_0_BYTES, DEC_Q4_RB = DEC_NB * KV_Q4_0_BYTES };
 
-static inline int dec_rb(int fmt) { return fmt == KV_Q8_0 ? 136 : 72; }
+static inline int dec_rb(int fmt) { return fmt == KV_Q8_0 ? DEC_Q8_RB : DEC_Q4_RB; }
 
 static int dec_applies(const kv_call *c, const kv_item *it) {
     const int G = c->n_heads / c->n_kv_heads;
@@ -54,11 +56,11 @@ static inline void dec_scales16(int fmt, const uint8_t *p, float *dst) {
     __m512i l1[8], l2[4];
     if (fmt == KV_Q4_0) {
         const __m512i i1 = DEC_LD(dec_q4_l1);
-        for (int i = 0; i < 8; i++) l1[i] = DEC_P2(DEC_LD(p + 144 * i), i1, DEC_LD(p + 144 * i + 72));
+        for (int i = 0; i < 8; i++) l1[i] = DEC_P2(DEC_LD(p + 2 * DEC_Q4_RB * i), i1, DEC_LD(p + 2 * DEC_Q4_RB * i + DEC_Q4_RB));
     } else {
         const __m512i i0 = DEC_LD(dec_q8_l0), i1 = DEC_LD(dec_q8_l1);
         for (int i = 0; i < 8; i++) {
-            const uint8_t *a = p + 272 * i, *b = a + 136;
+            const uint8_t *a = p + 2 * DEC_Q8_RB * i, *b = a + DEC_Q8_RB;
             l1[i] = DEC_P2(DEC_P2(DEC_LD(a), i0, DEC_LD(a + 64)), i1, DEC_P2(DEC_LD(b), i0, DEC_LD(b + 64)));
         }
     }
@@ -95,15 +97,15 @@ static inline void dec_k_block(int fmt, const uint8_t *p, int b, __m512i *kt) {
     if (fmt == KV_Q4_0) {
         const __m512i m4 = _mm512_set1_epi8(0x0f);
         __m512i n[4];
-        dec_transpose(p, 72, 18 * b + 2, n);
+        dec_transpose(p, DEC_Q4_RB, KV_Q4_0_BYTES * b + 2, n);
         for (int j = 0; j < 4; j++) {
             kt[j] = _mm512_and_si512(n[j], m4);
             kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
         }
     } else {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
-        dec_transpose(p, 136, 34 * b + 2, kt);
-        dec_transpose(p, 136, 34 * b + 18, kt + 4);
+        dec_transpose(p, DEC_Q8_RB, KV_Q8_0_BYTES * b + 2, kt);
+        dec_transpose(p, DEC_Q8_RB, KV_Q8_0_BYTES * b + 2 + 16, kt + 4);
         for (int j = 0; j < 8; j++) kt[j] = _mm512_xor_si512(kt[j], flip);
     }
 }
@@ -179,10 +181,10 @@ static __attribute__((noinline)) void dec_v_q8(const uint8_t *const *grp, int ng
     DEC_V_BEGIN(w, stride);
     for (int g = 0; g < ng; g++) {
         dec_pf_pump(pf, quota);
-        const uint8_t *p = grp[g] + 34 * b + 2;
-        for (int u = 0; u < 8; u++, p += 272) {
+        const uint8_t *p = grp[g] + KV_Q8_0_BYTES * b + 2;
+        for (int u = 0; u < 8; u++, p += 2 * DEC_Q8_RB) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(const void *)p);
-            __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(p + 136));
+            __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(p + DEC_Q8_RB));
             __m512i x0 = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x, e));
             __m512i x1 = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x, e));
             INT_V_ACC4(x0, x1, 8 * g + u);
@@ -199,10 +201,10 @@ static __attribute__((noinline)) void dec_v_q4(const uint8_t *const *grp, int ng
     const __m512i m4 = _mm512_set1_epi16(0x0f);
     for (int g = 0; g < ng; g++) {
         dec_pf_pump(pf, quota);
-        const uint8_t *p = grp[g] + 18 * b + 2;
-        for (int u = 0; u < 8; u++, p += 144) {
+        const uint8_t *p = grp[g] + KV_Q4_0_BYTES * b + 2;
+        for (int u = 0; u < 8; u++, p += 2 * DEC_Q4_RB) {
             __m128i x = _mm_loadu_si128((const __m128i *)(const void *)p);
-            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(p + 72));
+            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(p + DEC_Q4_RB));
             __m512i z = _mm512_cvtepu8_epi16(
                 _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(x, e)), _mm_unpackhi_epi8(x, e), 1));
             __m512i x0 = _mm512_and_si512(z, m4), x1 = _mm512_srli_epi16(z, 4);

@@ -30,7 +30,8 @@
 #define INT_DPB(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 #define INT_DPW(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 
-static const int kv_block_bytes[KV_NFMT] = {0, 0, 0, 34, 18, 20, 22, 24};
+/* int_scales_d128's word indices are written for ggml's 34-byte q8_0 and 18-byte q4_0 blocks */
+_Static_assert(KV_Q8_0_BYTES == 34 && KV_Q4_0_BYTES == 18, "the scale permutes assume ggml's q8_0 and q4_0 blocks");
 
 typedef struct {
     int32_t *qh, *ql; /* [R][nb][8] 4-byte groups */
@@ -173,8 +174,8 @@ static void int_scales_d128(int fmt, const uint8_t *const *rows, float *dst) {
 
 /* fp16 field at byte offset `off` of every block of every tile row, as f32 [nb][KV_T] */
 static void int_scales(const uint8_t *const *rows, int nb, int bb, int off, float *dst) {
-    if (off == 0 && nb == 4 && (bb == 34 || bb == 18)) {
-        int_scales_d128(bb == 34 ? KV_Q8_0 : KV_Q4_0, rows, dst);
+    if (off == 0 && nb == 4 && (bb == KV_Q8_0_BYTES || bb == KV_Q4_0_BYTES)) {
+        int_scales_d128(bb == KV_Q8_0_BYTES ? KV_Q8_0 : KV_Q4_0, rows, dst);
         return;
     }
     int_scales_gather(rows, nb, bb, off, dst);
@@ -245,14 +246,14 @@ static void int_k_transpose(int fmt, const uint8_t *const *rg, const uint8_t *u8
     for (int b = 0; b < nb; b++, kt += 8) {
         if (fmt == KV_Q4_0) {
             __m512i n[4];
-            int_transpose16x4(rg, 18 * b + 2, n);
+            int_transpose16x4(rg, KV_Q4_0_BYTES * b + 2, n);
             for (int j = 0; j < 4; j++) {
                 kt[j] = _mm512_and_si512(n[j], m4);
                 kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
             }
             continue;
         }
-        int off = 34 * b + 2;
+        int off = KV_Q8_0_BYTES * b + 2;
         const uint8_t *const *src = rg;
         if (fmt != KV_Q8_0) {
             for (int t = 0; t < 16; t++) p[t] = u8 + (size_t)t * D;
@@ -275,14 +276,14 @@ static __attribute__((noinline)) void int_k_fused4(int fmt, const uint8_t *const
         __m512i kt[8];
         if (fmt == KV_Q4_0) {
             __m512i n[4];
-            int_transpose16x4(rg, 18 * b + 2, n);
+            int_transpose16x4(rg, KV_Q4_0_BYTES * b + 2, n);
             for (int j = 0; j < 4; j++) {
                 kt[j] = _mm512_and_si512(n[j], m4);
                 kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
             }
         } else {
-            int_transpose16x4(rg, 34 * b + 2, kt);
-            int_transpose16x4(rg, 34 * b + 18, kt + 4);
+            int_transpose16x4(rg, KV_Q8_0_BYTES * b + 2, kt);
+            int_transpose16x4(rg, KV_Q8_0_BYTES * b + 2 + 16, kt + 4);
             for (int j = 0; j < 8; j++) kt[j] = _mm512_xor_si512(kt[j], flip);
         }
         const __m512 dk = _mm512_loadu_ps(L->kd + b * KV_T + 16 * g);
@@ -353,7 +354,7 @@ static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
 static void int_v_interleave(int fmt, const uint8_t *const *rows, const uint8_t *u8, int D, int b, __m512i *vx) {
     if (fmt == KV_Q4_0) {
         const __m512i m4 = _mm512_set1_epi16(0x0f);
-        const int o = 18 * b + 2;
+        const int o = KV_Q4_0_BYTES * b + 2;
         for (int u = 0; u < KV_T / 2; u++) {
             __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u] + o));
             __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u + 1] + o));
@@ -367,8 +368,8 @@ static void int_v_interleave(int fmt, const uint8_t *const *rows, const uint8_t 
     for (int u = 0; u < KV_T / 2; u++) {
         const uint8_t *pa, *pb;
         if (fmt == KV_Q8_0) {
-            pa = rows[2 * u] + 34 * b + 2;
-            pb = rows[2 * u + 1] + 34 * b + 2;
+            pa = rows[2 * u] + KV_Q8_0_BYTES * b + 2;
+            pb = rows[2 * u + 1] + KV_Q8_0_BYTES * b + 2;
         } else {
             pa = u8 + (size_t)(2 * u) * D + 32 * b;
             pb = pa + D;
@@ -430,7 +431,7 @@ static __attribute__((noinline)) void int_v_fused4(int fmt, const uint8_t *const
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const int32_t *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
     if (fmt == KV_Q8_0) {
-        const int o = 34 * b + 2;
+        const int o = KV_Q8_0_BYTES * b + 2;
         for (int u = 0; u < KV_T / 2; u++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(rows[2 * u] + o));
             __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(rows[2 * u + 1] + o));
@@ -440,7 +441,7 @@ static __attribute__((noinline)) void int_v_fused4(int fmt, const uint8_t *const
         }
     } else { /* q4_0 */
         const __m512i m4 = _mm512_set1_epi16(0x0f);
-        const int o = 18 * b + 2;
+        const int o = KV_Q4_0_BYTES * b + 2;
         for (int u = 0; u < KV_T / 2; u++) {
             __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u] + o));
             __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(rows[2 * u + 1] + o));

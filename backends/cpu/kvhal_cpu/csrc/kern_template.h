@@ -165,13 +165,12 @@ static void FN(quantize)(int fmt, const float *x, uint8_t *dst, int d) {
 #ifdef QUANT_BLOCK_OVERRIDE
     if (QUANT_BLOCK_OVERRIDE(fmt, x, dst, d)) return;
 #endif
-    static const int bb[KV_NFMT] = {0, 0, 0, 34, 18, 20, 22, 24};
     void (*blk)(const float *, uint8_t *) = fmt == KV_Q8_0   ? FN(q8_0_block)
                                             : fmt == KV_Q4_0 ? FN(q4_0_block)
                                             : fmt == KV_Q4_1 ? FN(q4_1_block)
                                             : fmt == KV_Q5_0 ? FN(q5_0_block)
                                                              : FN(q5_1_block);
-    for (int b = 0; b < d / KV_QK; b++) blk(x + b * KV_QK, dst + b * bb[fmt]);
+    for (int b = 0; b < d / KV_QK; b++) blk(x + b * KV_QK, dst + b * kv_block_bytes[fmt]);
 }
 
 /* ---- dequantize: one stored row into d floats ---------------------------------------------------- */
@@ -202,14 +201,14 @@ static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
     for (int b = 0; b < d / KV_QK; b++, dst += KV_QK) {
         switch (fmt) {
         case KV_Q8_0: {
-            const uint8_t *y = src + 34 * b;
+            const uint8_t *y = src + KV_Q8_0_BYTES * b;
             float s = FN(get_f16)(y);
             const int8_t *q = (const int8_t *)(y + 2);
             for (int i = 0; i < KV_QK; i++) dst[i] = s * (float)q[i];
             break;
         }
         case KV_Q4_0: {
-            const uint8_t *y = src + 18 * b;
+            const uint8_t *y = src + KV_Q4_0_BYTES * b;
             float s = FN(get_f16)(y);
             for (int j = 0; j < 16; j++) {
                 dst[j] = s * ((float)(y[2 + j] & 0x0f) - 8.0f);
@@ -218,7 +217,7 @@ static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
             break;
         }
         case KV_Q4_1: {
-            const uint8_t *y = src + 20 * b;
+            const uint8_t *y = src + KV_Q4_1_BYTES * b;
             float s = FN(get_f16)(y), m = FN(get_f16)(y + 2);
             for (int j = 0; j < 16; j++) {
                 dst[j] = s * (float)(y[4 + j] & 0x0f) + m;
@@ -227,7 +226,7 @@ static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
             break;
         }
         case KV_Q5_0: {
-            const uint8_t *y = src + 22 * b;
+            const uint8_t *y = src + KV_Q5_0_BYTES * b;
             float s = FN(get_f16)(y);
             uint32_t qh = kv_load_u32(y + 2);
             for (int j = 0; j < 16; j++) {
@@ -239,7 +238,7 @@ static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
             break;
         }
         default: { /* q5_1 */
-            const uint8_t *y = src + 24 * b;
+            const uint8_t *y = src + KV_Q5_1_BYTES * b;
             float s = FN(get_f16)(y), m = FN(get_f16)(y + 2);
             uint32_t qh = kv_load_u32(y + 4);
             for (int j = 0; j < 16; j++) {

@@ -20,10 +20,14 @@
 #define KV_ALIGN(n)
 #endif
 
-enum { KV_F32 = 0, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_Q4_1, KV_Q5_0, KV_Q5_1, KV_NFMT };
+#include "formats.h" /* format ids and block sizes, generated from kvhal's registry */
+
 enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_NISA };
 
-#define KV_QK 32 /* values per quantized block */
+#define KV_QK 32 /* values per block of every quantized format the kernels run */
+_Static_assert(KV_Q8_0_LEN == KV_QK && KV_Q4_0_LEN == KV_QK && KV_Q4_1_LEN == KV_QK && KV_Q5_0_LEN == KV_QK &&
+                   KV_Q5_1_LEN == KV_QK && KV_F32_LEN == 1 && KV_F16_LEN == 1 && KV_BF16_LEN == 1,
+               "the kernels are written for 32-value quantized blocks and one-value float blocks");
 /* KV tokens per attention tile, per ISA (each kern_*.c is its own translation unit and may define
  * KV_T before including this); KV_T_MAX sizes the shared score buffer */
 #define KV_T_MAX 128
@@ -34,15 +38,35 @@ enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_NISA };
 #error "KV_T exceeds KV_T_MAX"
 #endif
 
-static inline int kv_is_quant(int fmt) { return fmt >= KV_Q8_0; }
+static const int kv_block_len[KV_NFMT] = KV_BLOCK_LEN_TABLE;
+static const int kv_block_bytes[KV_NFMT] = KV_BLOCK_BYTES_TABLE;
 
-/* bytes of one stored row of d values */
-static inline int64_t kv_row_bytes(int fmt, int d) {
-    static const int block_bytes[KV_NFMT] = {4, 2, 2, 34, 18, 20, 22, 24};
-    return kv_is_quant(fmt) ? (int64_t)(d / KV_QK) * block_bytes[fmt] : (int64_t)d * block_bytes[fmt];
-}
+static inline int kv_is_quant(int fmt) { return kv_block_len[fmt] > 1; }
 
-/* One attention call, as the driver sees it. */
+/* The arguments of every exported call, one struct mirrored field for field by kvhal_cpu/_abi.py;
+ * kvc_args_layout() reports its size and offsets, and Python refuses a library whose layout differs.
+ * The first fields describe one layer of one cache (filled once per cache); the rest are per call. */
+typedef struct {
+    int32_t isa, threads, kv_split, tile; /* kv_split 0: never split; tile 0: chosen per call */
+    int32_t kfmt, vfmt;                   /* format ids (formats.h) */
+    int32_t n_kv_heads, head_dim, block_size, n_heads; /* n_heads: query heads of an attention call */
+    int64_t krow, vrow;                   /* bytes of one stored row (from kvhal's registry) */
+    uint8_t *kpool, *vpool;               /* the layer's pools [n_blocks][n_kv_heads][block_size][row] */
+    /* store: k, v [n][n_kv_heads][head_dim] into slots[n]; copy_slots: slots[n] into dst_slots[n];
+     * load: the first n tokens of the pages blocks[] into kout, vout [n][n_kv_heads][head_dim] */
+    const float *k, *v;
+    const int64_t *slots, *dst_slots, *blocks;
+    float *kout, *vout;
+    int64_t n;
+    /* attention of q [sum q_lens][n_heads][head_dim] into out over block_table [n_seqs][max_blocks] */
+    const float *q;
+    float *out;
+    const int32_t *block_table, *seq_lens, *q_lens;
+    int32_t n_seqs, max_blocks, causal, window; /* window <= 0: none */
+    float scale;
+} kv_args;
+
+/* One attention call as the kernels see it: kv_args plus what the driver derives once per call. */
 typedef struct {
     int n_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks;
     int kfmt, vfmt, causal, window; /* window <= 0: none */

@@ -1,24 +1,20 @@
 /* Cross-ISA check of the kernel library, for ISAs the test machine can only emulate (NEON under
  * qemu-aarch64): every level this binary's CPU reports must give the scalar baseline's stored bytes,
- * loads and (within 1e-5) attention. Build: cc -O2 -pthread isa_check.c ../../kvhal_cpu/csrc/(api,pool,kern_*).c -lm */
+ * loads and (within 1e-5) attention. Build: cc -O2 -pthread isa_check.c ../../kvhal_cpu/csrc/\*.c -lm */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-int kvc_isa_supported(int isa);
-int kvc_store(int isa, int threads, int kfmt, int vfmt, const float *k, const float *v, int64_t n, int H, int D,
-              uint8_t *kpool, uint8_t *vpool, const int64_t *slots, int bs);
-int kvc_load(int isa, int threads, int fmt, const uint8_t *pool, const int64_t *blocks, int64_t n, int H, int D, int bs,
-             float *out);
-int kvc_attention(int isa, int threads, int split, int kfmt, int vfmt, const float *q, float *out, const uint8_t *kpool,
-                  const uint8_t *vpool, const int32_t *block_table, const int32_t *seq_lens, const int32_t *q_lens,
-                  int n_seqs, int max_blocks, int n_heads, int n_kv_heads, int D, int bs, float scale, int causal,
-                  int window, int tile);
+#include "../../kvhal_cpu/csrc/kvcpu.h"
 
-static const int BB[8] = {4, 2, 2, 34, 18, 20, 22, 24};
-static int64_t row_bytes(int fmt, int d) { return fmt >= 3 ? d / 32 * BB[fmt] : (int64_t)d * BB[fmt]; }
+int kvc_isa_supported(int isa);
+int kvc_store(const kv_args *a);
+int kvc_load(const kv_args *a);
+int kvc_attention(const kv_args *a);
+
+static int64_t row_bytes(int fmt, int d) { return (int64_t)d / kv_block_len[fmt] * kv_block_bytes[fmt]; }
 static float randn(void) {
     float u = (float)((rand() + 1.0) / (RAND_MAX + 2.0)), v = (float)((rand() + 1.0) / (RAND_MAX + 2.0));
     return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
@@ -26,7 +22,8 @@ static float randn(void) {
 
 int main(void) {
     enum { H = 2, D = 64, BS = 16, N = 96, NB = N / BS, HQ = 8 };
-    static float k[N * H * D], v[N * H * D], q[3 * HQ * D], o0[3 * HQ * D], o1[3 * HQ * D], l0[N * H * D], l1[N * H * D];
+    static float k[N * H * D], v[N * H * D], q[3 * HQ * D], o0[3 * HQ * D], o1[3 * HQ * D], l0[N * H * D], l1[N * H * D],
+        v0[N * H * D], v1[N * H * D];
     int64_t slots[N], blocks[NB];
     int32_t table[2 * NB] = {0}, lens[2] = {70, 26}, qlens[2] = {2, 1};
     for (int i = 0; i < N; i++) slots[i] = i;
@@ -47,36 +44,51 @@ int main(void) {
     }
     for (int i = 0; i < 3 * HQ * D; i++) q[i] = randn();
     int fails = 0, checked = 0;
-    for (int isa = 1; isa < 4; isa++) {
+    for (int isa = 1; isa < KV_NISA; isa++) {
         if (!kvc_isa_supported(isa)) continue;
-        for (int fmt = 0; fmt < 8; fmt++) {
+        for (int fmt = 0; fmt < KV_NFMT; fmt++) {
             size_t n = (size_t)NB * H * BS * row_bytes(fmt, D);
             uint8_t *p[4];
             for (int j = 0; j < 4; j++) p[j] = calloc(n, 1);
-            kvc_store(0, 1, fmt, fmt, k, v, N, H, D, p[0], p[1], slots, BS);
-            kvc_store(isa, 2, fmt, fmt, k, v, N, H, D, p[2], p[3], slots, BS);
+            /* one layer of one cache, then each call's own fields */
+            const kv_args layer = {.threads = 1, .kfmt = fmt, .vfmt = fmt, .n_kv_heads = H, .head_dim = D, .block_size = BS,
+                                   .krow = row_bytes(fmt, D), .vrow = row_bytes(fmt, D), .kpool = p[0], .vpool = p[1]};
+            kv_args a = layer, b = layer;
+            b.isa = isa, b.threads = 2, b.kpool = p[2], b.vpool = p[3];
+            a.k = b.k = k, a.v = b.v = v, a.slots = b.slots = slots, a.n = b.n = N;
+            kvc_store(&a);
+            kvc_store(&b);
             if (memcmp(p[0], p[2], n) || memcmp(p[1], p[3], n)) {
                 printf("isa %d fmt %d: stored bytes differ\n", isa, fmt);
                 fails++;
             }
-            kvc_load(0, 1, fmt, p[0], blocks, N, H, D, BS, l0);
-            kvc_load(isa, 2, fmt, p[0], blocks, N, H, D, BS, l1);
-            if (memcmp(l0, l1, sizeof l0)) {
+            a = layer, b = layer;
+            b.isa = isa, b.threads = 2;
+            a.blocks = b.blocks = blocks, a.n = b.n = N, a.kout = l0, a.vout = v0, b.kout = l1, b.vout = v1;
+            kvc_load(&a);
+            kvc_load(&b);
+            if (memcmp(l0, l1, sizeof l0) || memcmp(v0, v1, sizeof v0)) {
                 printf("isa %d fmt %d: loads differ\n", isa, fmt);
                 fails++;
             }
             /* attention on unit-scale K (the edge-case blocks above are for the quantizers only) */
-            kvc_store(0, 1, fmt, fmt, k + 4 * 32, v, N - 1, H, D, p[0], p[1], slots, BS);
+            a = layer;
+            a.k = k + 4 * 32, a.v = v, a.slots = slots, a.n = N - 1;
+            kvc_store(&a);
+            a = layer;
+            a.q = q, a.block_table = table, a.seq_lens = lens, a.q_lens = qlens, a.n_seqs = 2, a.max_blocks = NB;
+            a.n_heads = HQ, a.scale = 0.125f;
             /* tiles 64 and 128: the two AVX-512 builds (other ISAs have one tile size) */
             for (int causal = 0; causal < 2; causal++) {
-                kvc_attention(0, 1, 0, fmt, fmt, q, o0, p[0], p[1], table, lens, qlens, 2, NB, HQ, H, D, BS, 0.125f,
-                              causal, causal ? 0 : 20, 0);
+                a.causal = causal, a.window = causal ? 0 : 20, a.out = o0;
+                kvc_attention(&a);
                 for (int tile = 64; tile <= 128; tile += 64) {
-                    kvc_attention(isa, 2, 32, fmt, fmt, q, o1, p[0], p[1], table, lens, qlens, 2, NB, HQ, H, D, BS,
-                                  0.125f, causal, causal ? 0 : 20, tile);
+                    b = a;
+                    b.isa = isa, b.threads = 2, b.kv_split = 32, b.tile = tile, b.out = o1;
+                    kvc_attention(&b);
                     float err = 0.0f;
                     for (int i = 0; i < 3 * HQ * D; i++) err = fmaxf(err, fabsf(o0[i] - o1[i]));
-                    if (!(err <= (isa == 2 && fmt >= 3 ? 3e-4f : 1e-5f))) { /* avx512: integer kernels */
+                    if (!(err <= (isa == KV_ISA_AVX512 && kv_is_quant(fmt) ? 3e-4f : 1e-5f))) { /* avx512: integer kernels */
                         printf("isa %d fmt %d causal %d tile %d: attention differs by %g\n", isa, fmt, causal, tile, err);
                         fails++;
                     }

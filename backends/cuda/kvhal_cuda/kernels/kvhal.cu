@@ -8,27 +8,20 @@
 // ggml's first-occurrence reductions, and no FMA contraction (kv_*_rn, see platform.h).
 //
 // Every row starts at an even byte offset (all row and block sizes are even), so 16-bit loads and
-// stores are aligned. Launch geometry and argument layout come from kvhal_cuda/plan.py.
+// stores are aligned. Launch geometry and argument layout come from kvhal_cuda/plan.py; format ids, block
+// sizes and the geometry constants (KV_NW, KV_MAXC, KV_RPW_MAX) from the generated kvhal_constants.h.
 #include "platform.h"
+#include "kvhal_constants.h"
 
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-// format ids: kvhal_cuda.plan.FORMAT_IDS (a host test checks the two agree)
-#define KV_F32 0
-#define KV_F16 1
-#define KV_BF16 2
-#define KV_Q8_0 3
-#define KV_Q4_0 4
-#define KV_Q4_1 5
-#define KV_Q5_0 6
-#define KV_Q5_1 7
-
-#define KV_NW 4        // warps per attention CTA (plan.NUM_WARPS)
-#define KV_MAXC 8      // head_dim <= 32 * KV_MAXC (plan.MAX_HEAD_DIM)
-#define KV_RPW_MAX 4   // prefill query rows per warp (plan.MAX_ROWS_PER_WARP)
+// one 32-lane warp quantizes one block; the bit layouts below are ggml's 32-value blocks
+static_assert(KV_Q8_0_BLOCK_LEN == 32 && KV_Q4_0_BLOCK_LEN == 32 && KV_Q4_1_BLOCK_LEN == 32 &&
+                  KV_Q5_0_BLOCK_LEN == 32 && KV_Q5_1_BLOCK_LEN == 32,
+              "kvhal.cu quantizes 32-value blocks");
 
 __device__ __forceinline__ float kv_neg_inf() { return kv_u32_as_f32(0xff800000u); }
 __device__ __forceinline__ u16 ld16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
@@ -60,28 +53,28 @@ __device__ __forceinline__ int nibble(const u8* qs, int j) { return (qs[j & 15] 
 template <int F>
 __device__ __forceinline__ float deq(const u8* row, int e) {
   const int j = e & 31;
-  if (F == KV_F32) return kv_u32_as_f32(ld32_2(row + 4 * (i64)e));
-  if (F == KV_F16) return kv_f16_to_f32(ld16(row + 2 * (i64)e));
-  if (F == KV_BF16) return kv_u32_as_f32((u32)ld16(row + 2 * (i64)e) << 16);
+  if (F == KV_F32) return kv_u32_as_f32(ld32_2(row + KV_F32_BLOCK_BYTES * (i64)e));
+  if (F == KV_F16) return kv_f16_to_f32(ld16(row + KV_F16_BLOCK_BYTES * (i64)e));
+  if (F == KV_BF16) return kv_u32_as_f32((u32)ld16(row + KV_BF16_BLOCK_BYTES * (i64)e) << 16);
   if (F == KV_Q8_0) {
-    const u8* b = row + (e >> 5) * 34;
+    const u8* b = row + (e >> 5) * KV_Q8_0_BLOCK_BYTES;
     return kv_fmul_rn(ldf16(b), (float)(signed char)b[2 + j]);
   }
   if (F == KV_Q4_0) {
-    const u8* b = row + (e >> 5) * 18;
+    const u8* b = row + (e >> 5) * KV_Q4_0_BLOCK_BYTES;
     return kv_fmul_rn(ldf16(b), (float)(nibble(b + 2, j) - 8));
   }
   if (F == KV_Q4_1) {
-    const u8* b = row + (e >> 5) * 20;
+    const u8* b = row + (e >> 5) * KV_Q4_1_BLOCK_BYTES;
     return kv_fadd_rn(kv_fmul_rn(ldf16(b), (float)nibble(b + 4, j)), ldf16(b + 2));
   }
   if (F == KV_Q5_0) {
-    const u8* b = row + (e >> 5) * 22;
+    const u8* b = row + (e >> 5) * KV_Q5_0_BLOCK_BYTES;
     const int q = nibble(b + 6, j) | (int)(((ld32_2(b + 2) >> j) & 1u) << 4);
     return kv_fmul_rn(ldf16(b), (float)(q - 16));
   }
   // KV_Q5_1
-  const u8* b = row + (e >> 5) * 24;
+  const u8* b = row + (e >> 5) * KV_Q5_1_BLOCK_BYTES;
   const int q = nibble(b + 8, j) | (int)(((ld32_2(b + 4) >> j) & 1u) << 4);
   return kv_fadd_rn(kv_fmul_rn(ldf16(b), (float)q), ldf16(b + 2));
 }
@@ -242,11 +235,11 @@ __device__ __forceinline__ void quant_block(int fmt, float x, int j, u8* b) {
 
 __device__ __forceinline__ int block_bytes(int fmt) {
   switch (fmt) {
-    case KV_Q8_0: return 34;
-    case KV_Q4_0: return 18;
-    case KV_Q4_1: return 20;
-    case KV_Q5_0: return 22;
-    case KV_Q5_1: return 24;
+    case KV_Q8_0: return KV_Q8_0_BLOCK_BYTES;
+    case KV_Q4_0: return KV_Q4_0_BLOCK_BYTES;
+    case KV_Q4_1: return KV_Q4_1_BLOCK_BYTES;
+    case KV_Q5_0: return KV_Q5_0_BLOCK_BYTES;
+    case KV_Q5_1: return KV_Q5_1_BLOCK_BYTES;
   }
   return 0;
 }
@@ -279,12 +272,12 @@ extern "C" __global__ void kvhal_store_float(const float* __restrict__ x, const 
   u8* row = pool + row_offset(slots[th / H], h, H, bs, row_bytes);
   const float v = x[i];
   if (fmt == KV_F32) {
-    st32_2(row + 4 * (i64)e, kv_f32_as_u32(v));
+    st32_2(row + KV_F32_BLOCK_BYTES * (i64)e, kv_f32_as_u32(v));
   } else if (fmt == KV_F16) {
-    st16(row + 2 * (i64)e, kv_f32_to_f16(v));
+    st16(row + KV_F16_BLOCK_BYTES * (i64)e, kv_f32_to_f16(v));
   } else {  // bf16: round to nearest even on the upper half (finite inputs, checked by the core)
     const u32 u = kv_f32_as_u32(v);
-    st16(row + 2 * (i64)e, (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+    st16(row + KV_BF16_BLOCK_BYTES * (i64)e, (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
   }
 }
 
@@ -316,27 +309,54 @@ extern "C" __global__ void kvhal_copy_scatter(const u8* __restrict__ tmp, const 
   pool[row_offset(slots[th / H], (int)(th % H), H, bs, row_bytes) + i % row_bytes] = tmp[i];
 }
 
+// Raw block I/O (kvhal/backend.py): blocks [n, L * (kb + vb)] bytes hold, per block and layer, the K page
+// then the V page; pools[2l] and pools[2l + 1] are the addresses of layer l's K and V pools. One CTA per
+// (block, layer, K|V) page, 16-bit copies (page sizes are even), coalesced on both sides.
+template <bool GATHER>
+__device__ __forceinline__ void copy_pages(const unsigned long long* pools, const i64* ids, u8* blocks, int L, i64 kb,
+                                           i64 vb) {
+  const i64 g = blockIdx.x;
+  const i64 b = g / (2 * L);
+  const int lv = (int)(g - b * 2 * L);  // 2 * layer + (0: K, 1: V)
+  const i64 bytes = (lv & 1) ? vb : kb;
+  u8* page = reinterpret_cast<u8*>(pools[lv]) + ids[b] * bytes;
+  u8* raw = blocks + (b * L + (lv >> 1)) * (kb + vb) + ((lv & 1) ? kb : 0);
+  for (i64 e = 2 * (i64)threadIdx.x; e < bytes; e += 2 * (i64)blockDim.x) {
+    if (GATHER)
+      st16(raw + e, ld16(page + e));
+    else
+      st16(page + e, ld16(raw + e));
+  }
+}
+
+extern "C" __global__ void kvhal_blocks_gather(const unsigned long long* __restrict__ pools,
+                                               const i64* __restrict__ ids, u8* __restrict__ blocks, int L, i64 kb,
+                                               i64 vb) {
+  copy_pages<true>(pools, ids, blocks, L, kb, vb);
+}
+
+extern "C" __global__ void kvhal_blocks_scatter(const unsigned long long* __restrict__ pools,
+                                                const i64* __restrict__ ids, u8* __restrict__ blocks, int L, i64 kb,
+                                                i64 vb) {
+  copy_pages<false>(pools, ids, blocks, L, kb, vb);
+}
+
 // ---- attention ---------------------------------------------------------------------------------------
 //
-// Query i of a sequence sits at pos = seq_len - q_len + i and sees the KV interval [lo, hi):
-// lo = pos - window + 1 (window > 0) else 0, hi = pos + 1 (causal) else seq_len (kvhal/backend.py).
-// KV is cut into splits of split_pages pages; with n_splits > 1 every CTA writes its split's normalized
-// output and log-sum-exp to part_o/part_lse and kvhal_attn_merge combines them.
+// Query row r sees the KV interval [lo[r], hi[r]) of its sequence, computed on the host by
+// kvhal.backend_util.visible_range and packed into meta (plan.plan_attention). KV is cut into splits of
+// split_pages pages; with n_splits > 1 every CTA writes its split's normalized output and log-sum-exp to
+// part_o/part_lse and kvhal_attn_merge combines them.
 
 struct AttnArgs {
   const float* q;  // [R, Hq, D]
   const u8* kpool;
   const u8* vpool;
-  const int* meta;  // plan.pack_metadata: table [S, tstride] | seq_lens | q_lens | q_start | work lists
+  const int* meta;  // plan.plan_attention: table [S, tstride] | seq_lens | q_lens | q_start | lo | hi | work lists
   float* out;       // [R, Hq, D]
   float* part_o;    // [n_splits, R, Hq, D]
   float* part_lse;  // [n_splits, R, Hq]
 };
-
-__device__ __forceinline__ void visible(int pos, int nkv, int causal, int window, int& lo, int& hi) {
-  lo = window > 0 ? max(0, pos - window + 1) : 0;
-  hi = causal ? pos + 1 : nkv;
-}
 
 // One online-softmax step over up to 32 tokens: lane j holds token j's score (-inf if masked);
 // value_at(j, e) gives its V. Updates m, l and acc (lane's elements e = lane + 32c).
@@ -398,20 +418,15 @@ __device__ __forceinline__ void emit(const AttnArgs& a, int R, int Hq, int D, in
 extern "C" __global__ void __launch_bounds__(KV_NW * 32, 8)
     kvhal_attn_decode(const float* __restrict__ q, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
                       const int* __restrict__ meta, float* __restrict__ out, float* __restrict__ part_o,
-                      float* __restrict__ part_lse, int S, int tstride, int dec_off, int R, int Hq, int Hkv, int D,
-                      int bs, int krb, int vrb, int kfmt, int vfmt, float scale, int causal, int window,
-                      int split_pages, int n_splits) {
+                      float* __restrict__ part_lse, int tstride, int range_off, int dec_off, int R, int Hq, int Hkv,
+                      int D, int bs, int krb, int vrb, int kfmt, int vfmt, float scale, int split_pages,
+                      int n_splits) {
   KV_DYNAMIC_SMEM(float, smem);
   const AttnArgs a{q, kpool, vpool, meta, out, part_o, part_lse};
   const int w = blockIdx.x, h = blockIdx.y, p = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int* seq_lens = meta + S * tstride;
-  const int* q_lens = seq_lens + S;
-  const int* q_start = q_lens + S;
   const int s = meta[dec_off + 2 * w], r = meta[dec_off + 2 * w + 1];
-  const int nkv = seq_lens[s];
-  int lo, hi;
-  visible(nkv - q_lens[s] + (r - q_start[s]), nkv, causal, window, lo, hi);
+  const int lo = meta[range_off + r], hi = meta[range_off + R + r];
   const int a0 = max(lo, p * split_pages * bs), b0 = min(hi, (p + 1) * split_pages * bs);
   const int hk = h / (Hq / Hkv);
   const int* trow = meta + (i64)s * tstride;
@@ -473,29 +488,26 @@ extern "C" __global__ void __launch_bounds__(KV_NW * 32, 8)
 extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
     kvhal_attn_prefill(const float* __restrict__ q, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
                        const int* __restrict__ meta, float* __restrict__ out, float* __restrict__ part_o,
-                       float* __restrict__ part_lse, int S, int tstride, int tile_off, int R, int Hq, int Hkv, int D,
-                       int bs, int krb, int vrb, int kfmt, int vfmt, float scale, int causal, int window,
-                       int split_pages, int n_splits, int rpw, int bt, int kst) {
+                       float* __restrict__ part_lse, int S, int tstride, int range_off, int tile_off, int R, int Hq,
+                       int Hkv, int D, int bs, int krb, int vrb, int kfmt, int vfmt, float scale, int split_pages,
+                       int n_splits, int rpw, int bt, int kst) {
   KV_DYNAMIC_SMEM(float, smem);
   const AttnArgs a{q, kpool, vpool, meta, out, part_o, part_lse};
   const int w = blockIdx.x, h = blockIdx.y, p = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int* seq_lens = meta + S * tstride;
-  const int* q_lens = seq_lens + S;
-  const int* q_start = q_lens + S;
+  const int* q_start = meta + S * tstride + 2 * S;
   const int s = meta[tile_off + 3 * w], i0 = meta[tile_off + 3 * w + 1], nr = meta[tile_off + 3 * w + 2];
-  const int nkv = seq_lens[s], base = nkv - q_lens[s];  // row i sits at pos = base + i
-  const int r0 = q_start[s] + i0;
+  const int r0 = q_start[s] + i0;  // the tile's rows are r0 .. r0 + nr - 1
+  const int* lo = meta + range_off;
+  const int* hi = lo + R;
   const int hk = h / (Hq / Hkv);
   const int* trow = meta + (i64)s * tstride;
   float* qs = smem;
   float* ks = qs + KV_NW * rpw * D;
   float* vs = ks + bt * kst;
 
-  int lo, hi, lo_last, hi_last;
-  visible(base + i0, nkv, causal, window, lo, hi);
-  visible(base + i0 + nr - 1, nkv, causal, window, lo_last, hi_last);  // lo, hi grow with pos
-  const int a0 = max(lo, p * split_pages * bs), b0 = min(hi_last, (p + 1) * split_pages * bs);
+  // lo and hi grow with the row's position: the tile's first row starts its range, its last row ends it
+  const int a0 = max(lo[r0], p * split_pages * bs), b0 = min(hi[r0 + nr - 1], (p + 1) * split_pages * bs);
 
   for (int idx = threadIdx.x; idx < nr * D; idx += blockDim.x)
     qs[idx] = q[((i64)(r0 + idx / D) * Hq + h) * D + idx % D] * scale;
@@ -522,11 +534,9 @@ extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
     for (int u = 0; u < KV_RPW_MAX; ++u) {
       const int k = warp + KV_NW * u;
       if (u >= rpw || k >= nr) continue;  // uniform per warp
-      int rlo, rhi;
-      visible(base + i0 + k, nkv, causal, window, rlo, rhi);
       const int t = t0 + lane;
       float sc = kv_neg_inf();
-      if (lane < nt && t >= rlo && t < rhi) {
+      if (lane < nt && t >= lo[r0 + k] && t < hi[r0 + k]) {
         const float* qk = qs + k * D;
         const float* kr = ks + lane * kst;
         float dot = 0.0f;

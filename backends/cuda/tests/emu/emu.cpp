@@ -1,4 +1,6 @@
 // A small SIMT emulator that runs kernels/kvhal.cu on the CPU, for the tests on machines without a GPU.
+// It includes "kvhal.cu" as kvhal_cuda.source.kernel_source() writes it (constants generated, platform.h
+// inlined, which adds nothing under KVHAL_EMULATE).
 //
 // Every GPU thread is a fiber (ucontext); one CTA runs at a time. Shuffles and __syncthreads are the
 // only points where fibers switch, so warp-synchronous code runs as on hardware. The emulator is
@@ -178,6 +180,7 @@ const std::map<std::string, Thunk>& table() {
       {"kvhal_load", make(kvhal_load)},                 {"kvhal_copy_gather", make(kvhal_copy_gather)},
       {"kvhal_copy_scatter", make(kvhal_copy_scatter)}, {"kvhal_attn_decode", make(kvhal_attn_decode)},
       {"kvhal_attn_prefill", make(kvhal_attn_prefill)}, {"kvhal_attn_merge", make(kvhal_attn_merge)},
+      {"kvhal_blocks_gather", make(kvhal_blocks_gather)}, {"kvhal_blocks_scatter", make(kvhal_blocks_scatter)},
   };
   return t;
 }

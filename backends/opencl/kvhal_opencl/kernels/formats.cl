@@ -1,7 +1,8 @@
 // kvhal's ggml KV formats in OpenCL C 1.2, byte-identical to kvhal/formats/ggml.py (the spec).
 //
 // Needs no cl_khr_fp16: halves are only ever read and written through vload_half / vstore_half_rte.
-// Compiled with -D HEAD_DIM=<values per row>. Per format FMT this file defines
+// Compiled with -D HEAD_DIM=<values per row>, after the generated header of BLOCK_LEN_<fmt> and
+// BLOCK_BYTES_<fmt> (kvhal_opencl/device.py::format_header). Per format FMT this file defines
 //   UPR_FMT                      work units per row: one 32-value block, or the whole row for float formats
 //   store_unit_FMT(x, dst, u)    quantize unit u of the float row x into the row bytes dst
 //   load_unit_FMT(src, y, u)     dequantize unit u of the row bytes src into the float row y
@@ -11,7 +12,11 @@
 // The quantizers must round exactly as numpy does: no fused multiply-add anywhere in store/load.
 #pragma OPENCL FP_CONTRACT OFF
 
-#define QK 32
+// every quantized format stores 32-value blocks, unpacked below as two 16-value halves
+#define QK BLOCK_LEN_q8_0
+#if QK != 32 || BLOCK_LEN_q4_0 != QK || BLOCK_LEN_q4_1 != QK || BLOCK_LEN_q5_0 != QK || BLOCK_LEN_q5_1 != QK
+#error "formats.cl unpacks 32-value blocks; the format table has another block length"
+#endif
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -158,11 +163,11 @@ void dq32_bf16(global const uchar* row, int c, float16* lo, float16* hi) {
 }
 
 // ---- q8_0: {f16 d; int8 qs[32]} -------------------------------------------------------------------
-#define UPR_q8_0 (HEAD_DIM / QK)
+#define UPR_q8_0 (HEAD_DIM / BLOCK_LEN_q8_0)
 void store_unit_q8_0(global const float* x, global uchar* dst, int u) {
     float v[QK];
     read_block(x + u * QK, v);
-    dst += u * 34;
+    dst += u * BLOCK_BYTES_q8_0;
     float amax = 0.0f;
     for (int j = 0; j < QK; j++) amax = fmax(amax, fabs(v[j]));
     const float d = div_rn(amax, 127.0f);
@@ -171,25 +176,25 @@ void store_unit_q8_0(global const float* x, global uchar* dst, int u) {
     for (int j = 0; j < QK; j++) ((global char*)dst)[2 + j] = (char)round_ref(v[j] * id);
 }
 void load_unit_q8_0(global const uchar* src, global float* y, int u) {
-    src += u * 34;
+    src += u * BLOCK_BYTES_q8_0;
     y += u * QK;
     const float d = half_at(src);
     for (int j = 0; j < QK; j++) y[j] = d * (float)((global const char*)src)[2 + j];
 }
 void dq32_q8_0(global const uchar* row, int c, float16* lo, float16* hi) {
-    global const uchar* b = row + c * 34;
+    global const uchar* b = row + c * BLOCK_BYTES_q8_0;
     const float d = half1(b);
     *lo = d * convert_float16(vload16(0, (global const char*)(b + 2)));
     *hi = d * convert_float16(vload16(1, (global const char*)(b + 2)));
 }
 
 // ---- q4_0: {f16 d; u8 qs[16]} ---------------------------------------------------------------------
-#define UPR_q4_0 (HEAD_DIM / QK)
+#define UPR_q4_0 (HEAD_DIM / BLOCK_LEN_q4_0)
 void store_unit_q4_0(global const float* x, global uchar* dst, int u) {
     float v[QK];
     int q[QK];
     read_block(x + u * QK, v);
-    dst += u * 18;
+    dst += u * BLOCK_BYTES_q4_0;
     const float d = div_rn(signed_absmax(v), -8.0f);
     const float id = inverse(d);
     for (int j = 0; j < QK; j++) q[j] = min((int)(v[j] * id + 8.5f), 15);  // >= 0: (int) truncates
@@ -197,7 +202,7 @@ void store_unit_q4_0(global const float* x, global uchar* dst, int u) {
     pack_nibbles(q, dst + 2);
 }
 void load_unit_q4_0(global const uchar* src, global float* y, int u) {
-    src += u * 18;
+    src += u * BLOCK_BYTES_q4_0;
     y += u * QK;
     const float d = half_at(src);
     for (int j = 0; j < QK / 2; j++) {
@@ -206,7 +211,7 @@ void load_unit_q4_0(global const uchar* src, global float* y, int u) {
     }
 }
 void dq32_q4_0(global const uchar* row, int c, float16* lo, float16* hi) {
-    global const uchar* b = row + c * 18;
+    global const uchar* b = row + c * BLOCK_BYTES_q4_0;
     const float d = half1(b);
     const uchar16 qs = vload16(0, b + 2);
     *lo = d * (nib_lo(qs) - 8.0f);
@@ -214,12 +219,12 @@ void dq32_q4_0(global const uchar* row, int c, float16* lo, float16* hi) {
 }
 
 // ---- q4_1: {f16 d; f16 m; u8 qs[16]} --------------------------------------------------------------
-#define UPR_q4_1 (HEAD_DIM / QK)
+#define UPR_q4_1 (HEAD_DIM / BLOCK_LEN_q4_1)
 void store_unit_q4_1(global const float* x, global uchar* dst, int u) {
     float v[QK], lo, hi;
     int q[QK];
     read_block(x + u * QK, v);
-    dst += u * 20;
+    dst += u * BLOCK_BYTES_q4_1;
     min_max(v, &lo, &hi);
     const float d = div_rn(hi - lo, 15.0f);
     const float id = inverse(d);
@@ -229,7 +234,7 @@ void store_unit_q4_1(global const float* x, global uchar* dst, int u) {
     pack_nibbles(q, dst + 4);
 }
 void load_unit_q4_1(global const uchar* src, global float* y, int u) {
-    src += u * 20;
+    src += u * BLOCK_BYTES_q4_1;
     y += u * QK;
     const float d = half_at(src), m = half_at(src + 2);
     for (int j = 0; j < QK / 2; j++) {
@@ -238,7 +243,7 @@ void load_unit_q4_1(global const uchar* src, global float* y, int u) {
     }
 }
 void dq32_q4_1(global const uchar* row, int c, float16* lo, float16* hi) {
-    global const uchar* b = row + c * 20;
+    global const uchar* b = row + c * BLOCK_BYTES_q4_1;
     const float d = half1(b), m = half1(b + 2);
     const uchar16 qs = vload16(0, b + 4);
     *lo = d * nib_lo(qs) + m;
@@ -246,12 +251,12 @@ void dq32_q4_1(global const uchar* row, int c, float16* lo, float16* hi) {
 }
 
 // ---- q5_0: {f16 d; u32 qh; u8 qs[16]} -------------------------------------------------------------
-#define UPR_q5_0 (HEAD_DIM / QK)
+#define UPR_q5_0 (HEAD_DIM / BLOCK_LEN_q5_0)
 void store_unit_q5_0(global const float* x, global uchar* dst, int u) {
     float v[QK];
     int q[QK];
     read_block(x + u * QK, v);
-    dst += u * 22;
+    dst += u * BLOCK_BYTES_q5_0;
     const float d = div_rn(signed_absmax(v), -16.0f);
     const float id = inverse(d);
     for (int j = 0; j < QK; j++) q[j] = min((int)(v[j] * id + 16.5f), 31);
@@ -260,7 +265,7 @@ void store_unit_q5_0(global const float* x, global uchar* dst, int u) {
     pack_nibbles(q, dst + 6);
 }
 void load_unit_q5_0(global const uchar* src, global float* y, int u) {
-    src += u * 22;
+    src += u * BLOCK_BYTES_q5_0;
     y += u * QK;
     const float d = half_at(src);
     const uint qh = read_u32(src + 2);
@@ -272,7 +277,7 @@ void load_unit_q5_0(global const uchar* src, global float* y, int u) {
     }
 }
 void dq32_q5_0(global const uchar* row, int c, float16* lo, float16* hi) {
-    global const uchar* b = row + c * 22;
+    global const uchar* b = row + c * BLOCK_BYTES_q5_0;
     const float d = half1(b);
     const uint qh = read_u32(b + 2);
     const uchar16 qs = vload16(0, b + 6);
@@ -281,12 +286,12 @@ void dq32_q5_0(global const uchar* row, int c, float16* lo, float16* hi) {
 }
 
 // ---- q5_1: {f16 d; f16 m; u32 qh; u8 qs[16]} ------------------------------------------------------
-#define UPR_q5_1 (HEAD_DIM / QK)
+#define UPR_q5_1 (HEAD_DIM / BLOCK_LEN_q5_1)
 void store_unit_q5_1(global const float* x, global uchar* dst, int u) {
     float v[QK], lo, hi;
     int q[QK];
     read_block(x + u * QK, v);
-    dst += u * 24;
+    dst += u * BLOCK_BYTES_q5_1;
     min_max(v, &lo, &hi);
     const float d = div_rn(hi - lo, 31.0f);
     const float id = inverse(d);
@@ -297,7 +302,7 @@ void store_unit_q5_1(global const float* x, global uchar* dst, int u) {
     pack_nibbles(q, dst + 8);
 }
 void load_unit_q5_1(global const uchar* src, global float* y, int u) {
-    src += u * 24;
+    src += u * BLOCK_BYTES_q5_1;
     y += u * QK;
     const float d = half_at(src), m = half_at(src + 2);
     const uint qh = read_u32(src + 4);
@@ -309,7 +314,7 @@ void load_unit_q5_1(global const uchar* src, global float* y, int u) {
     }
 }
 void dq32_q5_1(global const uchar* row, int c, float16* lo, float16* hi) {
-    global const uchar* b = row + c * 24;
+    global const uchar* b = row + c * BLOCK_BYTES_q5_1;
     const float d = half1(b), m = half1(b + 2);
     const uint qh = read_u32(b + 4);
     const uchar16 qs = vload16(0, b + 8);

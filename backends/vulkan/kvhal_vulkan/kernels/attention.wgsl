@@ -9,9 +9,8 @@ const KPPC: u32 = ${KPPC}u;
 const VPPC: u32 = ${VPPC}u;
 const KRB: u32 = ${KRB}u;
 const VRB: u32 = ${VRB}u;
-const WG: u32 = ${WG}u;
 const HT: u32 = ${HT}u;
-const NB: u32 = (D + 31u) / 32u;      // 32-value blocks per row
+const NB: u32 = (D + QK - 1u) / QK;  // quantized blocks per row
 const DPL: u32 = (D + WG - 1u) / WG;  // output dims per lane
 
 struct Params { nx: u32, rows: u32, hq: u32, group: u32, parts: u32, maxb: u32, table_off: u32, scale: f32 }
@@ -66,7 +65,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let g = e / NB;
         let blk = e % NB;
         var sum = 0.0;
-        for (var j = blk * 32u; j < min(D, blk * 32u + 32u); j++) {
+        for (var j = blk * QK; j < min(D, blk * QK + QK); j++) {
             sum += qv[g * D + j];
         }
         qbs[e] = sum;

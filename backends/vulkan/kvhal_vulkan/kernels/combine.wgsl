@@ -6,7 +6,7 @@ struct Params { nx: u32, n: u32, parts: u32 }
 @group(0) @binding(1) var<storage, read> part: array<f32>;
 @group(0) @binding(2) var<storage, read_write> outp: array<f32>;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let rh = wid.x + wid.y * prm.nx;
     if (rh >= prm.n) {
@@ -22,7 +22,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let o = base + p * (D + 2u);
         l += part[o + D + 1u] * exp(part[o + D] - mx);
     }
-    for (var d = lane; d < D; d += 64u) {
+    for (var d = lane; d < D; d += WG) {
         var acc = 0.0;
         for (var p = 0u; p < prm.parts; p++) {
             let o = base + p * (D + 2u);

@@ -12,9 +12,9 @@ struct Params { nx: u32, n: u32, ids_off: u32, out_off: u32 }
 
 ${FORMAT}
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
-    let e = (wid.x + wid.y * prm.nx) * 64u + lane;
+    let e = (wid.x + wid.y * prm.nx) * WG + lane;
     if (e >= prm.n * H * D) {
         return;
     }

@@ -1,4 +1,4 @@
-// store: one invocation quantizes 32 values (one ggml block, or 32 values of a float row) and writes
+// store: one invocation quantizes QK values (one ggml block, or QK values of a float row) and writes
 // them into the token's slot. Units are not word-aligned, so the words a unit shares with its
 // neighbours are updated with atomicAnd/atomicOr on its own bytes only.
 const D: u32 = ${D}u;
@@ -18,7 +18,7 @@ struct Params { nx: u32, n: u32, src_off: u32, slot_off: u32 }
 // Each invocation assembles its unit in workgroup memory, shifted to the unit's offset inside the
 // pool's words (private arrays with dynamic indices compile slowly and spill on some drivers)
 const OWS: u32 = (UB + 5u) / 4u;
-var<workgroup> ow: array<u32, 64u * OWS>;
+var<workgroup> ow: array<u32, WG * OWS>;
 var<private> ob: u32;     // this invocation's first byte in ow
 var<private> xbase: u32;  // its first input value in src
 var<private> xn: u32;     // values in this unit
@@ -46,7 +46,7 @@ fn put_byte(k: u32, v: u32) {
 fn signed_absmax() -> u32 {
     var best = 0u;
     var mx = 0u;
-    for (var j = 0u; j < 32u; j++) {
+    for (var j = 0u; j < QK; j++) {
         let a = x(j) & 0x7fffffffu;  // |x| compared as bits: monotonic, immune to denormal flushing
         if (a > best) {
             best = a;
@@ -70,7 +70,7 @@ fn q_min(xv: u32, lo: f32, id: f32, qmax: u32) -> u32 {
 fn min_max() -> vec2<f32> {
     var lo = bitcast<f32>(x(0u));
     var hi = lo;
-    for (var j = 1u; j < 32u; j++) {
+    for (var j = 1u; j < QK; j++) {
         let v = bitcast<f32>(x(j));
         if (v < lo) {
             lo = v;
@@ -84,9 +84,9 @@ fn min_max() -> vec2<f32> {
 
 ${FORMAT}
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
-    let uid = (wid.x + wid.y * prm.nx) * 64u + lane;
+    let uid = (wid.x + wid.y * prm.nx) * WG + lane;
     if (uid >= prm.n * H * UPR) {
         return;
     }
@@ -97,8 +97,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let blk = slot / BS;
     let c = blk / PPC;
     let s = ((((blk % PPC) * H + h) * BS + slot % BS) * RB) + u * UB;  // even: rows are whole halves
-    let nv = min(32u, D - u * 32u);
-    xbase = prm.src_off + (i * H + h) * D + u * 32u;
+    let nv = min(QK, D - u * QK);
+    xbase = prm.src_off + (i * H + h) * D + u * QK;
     xn = nv;
     let off = (s >> 1u) & 1u;  // the unit starts in the upper half of a pool word
     let own = lane * OWS;

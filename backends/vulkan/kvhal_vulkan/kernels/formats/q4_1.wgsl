@@ -1,16 +1,16 @@
-// block_q4_1 (20 bytes): f16 d; f16 m; u8 qs[16]
+// block_q4_1: f16 d; f16 m; u8 qs[16]
 //! deq
 fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
-    let blk = row + (i / 32u) * 20u;
-    let e = i % 32u;
+    let blk = row + (i / Q4_1_LEN) * Q4_1_BYTES;
+    let e = i % Q4_1_LEN;
     let q = (${P}_b(c, blk + 4u + (e % 16u)) >> (4u * (e / 16u))) & 15u;
     return f16_to_f32(${P}_h(c, blk)) * f32(q) + f16_to_f32(${P}_h(c, blk + 2u));
 }
 //! dot
 fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
     var acc = array<f32, HT>();
-    for (var b = 0u; b < D / 32u; b++) {
-        let blk = row + b * 20u;
+    for (var b = 0u; b < D / Q4_1_LEN; b++) {
+        let blk = row + b * Q4_1_BYTES;
         var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
         for (var k = 0u; k < 4u; k++) {
             let w = ${P}_w(c, blk + 4u + 4u * k);
@@ -19,7 +19,7 @@ fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
                 let lo = f32((w >> (8u * t)) & 15u);
                 let hi = f32((w >> (8u * t + 4u)) & 15u);
                 for (var g = 0u; g < HT; g++) {
-                    s[g] += lo * qv[g * D + b * 32u + e] + hi * qv[g * D + b * 32u + e + 16u];
+                    s[g] += lo * qv[g * D + b * Q4_1_LEN + e] + hi * qv[g * D + b * Q4_1_LEN + e + 16u];
                 }
             }
         }

@@ -1,8 +1,8 @@
-// block_q5_0 (22 bytes): f16 d; u32 qh (fifth bits, bit j = value j); u8 qs[16]
+// block_q5_0: f16 d; u32 qh (fifth bits, bit j = value j); u8 qs[16]
 //! deq
 fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
-    let blk = row + (i / 32u) * 22u;
-    let e = i % 32u;
+    let blk = row + (i / Q5_0_LEN) * Q5_0_BYTES;
+    let e = i % Q5_0_LEN;
     let lo = (${P}_b(c, blk + 6u + (e % 16u)) >> (4u * (e / 16u))) & 15u;
     let hi = (${P}_w(c, blk + 2u) >> e) & 1u;
     return f16_to_f32(${P}_h(c, blk)) * (f32(lo | (hi << 4u)) - 16.0);
@@ -10,8 +10,8 @@ fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
 //! dot
 fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
     var acc = array<f32, HT>();
-    for (var b = 0u; b < D / 32u; b++) {
-        let blk = row + b * 22u;
+    for (var b = 0u; b < D / Q5_0_LEN; b++) {
+        let blk = row + b * Q5_0_BYTES;
         let qh = ${P}_w(c, blk + 2u);
         var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
         for (var k = 0u; k < 4u; k++) {
@@ -21,7 +21,7 @@ fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
                 let lo = f32(((w >> (8u * t)) & 15u) | (((qh >> e) & 1u) << 4u)) - 16.0;
                 let hi = f32(((w >> (8u * t + 4u)) & 15u) | (((qh >> (e + 16u)) & 1u) << 4u)) - 16.0;
                 for (var g = 0u; g < HT; g++) {
-                    s[g] += lo * qv[g * D + b * 32u + e] + hi * qv[g * D + b * 32u + e + 16u];
+                    s[g] += lo * qv[g * D + b * Q5_0_LEN + e] + hi * qv[g * D + b * Q5_0_LEN + e + 16u];
                 }
             }
         }

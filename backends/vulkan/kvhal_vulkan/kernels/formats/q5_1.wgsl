@@ -1,8 +1,8 @@
-// block_q5_1 (24 bytes): f16 d; f16 m; u32 qh; u8 qs[16]
+// block_q5_1: f16 d; f16 m; u32 qh; u8 qs[16]
 //! deq
 fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
-    let blk = row + (i / 32u) * 24u;
-    let e = i % 32u;
+    let blk = row + (i / Q5_1_LEN) * Q5_1_BYTES;
+    let e = i % Q5_1_LEN;
     let lo = (${P}_b(c, blk + 8u + (e % 16u)) >> (4u * (e / 16u))) & 15u;
     let hi = (${P}_w(c, blk + 4u) >> e) & 1u;
     return f16_to_f32(${P}_h(c, blk)) * f32(lo | (hi << 4u)) + f16_to_f32(${P}_h(c, blk + 2u));
@@ -10,8 +10,8 @@ fn ${P}_deq(c: u32, row: u32, i: u32) -> f32 {
 //! dot
 fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
     var acc = array<f32, HT>();
-    for (var b = 0u; b < D / 32u; b++) {
-        let blk = row + b * 24u;
+    for (var b = 0u; b < D / Q5_1_LEN; b++) {
+        let blk = row + b * Q5_1_BYTES;
         let qh = ${P}_w(c, blk + 4u);
         var s = array<f32, HT>();  // explicit: naga zero-fills a loop-local `var s: T;` only once (gfx-rs/wgpu#9489)
         for (var k = 0u; k < 4u; k++) {
@@ -21,7 +21,7 @@ fn ${P}_dot(c: u32, row: u32) -> array<f32, HT> {
                 let lo = f32(((w >> (8u * t)) & 15u) | (((qh >> e) & 1u) << 4u));
                 let hi = f32(((w >> (8u * t + 4u)) & 15u) | (((qh >> (e + 16u)) & 1u) << 4u));
                 for (var g = 0u; g < HT; g++) {
-                    s[g] += lo * qv[g * D + b * 32u + e] + hi * qv[g * D + b * 32u + e + 16u];
+                    s[g] += lo * qv[g * D + b * Q5_1_LEN + e] + hi * qv[g * D + b * Q5_1_LEN + e + 16u];
                 }
             }
         }

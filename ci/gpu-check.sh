@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU check in one command, for a bare machine with an NVIDIA GPU (x86-64, python3 >= 3.10, pip to PyPI):
+#   1. reads the driver's CUDA major from nvidia-smi and picks the matching cupy (cupy-cuda12x / cupy-cuda13x,
+#      the cuda12 / cuda13 variants of backends/cuda/pyproject.toml) plus the CUDA runtime and NVRTC wheels;
+#   2. installs kvhal and the cuda backend into a venv (.gpu-check/venv);
+#   3. runs what `nox -s test-cuda13 -- --strict` (or test-cuda12) runs, in that venv: the contract suite and
+#      backends/cuda/tests on the GPU, KVHAL_STRICT=1;
+#   4. runs `kvhal bench --backend cuda`: decode 4k..128k, prefill 512 queries over 4k and 16k, load, every
+#      format, as fractions of the HBM read bandwidth measured in the same run;
+#   5. prints one summary block (also written to $OUT/summary.txt).
+#
+#   bash ci/gpu-check.sh                 # outputs under $OUT, default .gpu-check/out
+#
+# GPU_CHECK_BUDGET (seconds, default 450) bounds the whole run: each step gets what is left, so the summary
+# always prints. pip honours PIP_INDEX_URL / PIP_FIND_LINKS for a machine without PyPI.
+# Exit status: 0 every step passed; 1 a step failed or timed out; 3 no usable NVIDIA GPU or Python (one line).
+set -uo pipefail
+
+fail() { echo "gpu-check: $1" >&2; exit 3; }
+# builtins only up to here: this line must come out even where PATH has next to nothing
+command -v nvidia-smi >/dev/null 2>&1 || fail "no NVIDIA GPU (nvidia-smi not found)"
+smi=$(nvidia-smi 2>&1) || fail "no NVIDIA GPU (nvidia-smi failed: ${smi%%$'\n'*})"
+[[ $smi =~ CUDA\ Version:\ *([0-9]+)\.([0-9]+) ]] || fail "nvidia-smi reports no CUDA version (driver too old?)"
+major=${BASH_REMATCH[1]} minor=${BASH_REMATCH[2]}
+driver_cuda=$major.$minor
+case $major in
+  12 | 13) cuda=$major ;;
+  1[4-9] | [2-9][0-9]) cuda=13 ;;  # newer drivers run CUDA 13 builds
+  *) fail "the driver supports CUDA $driver_cuda; kvhal's cuda backend needs a CUDA 12 or 13 driver" ;;
+esac
+# CUDA runtime and NVRTC wheels no newer than the driver: NVRTC output a driver is too old for does not load
+if [ "$major" = "$cuda" ]; then toolkit="cuda-toolkit[cudart,nvrtc]>=$cuda.0,<$cuda.$((minor + 1))"
+else toolkit="cuda-toolkit[cudart,nvrtc]==$cuda.*"; fi
+command -v python3 >/dev/null 2>&1 || fail "python3 not found"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || fail "python3 is older than 3.10"
+
+here=${BASH_SOURCE[0]%/*}
+[ "$here" = "${BASH_SOURCE[0]}" ] && here=.
+cd "$here/.." || fail "cannot cd to the repository root"
+root=$PWD
+OUT=${OUT:-$root/.gpu-check/out}
+mkdir -p "$OUT"
+venv=$root/.gpu-check/venv
+py=$venv/bin/python
+budget=${GPU_CHECK_BUDGET:-450}
+printf '%s\n' "$smi" >"$OUT/nvidia-smi.txt"
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n1)
+
+export py venv root cuda toolkit OUT
+declare -A status seconds
+left() { local l=$((budget - SECONDS)); echo $((l > 10 ? l : 10)); }
+# step NAME: run the function NAME with what is left of the budget, output in $OUT/NAME.log;
+# record ok / failed / timed out and its seconds
+step() {
+  local name=$1 t0=$SECONDS rc
+  echo "gpu-check: $name ..." >&2
+  timeout "$(left)" bash -o pipefail -c "$name" >"$OUT/$name.log" 2>&1
+  rc=$?
+  seconds[$name]=$((SECONDS - t0))
+  case $rc in
+    0) status[$name]=ok ;;
+    124) status[$name]="timed out" ;;
+    *) status[$name]="failed (exit $rc)" ;;
+  esac
+  return $rc
+}
+
+install() {
+  if [ ! -x "$py" ]; then
+    python3 -m venv "$venv" || {
+      # Debian without python3-venv: virtualenv from PyPI into a private directory
+      python3 -m pip install -q --target "$root/.gpu-check/virtualenv" virtualenv &&
+        PYTHONPATH="$root/.gpu-check/virtualenv" python3 -m virtualenv -q "$venv"
+    } || return 1
+  fi
+  local pip=("$py" -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" --upgrade pip || return 1
+  # cupy compiles its own kernels with NVRTC and the backend compiles kvhal.cu when no prebuilt cubin fits:
+  # the CUDA runtime and NVRTC come as wheels for the driver's CUDA major (no toolkit on the machine)
+  "${pip[@]}" -e ".[test,bench]" -e "backends/cuda[cuda$cuda]" "$toolkit" || return 1
+  local smoke='import cupy as cp; x = cp.arange(1 << 20, dtype=cp.float32); assert float((x * 2).sum()) > 0'
+  "$py" -c "$smoke" && return 0
+  echo "cupy with the runtime and NVRTC wheels alone failed; installing cupy-cuda${cuda}x[ctk] (every CUDA wheel)"
+  "${pip[@]}" "cupy-cuda${cuda}x[ctk]" "$toolkit" && "$py" -c "$smoke"
+}
+
+tests() {
+  # the test-cuda$cuda session's command (noxfile.py), in this venv
+  KVHAL_TEST_BACKENDS=cuda KVHAL_STRICT=1 "$py" -m pytest -q -p no:cacheprovider tests/contract backends/cuda/tests \
+    --junitxml="$OUT/contract.xml"
+}
+
+bench() {
+  # no torch: its CUDA build is gigabytes and adds only SDPA ratios; the HBM fractions are the figure
+  "$venv/bin/kvhal" bench --backend cuda --contexts 4096,8192,16384,32768,65536,131072 \
+    --prefill-contexts 4096,16384 --repeats 5 --no-sdpa --json -o "$OUT/bench-cuda.json"
+}
+
+export -f install tests bench
+step install && {
+  step tests
+  step bench
+}
+
+summary_args=(--gpu "$gpu" --driver-cuda "$driver_cuda" --cuda "$cuda" --out "$OUT" --budget "$budget")
+for s in install tests bench; do
+  summary_args+=(--step "$s=${status[$s]:-not run}=${seconds[$s]:-0}")
+done
+python3 ci/gpu_check_summary.py "${summary_args[@]}" | tee "$OUT/summary.txt"
+for s in install tests bench; do
+  [ "${status[$s]:-}" = ok ] || exit 1
+done
+exit 0

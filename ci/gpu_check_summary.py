@@ -1,0 +1,119 @@
+"""The summary block of ci/gpu-check.sh, from its step results, pytest's JUnit XML and kvhal bench's JSON.
+
+    python3 ci/gpu_check_summary.py --out DIR --step install=ok=95 --step tests=ok=60 ... [--gpu ...]
+
+Stdlib only: it runs with the system python3, also when the venv could not be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+TARGET = 0.8  # decode at 32k+ should read the cache at this fraction of the measured HBM bandwidth
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def contract(xml: Path) -> str:
+    if not xml.is_file():
+        return "no results"
+    root = ET.parse(xml).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    return f"{passed} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped"
+
+
+def bench(path: Path) -> list[str]:
+    if not path.is_file():
+        return []
+    result = json.loads(path.read_text())
+    rows = [r for r in result["rows"] if not r["backend"].startswith("torch-sdpa")]
+    device = [b for b in result["bandwidth"] if b["where"] != "host"]
+    lines = [
+        "HBM read " + ", ".join(f"{b['read_gbps']:.0f} GB/s ({b['where']})" for b in device)
+        if device
+        else "no device bandwidth measured"
+    ]
+    fmts = list(dict.fromkeys(r["format"] for r in rows))
+    by = {(r["format"], r["op"], r["context"]): r for r in rows}
+    decode = sorted({r["context"] for r in rows if r["op"] == "decode"})
+    prefill = sorted({r["context"] for r in rows if r["op"] == "prefill"})
+    if decode:
+        lines.append("decode ms (fraction of HBM read bandwidth)")
+        lines.append(f"  {'format':<7}" + "".join(f"{_ctx(n):>14}" for n in decode))
+        for f in fmts:
+            cells = [by.get((f, "decode", n)) for n in decode]
+            lines.append(
+                f"  {f:<7}"
+                + "".join(f"{c['median_ms']:>7.3f} ({c['frac_bw']:.2f})" if c else f"{'-':>14}" for c in cells)
+            )
+    top = max(decode, default=0)
+    if prefill or top:
+        head = "".join(f"{'prefill ' + _ctx(n) + ' ms':>16}{'TFLOP/s':>9}" for n in prefill)
+        lines.append(f"  {'format':<7}{head}{'load ' + _ctx(top) + ' GB/s':>18}{'of bw':>7}")
+        for f in fmts:
+            cells = ""
+            for n in prefill:
+                c = by.get((f, "prefill", n))
+                cells += f"{c['median_ms']:>16.3f}{c['gflops'] / 1e3:>9.2f}" if c else f"{'-':>16}{'-':>9}"
+            ld = by.get((f, "load", top))
+            cells += f"{ld['gbps']:>18.1f}{ld['frac_bw']:>7.2f}" if ld else f"{'-':>18}{'-':>7}"
+            lines.append(f"  {f:<7}{cells}")
+    long = [n for n in decode if n >= 32768]
+    if long:
+        worst = {f: min(by[(f, "decode", n)]["frac_bw"] for n in long if (f, "decode", n) in by) for f in fmts}
+        lines.append(
+            f"decode at {_ctx(long[0])}+ vs the {TARGET} target: "
+            + ", ".join(f"{f} {w:.2f}{'' if w >= TARGET else ' (below)'}" for f, w in worst.items())
+        )
+    lines += [f"note: {n}" for n in result.get("notes", [])]
+    return lines
+
+
+def tail(log: Path, n: int = 3) -> list[str]:
+    if not log.is_file():
+        return []
+    return [line[:160] for line in log.read_text(errors="replace").splitlines()[-n:]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--step", action="append", default=[], help="NAME=STATUS=SECONDS, in order")
+    ap.add_argument("--gpu", default="")
+    ap.add_argument("--driver-cuda", default="")
+    ap.add_argument("--cuda", default="")
+    ap.add_argument("--budget", type=int, default=0)
+    args = ap.parse_args(argv)
+    steps = [s.split("=", 2) for s in args.step]
+    lines = ["=" * 30 + " gpu-check " + "=" * 30]
+    if args.gpu:
+        lines.append(f"gpu       {args.gpu}; driver CUDA {args.driver_cuda} -> cupy-cuda{args.cuda}x")
+    total = 0
+    for name, status, secs in steps:
+        total += int(secs)
+        line = f"{name:<9} {status}" + (f", {secs} s" if status != "not run" else "")
+        if name == "tests" and status != "not run":
+            line += f": {contract(args.out / 'contract.xml')} (tests/contract + backends/cuda/tests, KVHAL_STRICT=1)"
+        lines.append(line)
+        if name == "bench" and status != "not run":
+            lines += [" " * 10 + b for b in bench(args.out / "bench-cuda.json")]
+        if status not in ("ok", "not run"):
+            lines += [" " * 10 + "| " + t for t in tail(args.out / f"{name}.log")]
+    ok = bool(steps) and all(s == "ok" for _, s, _ in steps)
+    lines.append(f"total     {total} s" + (f" of a {args.budget} s budget" if args.budget else ""))
+    lines.append(f"outputs   {args.out}")
+    lines.append(f"result    {'PASS' if ok else 'FAIL'}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""What several backends need, written once: format ids and sizes from the registry, the visible
+KV range of each query, backend options (with their environment variables) and the raw block layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .errors import PositionError, ShapeError, SpecError
+from .spec import CacheSpec
+
+# -- formats ----------------------------------------------------------------------------------------
+
+
+def format_id(name: str) -> int:
+    """A format's index in the registry: the id kernels switch on (stable: formats only join at the end)."""
+    return formats.names().index(formats.get(name).name)
+
+
+def format_table() -> list[tuple[str, int, int, int]]:
+    """``(name, id, block_len, block_bytes)`` of every format, in id order: the one table kernels are
+    generated from (a C header, a WGSL constant, a define list)."""
+    return [(f.name, i, f.block_len, f.block_bytes) for i, f in enumerate(map(formats.get, formats.names()))]
+
+
+# -- attention geometry -----------------------------------------------------------------------------
+
+
+def visible_range(
+    seq_lens: np.ndarray, q_lens: np.ndarray, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per query row (``sum(q_lens)`` of them): its sequence index, its position, and the KV interval
+    ``[lo, hi)`` it sees. Query ``i`` of a sequence of ``n`` tokens sits at ``n - q_len + i``; it sees
+    ``j <= pos`` when causal and ``j > pos - window`` when a window is given. int64 arrays."""
+    seq_lens = np.asarray(seq_lens, np.int64)
+    q_lens = np.asarray(q_lens, np.int64)
+    seq = np.repeat(np.arange(len(q_lens)), q_lens)
+    starts = np.cumsum(q_lens) - q_lens
+    pos = seq_lens[seq] - q_lens[seq] + (np.arange(int(q_lens.sum())) - starts[seq])
+    hi = pos + 1 if causal else seq_lens[seq].copy()
+    lo = np.maximum(0, pos - window + 1) if window is not None else np.zeros_like(pos)
+    return seq, pos, lo, hi
+
+
+# -- options ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One backend option: ``kind`` is int or str; ``env`` the variable that sets it when not given;
+    ``check`` returns why a value is invalid (None when fine)."""
+
+    name: str
+    kind: type
+    default: Any = None
+    env: str | None = None
+    check: Callable[[Any], str | None] | None = None
+    help: str = ""
+
+
+def positive(x: int) -> str | None:
+    return None if x > 0 else "must be > 0"
+
+
+def non_negative(x: int) -> str | None:
+    return None if x >= 0 else "must be >= 0"
+
+
+def one_of(*choices: Any) -> Callable[[Any], str | None]:
+    return lambda x: None if x in choices else f"must be one of {', '.join(map(str, choices))}"
+
+
+def _typed(backend: str, opt: Option, value: Any, source: str) -> Any:
+    if opt.kind is int and isinstance(value, str) and source != "argument":
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise SpecError(f"backend {backend!r} option {opt.name}: {value!r} is not an integer ({source})") from None
+    ok = isinstance(value, opt.kind) and not (opt.kind is int and isinstance(value, bool))
+    if opt.kind is int and isinstance(value, np.integer):
+        value, ok = int(value), True
+    if not ok:
+        raise SpecError(
+            f"backend {backend!r} option {opt.name} must be {opt.kind.__name__}, got {type(value).__name__} "
+            f"{value!r} ({source})"
+        )
+    if opt.check is not None and (why := opt.check(value)) is not None:
+        raise SpecError(f"backend {backend!r} option {opt.name}={value!r} {why} ({source})")
+    return value
+
+
+def parse_options(backend: str, given: dict[str, Any], options: Sequence[Option]) -> dict[str, Any]:
+    """Every option's value: the argument if given, else its environment variable if set, else its default.
+    Unknown names, wrong types and invalid values are ``SpecError`` naming the option and where it came from."""
+    known = {o.name: o for o in options}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none"
+        raise SpecError(f"backend {backend!r} has no option {', '.join(unknown)}; the options it takes: {takes}")
+    out: dict[str, Any] = {}
+    for opt in options:
+        if given.get(opt.name) is not None:
+            out[opt.name] = _typed(backend, opt, given[opt.name], "argument")
+        elif opt.env and (raw := os.environ.get(opt.env, "").strip()):
+            out[opt.name] = _typed(backend, opt, raw, f"from {opt.env}; unset it or fix its value")
+        else:
+            out[opt.name] = opt.default
+    return out
+
+
+# -- raw block layout -------------------------------------------------------------------------------
+
+
+def pages_to_blocks(spec: CacheSpec, pages: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Per-layer ``(k_pages, v_pages)`` host arrays ``[n, n_kv_heads, block_size, row_bytes]`` -> the
+    raw block layout ``[n, block_nbytes]`` (for each layer, K page then V page)."""
+    parts = []
+    for k, v in pages:
+        n = k.shape[0]
+        parts += [np.asarray(x, np.uint8).reshape(n, math.prod(x.shape[1:])) for x in (k, v)]
+    out = np.concatenate(parts, axis=1) if parts else np.zeros((0, spec.block_nbytes), np.uint8)
+    assert out.shape[1] == spec.block_nbytes
+    return out
+
+
+def blocks_to_pages(spec: CacheSpec, data: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The inverse of ``pages_to_blocks``: views of ``data [n, block_nbytes]`` per layer."""
+    data = check_block_data(spec, data)
+    n = data.shape[0]
+    k_shape = (n, spec.n_kv_heads, spec.block_size, spec.k_row_bytes)
+    v_shape = (n, spec.n_kv_heads, spec.block_size, spec.v_row_bytes)
+    kb, vb = spec.page_nbytes("k"), spec.page_nbytes("v")
+    out = []
+    for layer in range(spec.n_layers):
+        at = layer * (kb + vb)
+        out.append((data[:, at : at + kb].reshape(k_shape), data[:, at + kb : at + kb + vb].reshape(v_shape)))
+    return out
+
+
+def check_block_ids(n_blocks: int, block_ids: Any, n_data: int | None = None) -> np.ndarray:
+    """``block_ids`` as int64, each in ``[0, n_blocks)``, one per block of data when ``n_data`` is given."""
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= n_blocks)):
+        raise PositionError(f"block ids must be a 1-d array of ints in [0, {n_blocks}), got {block_ids!r}")
+    if n_data is not None and ids.size != n_data:
+        raise ShapeError(f"{ids.size} block ids for {n_data} blocks of data; pass one id per block")
+    return ids.astype(np.int64, copy=False)
+
+
+def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+        raise ShapeError(f"block data must be a uint8 numpy array, got {type(data).__name__}")
+    if data.ndim != 2 or data.shape[1] != spec.block_nbytes:
+        raise ShapeError(f"block data has shape {data.shape}; expected [n_blocks, {spec.block_nbytes}] for this spec")
+    return data
+
+
+# -- attention in float64 over the stored keys (observe=True, streaming) ---------------------------------
+
+
+def _scores_f64(
+    backend: Any,
+    q: Any,
+    pools: Any,
+    layer: int,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    scale: float,
+    causal: bool,
+    window: int | None,
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+    """Per sequence: its query rows, masked scores ``[Hq, n_q, n_kv]`` (-inf where not visible) and its V
+    ``[n_kv, Hq, D]``, in float64 from the backend's own ``load`` (so from the bytes as stored)."""
+    spec = pools.spec
+    qh = np.asarray(backend.to_numpy(q), np.float64)
+    group = qh.shape[1] // spec.n_kv_heads
+    _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+    start = 0
+    for s, (n_kv, n_q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+        rows = slice(start, start + n_q)
+        start += n_q
+        k, v = backend.load(pools, layer, block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        k = np.repeat(np.asarray(backend.to_numpy(k), np.float64), group, axis=1)  # [n_kv, Hq, D]
+        v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * scale
+        j = np.arange(n_kv)[None, :]
+        yield rows, np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf), v
+
+
+def _softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax and log-sum-exp of masked scores; a row that sees nothing: zeros and -inf."""
+    m = scores.max(axis=-1, keepdims=True) if scores.shape[-1] else np.full(scores.shape[:-1] + (1,), -np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(scores - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(denom > 0, p / denom, 0.0), (np.log(denom) + m)[..., 0]
+
+
+def attention_mass(
+    backend: Any,
+    q: Any,
+    pools: Any,
+    layer: int,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    tail: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
+    ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``."""
+    n_kv_heads = pools.spec.n_kv_heads
+    out = []
+    for _, scores, _ in _scores_f64(backend, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window):
+        p, _ = _softmax(scores)  # [Hq, n_q, n_kv]
+        per_kv = p.reshape(n_kv_heads, -1, *p.shape[1:]).sum(axis=1)  # [H, n_q, n_kv]
+        out.append((per_kv.sum(axis=1), per_kv[:, max(0, p.shape[1] - tail) :].sum(axis=1)))
+    return out
+
+
+def attention_lse(
+    backend: Any,
+    q: Any,
+    pools: Any,
+    layer: int,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    scale: float,
+    causal: bool,
+    window: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention and the log-sum-exp of each row's scores (natural log, scale applied): f32 ``[n_q, H, D]``
+    and f64 ``[n_q, H]`` (-inf where a row sees no key). Partial results over disjoint key sets merge
+    exactly with ``merge_lse``."""
+    shape = backend.to_numpy(q).shape
+    out = np.zeros(shape, np.float32)
+    lse = np.full(shape[:2], -np.inf)
+    for rows, scores, v in _scores_f64(backend, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window):
+        p, lse_rows = _softmax(scores)
+        out[rows] = np.einsum("hqk,khd->qhd", p, v)
+        lse[rows] = lse_rows.T
+    return out, lse
+
+
+def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Attention over the union of disjoint key sets from each set's ``(out, lse)``: the log-sum-exp rule."""
+    lses = np.stack([lse for _, lse in parts])  # [P, n_q, H]
+    top = lses.max(axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(lses - top)  # 0 for parts a row did not see
+    total = w.sum(axis=0)
+    out = sum(np.asarray(o, np.float64) * wi[..., None] for (o, _), wi in zip(parts, w))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total[..., None] > 0, out / total[..., None], 0.0).astype(np.float32)

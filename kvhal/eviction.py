@@ -1,0 +1,154 @@
+"""Eviction policies: which positions of a sequence to keep when it must shrink.
+
+A policy only chooses positions; ``KVCache.evict`` moves the kept rows byte for byte (no
+re-quantization) and reports every dropped position in an ``EvictionResult``. All layers and KV heads
+keep the same positions (the cache has one page list per sequence), so per-head scores are summed
+over heads and layers before choosing.
+
+* ``SinkWindow(sinks, window)`` — StreamingLLM: the first ``sinks`` tokens and the most recent ones.
+* ``H2O(heavy, recent)`` — the ``recent`` newest tokens plus the ``heavy`` tokens with the largest
+  attention mass received so far (accumulated by ``attention(..., observe=True)``).
+* ``SnapKV(window, kernel, pool)`` — at prefill: the last ``window`` tokens plus the prefix tokens the
+  observation window (the last ``window`` queries of the latest observed attention call) attends to
+  most, after a 1-d pooling of the scores (``avg``: count_include_pad like torch's ``avg_pool1d``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import SpecError
+
+
+def _count(name: str, value: object, minimum: int = 0) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < minimum:
+        raise SpecError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a policy may look at: per-position attention mass summed over layers and KV heads."""
+
+    mass: np.ndarray  # accumulated over every observed query (H2O); zeros if nothing was observed
+    window_mass: np.ndarray  # from the last observed call's final ``window`` queries (SnapKV)
+    window: int  # the observation window those were taken over
+    observed: bool
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        """Ascending positions (< n, at most ``keep`` of them) to keep."""
+
+
+@dataclass(frozen=True)
+class SinkWindow(Policy):
+    sinks: int = 4
+    window: int | None = None  # None: as many recent tokens as keep_tokens allows
+    name: str = field(default="sink_window", init=False)
+
+    def __post_init__(self) -> None:
+        _count("SinkWindow.sinks", self.sinks)
+        if self.window is not None:
+            _count("SinkWindow.window", self.window, 1)
+
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        sinks = min(self.sinks, keep, n)
+        recent = keep - sinks if self.window is None else min(self.window, keep - sinks)
+        recent = min(recent, n - sinks)
+        return np.r_[np.arange(sinks), np.arange(n - recent, n)].astype(np.int64)
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    heavy: int
+    recent: int
+    name: str = field(default="h2o", init=False)
+
+    def __post_init__(self) -> None:
+        _count("H2O.heavy", self.heavy)
+        _count("H2O.recent", self.recent)
+
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        if not scores.observed:
+            raise SpecError("H2O needs attention scores: call attention(..., observe=True) on this sequence first")
+        recent = min(self.recent, keep, n)
+        heavy = min(self.heavy, keep - recent, n - recent)
+        older = scores.mass[: n - recent]
+        top = np.argsort(-older, kind="stable")[:heavy]  # ties: the earlier position
+        return np.sort(np.r_[top, np.arange(n - recent, n)]).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    window: int = 32
+    kernel: int = 5
+    pool: str = "avg"
+    name: str = field(default="snapkv", init=False)
+
+    def __post_init__(self) -> None:
+        _count("SnapKV.window", self.window, 1)
+        _count("SnapKV.kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise SpecError(f"SnapKV.kernel must be odd (same-length pooling), got {self.kernel}")
+        if self.pool not in ("avg", "max"):
+            raise SpecError(f"SnapKV.pool must be 'avg' or 'max', got {self.pool!r}")
+
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        if not scores.observed:
+            raise SpecError("SnapKV needs the prefill's attention: call attention(..., observe=True) on it first")
+        if scores.window != self.window:
+            raise SpecError(
+                f"SnapKV(window={self.window}) needs the mass of the last {self.window} queries; this cache "
+                f"observes {scores.window}: create it with observe_window={self.window}"
+            )
+        win = min(self.window, keep, n)
+        prefix = scores.window_mass[: n - win]
+        pooled = pool1d(prefix, self.kernel, self.pool)
+        top = np.argsort(-pooled, kind="stable")[: max(0, min(keep - win, n - win))]
+        return np.sort(np.r_[top, np.arange(n - win, n)]).astype(np.int64)
+
+
+def pool1d(x: np.ndarray, kernel: int, how: str) -> np.ndarray:
+    """Same-length 1-d pooling with zero padding of ``kernel // 2`` (avg counts the padding)."""
+    pad = kernel // 2
+    padded = np.pad(x.astype(np.float64), pad, constant_values=0.0 if how == "avg" else -np.inf)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel)
+    return windows.mean(axis=1) if how == "avg" else windows.max(axis=1)
+
+
+@dataclass(frozen=True)
+class EvictionResult:
+    """What ``evict`` (or a full cache) did to one sequence: nothing is dropped without this record."""
+
+    seq: int
+    policy: str
+    cause: str  # "evict" (called) or "on_full" (a store found no free block)
+    kept: np.ndarray  # old positions kept, ascending; they are positions 0..len(kept)-1 now
+    dropped: np.ndarray  # old positions dropped
+    blocks_freed: int  # blocks returned to the free list
+    bytes_freed: int
+
+
+@dataclass(frozen=True)
+class EvictOnFull:
+    """``KVCache(on_full=EvictOnFull(policy, keep_tokens))``: when a store finds no free block, the
+    longest sequence is evicted down to ``keep_tokens`` with ``policy`` and the store retried."""
+
+    policy: Policy
+    keep_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, Policy):
+            raise SpecError(f"EvictOnFull.policy must be a kvhal.eviction policy, got {type(self.policy).__name__}")
+        _count("EvictOnFull.keep_tokens", self.keep_tokens)
+
+
+OnEvict = Callable[[EvictionResult], None]

@@ -1,0 +1,306 @@
+"""Crash-safe snapshot files of a cache's sequences (safetensors), and their validated restore.
+
+File layout (safetensors; every tensor little-endian):
+
+* ``blocks.l{L}.k`` / ``blocks.l{L}.v`` — U8 ``[n_blocks, n_kv_heads, block_size, row_bytes]``: the raw
+  stored pages of layer ``L`` of every block the saved sequences hold, each block once (shared blocks
+  stay shared), in the backend-independent pool layout;
+* ``seq{i}.blocks`` — I32, sequence ``i``'s page list as indices into those blocks;
+* ``seq{i}.tokens`` — I32, its recorded token ids;
+* ``__metadata__`` ``{"kvhal": JSON}`` with the format version, the fingerprint (model, extra, digest),
+  the spec, each sequence's per-layer lengths, extra-key digest and block hash chain, and a CRC-32 of
+  every tensor's bytes.
+
+Writing goes to a temp file in the same directory, fsynced, ``os.replace``d over the target, then
+the directory is fsynced: a crash at any moment leaves the old file or the new one. Restore checks
+everything (version, fingerprint, spec, shapes, checksums, hash chains, free blocks) before it
+changes anything, stages the bytes into free blocks (any, not contiguous ones), then publishes the
+sequences, whose full blocks are at once matchable by ``match_prefix``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .backend_util import blocks_to_pages, pages_to_blocks
+from .errors import (
+    CapacityError,
+    FingerprintMismatchError,
+    SequenceError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotVersionError,
+)
+from .fingerprint import FORMAT_VERSION, hash_chain
+
+if TYPE_CHECKING:
+    from .cache import KVCache, _Seq
+
+SNAPSHOT_VERSION = 1  # the file layout above; FORMAT_VERSION covers the meaning of the stored bytes
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise SnapshotError("snapshots need the safetensors package: pip install 'kvhal[lifecycle]'") from None
+    return safetensors
+
+
+def _crc(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data)
+
+
+def _threads() -> ThreadPoolExecutor:
+    """Checksums and tensor reads release the GIL: two threads use both cores of a small machine."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="kvhal-snapshot")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _path(path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise SnapshotError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return Path(path)
+
+
+def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
+    target = _path(path)
+    ids = cache.seqs if seqs is None else seqs
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise SequenceError(f"seqs must be a list of sequence ids, got {type(ids).__name__}")
+    objs = [cache._resident(s, "save") for s in ids]
+    if not target.parent.is_dir():
+        raise SnapshotError(f"directory {str(target.parent)!r} does not exist; create it first")
+    spec = cache.spec
+    order: dict[int, int] = {}  # block id -> index in the file
+    for s in objs:
+        for b in s.blocks:
+            order.setdefault(b, len(order))
+    block_ids = np.fromiter(order, np.int64, len(order))
+    raw = cache.backend.read_blocks(cache.pools, block_ids)
+    tensors: dict[str, np.ndarray] = {}
+    for layer, (k, v) in enumerate(blocks_to_pages(spec, raw)):
+        tensors[f"blocks.l{layer}.k"] = np.ascontiguousarray(k)
+        tensors[f"blocks.l{layer}.v"] = np.ascontiguousarray(v)
+    seq_meta = []
+    for i, s in enumerate(objs):
+        tensors[f"seq{i}.blocks"] = np.array([order[b] for b in s.blocks], np.int32)
+        tensors[f"seq{i}.tokens"] = np.array(s.tokens, np.int32)
+        seq_meta.append(
+            {
+                "lens": list(s.lens),
+                "extra": s.extra.hex(),
+                "hashes": [h.hex() for h in s.hashes],
+                "sealable": s.sealable,
+            }
+        )
+    meta = {
+        "snapshot_version": SNAPSHOT_VERSION,
+        "format_version": FORMAT_VERSION,
+        "fingerprint": {**cache.fingerprint.as_dict(), "digest": cache.root_hash.hex()},
+        "spec": cache.fingerprint.as_dict(spec)["spec"],
+        "n_blocks": len(order),
+        "seqs": seq_meta,
+        "checksum": "crc32",
+        "checksums": dict(zip(tensors, _threads().map(_crc, tensors.values()))),
+        "backend": cache.backend.name,
+    }
+    st = _safetensors()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        st.numpy.save_file(tensors, tmp, metadata={"kvhal": json.dumps(meta)})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class _Reader:
+    """A snapshot file opened and checked; tensors read and verified on demand."""
+
+    def __init__(self, path: Path) -> None:
+        st = _safetensors()
+        if not path.is_file():
+            raise SnapshotError(f"no snapshot file at {str(path)!r}")
+        try:
+            self._file = st.safe_open(str(path), framework="numpy")
+            header = self._file.metadata() or {}
+            self.names = set(self._file.keys())
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise SnapshotCorruptError(
+                f"{str(path)!r} is not a readable safetensors file ({type(e).__name__}: {e}); "
+                "it is truncated or not a kvhal snapshot: save it again"
+            ) from None
+        self.path = path
+        if "kvhal" not in header:
+            raise SnapshotCorruptError(f"{str(path)!r} is a safetensors file without kvhal metadata; not a snapshot")
+        try:
+            self.meta = json.loads(header["kvhal"])
+            self.version = int(self.meta["snapshot_version"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SnapshotCorruptError(f"{str(path)!r} has unreadable kvhal metadata ({e}); save it again") from None
+
+    def check_version(self) -> None:
+        got = (self.meta.get("snapshot_version"), self.meta.get("format_version"))
+        if got != (SNAPSHOT_VERSION, FORMAT_VERSION):
+            raise SnapshotVersionError(
+                f"{str(self.path)!r} has snapshot/format version {got}; this kvhal reads "
+                f"{(SNAPSHOT_VERSION, FORMAT_VERSION)}: restore it with the kvhal that wrote it, or recompute"
+            )
+
+    def verified(self, name: str) -> np.ndarray:
+        """Tensor ``name``, checked against its checksum."""
+        if name not in self.names:
+            raise SnapshotCorruptError(f"{str(self.path)!r} lacks tensor {name}; the file is incomplete")
+        try:
+            t = self._file.get_tensor(name)
+        except Exception as e:
+            raise SnapshotCorruptError(
+                f"{str(self.path)!r}: tensor {name} is unreadable ({e}); truncated file"
+            ) from None
+        want = self.meta.get("checksums", {}).get(name)
+        if want is None or _crc(t) != want:
+            raise SnapshotCorruptError(
+                f"{str(self.path)!r}: tensor {name} fails its checksum; the file is corrupt (bit flips or a torn "
+                "copy): restore an intact copy or recompute"
+            )
+        return t
+
+    def tensor(self, name: str, dtype: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        t = self.verified(name)
+        if t.dtype != dtype or (shape is not None and t.shape != shape):
+            raise SnapshotCorruptError(
+                f"{str(self.path)!r}: tensor {name} is {t.dtype} {t.shape}, expected {np.dtype(dtype)} {shape}"
+            )
+        return t
+
+
+def restore(cache: KVCache, path: Any) -> list[int]:
+    from .cache import _Seq
+
+    r = _Reader(_path(path))
+    r.check_version()
+    meta, spec = r.meta, cache.spec
+    fp = meta.get("fingerprint", {})
+    if meta.get("spec") != cache.fingerprint.as_dict(spec)["spec"]:
+        raise FingerprintMismatchError(
+            f"{str(r.path)!r} holds a cache of spec {meta.get('spec')}, this cache is {cache.fingerprint.as_dict(spec)['spec']}; "
+            "restore it into a cache created with the same spec"
+        )
+    if fp.get("digest") != cache.root_hash.hex():
+        raise FingerprintMismatchError(
+            f"{str(r.path)!r} was saved for model {fp.get('model')!r} (extra {fp.get('extra')}), this cache is for "
+            f"{cache.fingerprint.model!r} (extra {dict(cache.fingerprint.extra)}); K/V of another model are never "
+            "restored: recompute, or create the cache with the snapshot's fingerprint"
+        )
+    try:
+        n_blocks = int(meta["n_blocks"])
+        seq_meta = list(meta["seqs"])
+    except (KeyError, TypeError, ValueError):
+        raise SnapshotCorruptError(f"{str(r.path)!r}: kvhal metadata lacks n_blocks/seqs; save it again") from None
+    wanted = [(f"blocks.l{layer}.{w}", spec.pool_shape(n_blocks, w)) for layer in range(spec.n_layers) for w in "kv"]
+    read = list(_threads().map(lambda nw: r.tensor(nw[0], np.uint8, nw[1]), wanted))
+    pages = list(zip(read[0::2], read[1::2]))
+    bs = spec.block_size
+    staged: list[_Seq] = []
+    uses = np.zeros(n_blocks, np.int64)
+    for i, m in enumerate(seq_meta):
+        try:
+            lens = [int(x) for x in m["lens"]]
+            extra = bytes.fromhex(m["extra"])
+            hashes = [bytes.fromhex(h) for h in m["hashes"]]
+            sealable = None if m["sealable"] is None else int(m["sealable"])
+        except (KeyError, TypeError, ValueError):
+            raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s metadata is malformed") from None
+        blocks = r.tensor(f"seq{i}.blocks", np.int32)
+        tokens = r.tensor(f"seq{i}.tokens", np.int32).tolist()
+        need = math.ceil(max(lens, default=0) / bs)
+        if len(lens) != spec.n_layers or min(lens, default=0) < 0 or blocks.shape != (need,) or len(extra) != 32:
+            raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s lengths and page list disagree")
+        if need and (blocks.min() < 0 or blocks.max() >= n_blocks):
+            raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i} points outside the saved blocks")
+        sealed = min(len(tokens), min(lens)) // bs
+        sealed = sealed if sealable is None else min(sealed, sealable)
+        if hashes != hash_chain(cache.root_hash, tokens[: sealed * bs], bs, extra):
+            raise SnapshotCorruptError(
+                f"{str(r.path)!r}: sequence {i}'s block hash chain does not match its token ids; the file is corrupt"
+            )
+        np.add.at(uses, blocks, 1)
+        staged.append(_Seq(blocks.tolist(), lens, tokens=tokens, hashes=hashes, extra=extra, sealable=sealable))
+    if n_blocks > cache._blocks.n_usable:
+        raise CapacityError(
+            f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {cache._blocks.n_usable} of {cache.n_blocks} "
+            "are free; free sequences first or create the cache with a larger capacity_tokens"
+        )
+    data = pages_to_blocks(spec, pages)
+    # everything checked: stage the bytes, then publish
+    ids = cache._blocks.alloc(n_blocks)
+    try:
+        cache.backend.write_blocks(cache.pools, np.array(ids, np.int64), data)
+    except BaseException:
+        cache._blocks.release(ids)
+        raise
+    for b, n in zip(ids, uses.tolist()):
+        for _ in range(n - 1):
+            cache._blocks.acquire(b)
+        if n == 0:
+            cache._blocks.release([b])
+    out = []
+    for s in staged:
+        s.blocks = [ids[j] for j in s.blocks]
+        for b, h in zip(s.blocks, s.hashes):
+            cache._blocks.register(b, h)
+        out.append(cache._add_seq(s))
+    return out
+
+
+def inspect(path: Any) -> dict[str, Any]:
+    """The snapshot's header and whether every tensor passes its checksum (raises only if unreadable)."""
+    r = _Reader(_path(path))
+    checks: dict[str, str] = {}
+    for name in sorted(r.names):
+        try:
+            r.verified(name)
+            checks[name] = "ok"
+        except SnapshotCorruptError as e:
+            checks[name] = str(e)
+    seqs = r.meta.get("seqs", [])
+    return {
+        "path": str(r.path),
+        "bytes": r.path.stat().st_size,
+        "snapshot_version": r.meta.get("snapshot_version"),
+        "format_version": r.meta.get("format_version"),
+        "fingerprint": r.meta.get("fingerprint"),
+        "spec": r.meta.get("spec"),
+        "n_blocks": r.meta.get("n_blocks"),
+        "seqs": [
+            {"tokens": max(m.get("lens", [0]), default=0), "hashed_blocks": len(m.get("hashes", []))} for m in seqs
+        ],
+        "checksums_ok": all(v == "ok" for v in checks.values()),
+        "checksums": checks,
+    }

@@ -1,0 +1,160 @@
+"""kvhal bench's plumbing on the reference backend with tiny contexts: which figures it makes and how they are derived.
+
+Speed itself is what `kvhal bench` reports, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from kvhal import SpecError, bench, formats
+from kvhal.cli import main
+from tests.oracle import attention_f64
+
+TINY = dict(contexts=[32, 64], prefill_contexts=[64], prefill_queries=16, repeats=1, show_progress=False)
+
+
+def by_key(result):
+    return {(r["backend"], r["format"], r["op"], r["context"], r["threads"]): r for r in result["rows"]}
+
+
+def test_sdpa_baseline_is_bottom_right_causal():
+    """The SDPA prefill baseline computes kvhal's attention: query i at position n - n_q + i."""
+    torch = pytest.importorskip("torch")
+    work = bench.Workload.make(prefill_queries=16, seed=3)
+    k, v = work.kv(40)
+    out = bench.sdpa_call(torch, work.q_prefill, k, v, torch.float32, "cpu")()
+    got = out[0].numpy().transpose(1, 0, 2)  # [1, H, n_q, D] -> [n_q, H, D]
+    want = attention_f64(work.q_prefill, [k], [v], [16])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_prefill_flops_counts_the_visible_keys():
+    n, n_q = 100, 16
+    visible = sum(int(np.sum(np.arange(n) <= n - n_q + i)) for i in range(n_q))
+    assert bench.prefill_flops(n, n_q) == 4 * bench.N_HEADS * bench.HEAD_DIM * visible
+
+
+def test_workload_kv_is_what_the_cache_stores():
+    work = bench.Workload.make(prefill_queries=16)
+    k, v = work.kv(bench.STORE_CHUNK + 7)
+    assert k.shape == (bench.STORE_CHUNK + 7, bench.N_KV_HEADS, bench.HEAD_DIM)
+    np.testing.assert_array_equal(k[bench.STORE_CHUNK :], work.k[:7])
+    np.testing.assert_array_equal(v[:5], work.v[:5])
+
+
+def test_run_makes_store_load_decode_and_prefill_rows():
+    result = bench.run([("reference", "q8_0"), ("reference", "f32")], sdpa=False, bandwidth_bytes=1 << 20, **TINY)
+    json.dumps(result)  # JSON-able as written by -o
+    rows = by_key(result)
+    for fmt in ("q8_0", "f32"):
+        ops = {(op, ctx) for (b, f, op, ctx, _t) in rows if b == "reference" and f == fmt}
+        assert ops == {("store-1", 1), ("store-512", 512), ("load", 32), ("decode", 32), ("load", 64), ("decode", 64),
+                       ("prefill", 64)}  # fmt: skip
+    (host,) = result["bandwidth"]
+    assert host["where"] == "host" and host["threads"] == os.cpu_count()
+    for fmt in ("q8_0", "f32"):
+        row_bytes = formats.get(fmt).row_bytes(bench.HEAD_DIM) * bench.N_KV_HEADS * 2
+        for ctx in (32, 64):
+            load = rows[("reference", fmt, "load", ctx, None)]
+            assert load["gbps"] == pytest.approx(ctx * row_bytes / (load["median_ms"] / 1e3) / 1e9)
+            assert load["frac_bw"] == pytest.approx(load["gbps"] / host["read_gbps"])
+        pre = rows[("reference", fmt, "prefill", 64, None)]
+        assert pre["gflops"] == pytest.approx(bench.prefill_flops(64, 16) / (pre["median_ms"] / 1e3) / 1e9)
+        assert pre["tokens_per_s"] == pytest.approx(16 / (pre["median_ms"] / 1e3))
+        assert pre["speedup_vs_sdpa_f32"] is None  # sdpa=False
+    text = bench.table(result)
+    assert "prefill" in text and "decode" in text and "the last 16 positions" in text
+
+
+def test_run_with_sdpa_gives_ratios_against_the_same_shapes():
+    pytest.importorskip("torch")
+    result = bench.run([("reference", "q4_0")], sdpa=True, bandwidth_bytes=1 << 20, **TINY)
+    rows = result["rows"]
+    sdpa = {(r["format"], r["op"], r["context"]): r for r in rows if r["backend"] == "torch-sdpa"}
+    assert set(sdpa) == {(dt, op, n) for dt in ("f32", "bf16") for op, n in
+                         (("decode", 32), ("decode", 64), ("prefill", 64))}  # fmt: skip
+    for r in rows:
+        if r["backend"] == "reference" and r["op"] in ("decode", "prefill"):
+            for dt in ("f32", "bf16"):
+                want = sdpa[(dt, r["op"], r["context"])]["median_ms"] / r["median_ms"]
+                assert r[f"speedup_vs_sdpa_{dt}"] == pytest.approx(want)
+
+
+def test_threads_sweep_runs_a_backend_without_the_option_once_and_says_so():
+    result = bench.run([("reference", "q8_0")], sdpa=False, threads=[1, 2], bandwidth_bytes=1 << 20, **TINY)
+    assert result["threads"] == [1, 2]
+    assert [r["threads"] for r in result["rows"]] == [None] * 7
+    assert result["notes"] == ["threads: reference takes no threads option; it ran once, with its own default"]
+    assert "note: threads: reference takes no threads option" in bench.table(result)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"contexts": [0]},
+        {"contexts": [True]},
+        {"contexts": "4096"},
+        {"contexts": [64.0]},
+        {"prefill_contexts": [8]},  # fewer tokens than the 16 prefill queries
+        {"prefill_queries": 0},
+        {"threads": []},
+        {"threads": [1, "all"]},
+        {"repeats": 0},
+    ],
+)
+def test_run_rejects_bad_arguments_before_measuring(kw):
+    args = {**TINY, **kw}
+    with pytest.raises(SpecError):
+        bench.run([("reference", "q8_0")], sdpa=False, bandwidth_bytes=1 << 20, **args)
+
+
+def test_run_rejects_jobs_that_are_not_name_pairs():
+    with pytest.raises(SpecError, match="jobs"):
+        bench.run("reference", [32], sdpa=False)
+
+
+def test_cli_bench_json_threads_and_output_file(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--backend", "reference", "--format", "q8_0", "--contexts", "32", "--prefill-contexts", "64",
+               "--prefill-queries", "16", "--repeats", "1", "--no-sdpa", "--threads", "1,all", "--json", "-o", str(out)])  # fmt: skip
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert printed["threads"] == list(dict.fromkeys([1, os.cpu_count()]))
+    assert printed["shape"]["prefill_queries"] == 16
+    assert {(r["op"], r["context"]) for r in printed["rows"]} >= {("load", 32), ("decode", 32), ("prefill", 64)}
+
+
+def test_cli_no_prefill(capsys):
+    rc = main(["bench", "--backend", "reference", "--format", "f16", "--contexts", "32", "--no-prefill",
+               "--repeats", "1", "--no-sdpa", "--json"])  # fmt: skip
+    assert rc == 0
+    assert "prefill" not in {r["op"] for r in json.loads(capsys.readouterr().out)["rows"]}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
+        (["--threads", ","], "argument --threads: expected thread counts such as 1,2,all"),
+        (["--contexts", "4k"], "argument --contexts: expected a positive integer, got '4k'"),
+        (["--repeats", "-1"], "argument --repeats: expected a positive integer, got '-1'"),
+    ],
+)
+def test_cli_bench_rejects_bad_numbers(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--backend", "reference", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_prefill_shorter_than_its_queries_is_a_clear_error(capsys):
+    rc = main(["bench", "--backend", "reference", "--format", "q8_0", "--contexts", "32", "--prefill-contexts",
+               "100", "--no-sdpa"])  # fmt: skip
+    assert rc == 2
+    assert "prefill contexts must be >= the 512 prefill queries, got 100" in capsys.readouterr().err

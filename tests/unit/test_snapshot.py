@@ -1,0 +1,236 @@
+"""Snapshots on real files and real processes: round trips, restarts, kill -9 during save, bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvhal
+from tests.unit.test_prefix_cache import BS, SPEC, kv_for, make, prefill
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def state(c: kvhal.KVCache) -> tuple:
+    pools = [x.copy() for x in c.pools.k + c.pools.v]
+    seqs = {s: (list(c._seqs[s].blocks), list(c._seqs[s].lens), c.tokens(s)) for s in c.seqs}
+    return pools, c.stats(), seqs, {h: list(b) for h, b in c._blocks.block_of.items()}
+
+
+def assert_unchanged(before: tuple, c: kvhal.KVCache) -> None:
+    after = state(c)
+    for x, y in zip(before[0], after[0]):
+        np.testing.assert_array_equal(x, y)
+    assert before[1:] == after[1:]
+
+
+def test_save_restore_round_trip_shares_blocks_and_is_matchable(tmp_path):
+    c = make()
+    tokens = list(range(20, 34))
+    a = prefill(c, tokens)
+    b = c.seq_cp(a, 0, 9)  # shares blocks 0..2 with a
+    c.append_tokens(b, [])  # nothing new
+    path = tmp_path / "snap.kvs"
+    c.save(path, seqs=[a, b])
+    d = make()
+    other = prefill(d, [1, 2, 3])  # restore goes into whatever blocks are free
+    ra, rb = d.restore(path)
+    assert d.seqs == [other, ra, rb]
+    for layer in (0, 1):
+        for x, y in zip(d.load(ra, layer), c.load(a, layer)):
+            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(d.load(rb, layer)[1], c.load(b, layer)[1])
+    assert d._seqs[rb].blocks == d._seqs[ra].blocks[:3]  # still shared, stored once
+    assert d.stats().blocks_used == 1 + 4 and d.stats().blocks_shared == 3
+    t, n = d.match_prefix(tokens + [0])
+    assert n == 12 and d._seqs[t].blocks == d._seqs[ra].blocks[:3]
+    q = np.random.default_rng(1).standard_normal((2, 4, 32), dtype=np.float32)
+    np.testing.assert_array_equal(kvhal.to_numpy(d.attention(1, q, [ra], [2])), kvhal.to_numpy(c.attention(1, q, [a], [2])))
+
+
+RESTART_CHILD = """
+import sys, json, numpy as np, kvhal
+sys.path.insert(0, {root!r})
+from tests.unit.test_prefix_cache import make, prefill, kv_for
+c = make()
+if sys.argv[1] == "save":
+    s = prefill(c, list(range(1000, 1000 + 2 * 16 + 3)))
+    c.save(sys.argv[2], seqs=[s])
+    q = np.random.default_rng(7).standard_normal((1, 4, 32), dtype=np.float32)
+    np.save(sys.argv[3], kvhal.to_numpy(c.attention(1, q, [s])))
+else:
+    [r] = c.restore(sys.argv[2])
+    prompt = list(range(1000, 1000 + 2 * 16 + 3)) + [5, 6, 7, 8, 9]
+    t, n = c.match_prefix(prompt)
+    before = c.stats()
+    prefill(c, prompt, seq=t, start=n)
+    q = np.random.default_rng(7).standard_normal((1, 4, 32), dtype=np.float32)
+    print(json.dumps({{"n": n, "stored": c.seq_len(t) - n, "hit_tokens": before.prefix_hit_tokens,
+                      "recomputed": before.prefix_recomputed_tokens, "shared": c.stats().blocks_shared,
+                      "restored_attention": kvhal.to_numpy(c.attention(1, q, [r])).tolist()}}))
+"""
+
+
+def test_restart_reuses_every_full_block(tmp_path):
+    """Process 1 prefills and saves; process 2 restores and a longer prompt matches every full block."""
+    code = RESTART_CHILD.format(root=str(ROOT))
+    snap, att = tmp_path / "s.kvs", tmp_path / "att.npy"
+    subprocess.run([sys.executable, "-c", code, "save", str(snap), str(att)], check=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code, "restore", str(snap)], check=True, capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "99"}).stdout
+    r = json.loads(out)
+    assert r["n"] == 32 and r["stored"] == 8  # 35 saved tokens = 8 full blocks of 4; 40 - 32 new
+    assert r["hit_tokens"] == 32 and r["recomputed"] == 8 and r["shared"] == 8
+    np.testing.assert_array_equal(np.array(r["restored_attention"], np.float32), np.load(att))  # bit for bit
+
+
+SAVER = """
+import sys, numpy as np, kvhal
+sys.path.insert(0, {root!r})
+from tests.unit.test_prefix_cache import make, prefill
+c = make(cap=512)
+a = prefill(c, list(range(0, 300)))
+b = prefill(c, list(range(5000, 5200)))
+print("ready", flush=True)
+i = 0
+while True:
+    c.save(sys.argv[1], seqs=[a] if i % 2 else [b])
+    i += 1
+"""
+
+
+def test_kill_9_during_save_never_leaves_a_torn_file(tmp_path):
+    path = tmp_path / "live.kvs"
+    make_a = make(cap=512)
+    a = prefill(make_a, list(range(0, 300)))
+    make_a.save(path, seqs=[a])  # a valid old file to start from
+    rng = np.random.default_rng(0)
+    code = SAVER.format(root=str(ROOT))
+    seen = set()
+    for _ in range(12):
+        p = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, cwd=ROOT)
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        time.sleep(float(rng.uniform(0.0, 0.25)))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        d = make(cap=512)
+        [r] = d.restore(path)  # always a whole, valid snapshot: the old one or a new one
+        seen.add(d.seq_len(r))
+        assert d.seq_len(r) in (300, 200)
+        for stray in tmp_path.glob(".live.kvs.*.tmp"):
+            stray.unlink()  # a temp file of the killed writer: never the target, never read
+    assert seen <= {300, 200}
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    c = make()
+    s = prefill(c, list(range(40, 50)))
+    path = tmp_path / "good.kvs"
+    c.save(path, seqs=[s])
+    target = make()
+    prefill(target, [7, 7, 7, 7, 7])
+    return path, target
+
+
+def _rewrite_meta(path: Path, out: Path, edit) -> None:
+    """Rewrite the safetensors header's kvhal metadata (the tensors stay as they are)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["kvhal"])
+    edit(meta)
+    header["__metadata__"]["kvhal"] = json.dumps(meta)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    out.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
+    path, c = saved
+    raw = path.read_bytes()
+    before = state(c)
+    cases: list[tuple[type, Path]] = []
+
+    def add(err: type, name: str, data: bytes) -> None:
+        p = tmp_path / name
+        p.write_bytes(data)
+        cases.append((err, p))
+
+    add(kvhal.SnapshotCorruptError, "truncated.kvs", raw[: len(raw) - 100])
+    add(kvhal.SnapshotCorruptError, "header-only.kvs", raw[:50])
+    flipped = bytearray(raw)
+    flipped[-40] ^= 0x10  # inside the last tensor's bytes
+    add(kvhal.SnapshotCorruptError, "flipped.kvs", bytes(flipped))
+    add(kvhal.SnapshotCorruptError, "text.kvs", b"this is not a snapshot at all\n" * 10)
+    add(kvhal.SnapshotCorruptError, "empty.kvs", b"")
+    for name, err, edit in (
+        ("version.kvs", kvhal.SnapshotVersionError, lambda m: m.update(format_version=99)),
+        ("model.kvs", kvhal.FingerprintMismatchError, lambda m: m["fingerprint"].update(digest="00" * 32)),
+        ("spec.kvs", kvhal.FingerprintMismatchError, lambda m: m["spec"].update(head_dim=64)),
+        ("chain.kvs", kvhal.SnapshotCorruptError, lambda m: m["seqs"][0]["hashes"].reverse()),
+        ("meta.kvs", kvhal.SnapshotCorruptError, lambda m: m.pop("seqs")),
+    ):
+        p = tmp_path / name
+        _rewrite_meta(path, p, edit)
+        cases.append((err, p))
+    other_model = kvhal.KVCache(SPEC, 64, backend="reference", fingerprint=kvhal.Fingerprint("another-model"))
+    s = prefill(other_model, list(range(40, 50)))
+    other_model.save(tmp_path / "other.kvs", seqs=[s])
+    cases.append((kvhal.FingerprintMismatchError, tmp_path / "other.kvs"))
+    for err, p in cases:
+        with pytest.raises(err) as info:
+            c.restore(p)
+        assert isinstance(info.value, kvhal.SnapshotError) and len(str(info.value)) > 30, p.name
+        assert_unchanged(before, c)
+    with pytest.raises(kvhal.SnapshotError, match="no snapshot file"):
+        c.restore(tmp_path / "missing.kvs")
+    with pytest.raises(kvhal.SnapshotError):
+        c.restore(123)  # type: ignore[arg-type]
+    assert_unchanged(before, c)
+
+
+def test_restore_needs_free_blocks_not_contiguous_ones(saved):
+    path, _ = saved
+    c = make(cap=4 * BS)  # 4 blocks; the snapshot needs 3
+    s = c.new_seq()
+    k, v = kv_for(list(range(16)))
+    for layer in (0, 1):
+        c.store(s, layer, k, v)  # all 4 blocks used
+    c.seq_rm(s, 4, 8)  # shifts down; frees the last block -> 1 free
+    before = state(c)
+    with pytest.raises(kvhal.CapacityError, match="needs 3 free blocks but 1"):
+        c.restore(path)
+    assert_unchanged(before, c)
+    c2 = make(cap=6 * BS)
+    seqs = [prefill(c2, [i] * 4) for i in range(6)]
+    for x in seqs[::2]:
+        c2.free_seq(x)  # free blocks 0, 2, 4: scattered
+    [r] = c2.restore(path)
+    assert sorted(c2._seqs[r].blocks) == [0, 2, 4]
+
+
+def test_snapshot_inspect_cli(saved, tmp_path, capsys):
+    from kvhal.cli import main
+
+    path, _ = saved
+    assert main(["snapshot", "inspect", str(path), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["checksums_ok"] and r["n_blocks"] == 3 and r["seqs"] == [{"tokens": 10, "hashed_blocks": 2}]
+    assert r["fingerprint"]["model"] == "test-model" and r["spec"]["k_format"] == "q8_0"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 1
+    bad = tmp_path / "bad.kvs"
+    bad.write_bytes(bytes(raw))
+    assert main(["snapshot", "inspect", str(bad)]) == 1
+    assert "fails its checksum" in capsys.readouterr().out
+    assert main(["snapshot", "inspect", str(tmp_path / "nope.kvs")]) == 2

@@ -1,0 +1,65 @@
+"""Block streaming: a sequence far longer than the pools, its host part streamed through a fixed arena."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvhal
+from tests.oracle import attention_f64
+
+SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="q8_0", v_format="q4_0", block_size=8)
+
+
+def test_a_sequence_longer_than_the_pools_attends_like_a_resident_one():
+    rng = np.random.default_rng(0)
+    n = 1000
+    k = rng.standard_normal((n, 2, 32), dtype=np.float32)
+    v = rng.standard_normal((n, 2, 32), dtype=np.float32)
+    small = kvhal.KVCache(SPEC, 64, backend="reference", stream_arena_tokens=48)
+    big = kvhal.KVCache(SPEC, 1024, backend="reference")
+    nbytes = small.pools.nbytes
+    s, r = small.new_seq(), big.new_seq()
+    moved = 0
+    for start in range(0, n, 40):  # store as it comes, moving the old part to host memory as it grows
+        for layer in (0, 1):
+            small.store(s, layer, k[start : start + 40], v[start : start + 40])
+            big.store(r, layer, k[start : start + 40], v[start : start + 40])
+        moved += small.offload(s, keep_tokens=16)
+    st = small.stats()
+    assert small.seq_len(s) == n and st.offloaded_tokens == moved >= n - 16 - 40 - 8
+    assert small.pools.nbytes == nbytes == (64 + 48) * SPEC.bytes_per_token  # device memory never grew
+    assert st.capacity_tokens == 64 and st.stream_arena_blocks == 6
+    f_k, f_v = SPEC.k_fmt, SPEC.v_fmt
+    kd, vd = f_k.dequantize(f_k.quantize(k)), f_v.dequantize(f_v.quantize(v))
+    for q_len, causal in ((1, True), (5, True), (3, False)):
+        q = rng.standard_normal((q_len, 4, 32), dtype=np.float32)
+        got = small.attention(1, q, [s], [q_len], causal=causal, scale=0.2)
+        want = big.attention(1, q, [r], [q_len], causal=causal, scale=0.2)
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        np.testing.assert_allclose(got, attention_f64(q, [kd], [vd], [q_len], causal=causal, scale=0.2), atol=1e-6)
+
+
+def test_offloaded_sequences_refuse_what_they_cannot_do():
+    c = kvhal.KVCache(SPEC, 64, backend="reference", stream_arena_tokens=16)
+    s = c.new_seq()
+    x = np.ones((40, 2, 32), np.float32)
+    for layer in (0, 1):
+        c.store(s, layer, x, x)
+    assert c.offload(s, keep_tokens=8) == 32 and c.stats().blocks_used == 2 + 1  # arena + the resident block
+    q = np.ones((1, 4, 32), np.float32)
+    for call in (lambda: c.load(s, 0), lambda: c.seq_rm(s, 0, 1), lambda: c.seq_cp(s, 0, 8),
+                 lambda: c.evict(s, kvhal.eviction.SinkWindow(), 4), lambda: c.save("/tmp/x.kvs", seqs=[s]),
+                 lambda: c.attention(0, q, [s], window=4), lambda: c.attention(0, q, [s], observe=True)):
+        with pytest.raises(kvhal.UnsupportedError):
+            call()
+    plain = kvhal.KVCache(SPEC, 64, backend="reference")
+    with pytest.raises(kvhal.SpecError, match="stream_arena_tokens"):
+        plain.offload(plain.new_seq())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(kvhal.SpecError):
+            kvhal.KVCache(SPEC, 64, backend="reference", stream_arena_tokens=bad)
+    with pytest.raises(kvhal.PositionError):
+        c.offload(s, keep_tokens=-1)
+    c.free_seq(s)
+    assert c.stats().blocks_used == 2 and c.stats().offloaded_tokens == 0

@@ -1,0 +1,50 @@
+"""kvhal stress finds what it is meant to find: a clean run passes, a broken allocator fails with step and seed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvhal import stress
+from kvhal.blocks import BlockAllocator
+from kvhal.cli import main
+
+
+def test_clean_run_audits_every_op(capsys):
+    assert main(["stress", "--steps", "400", "--seed", "3", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["tokens_lost"] == 0 and rep["failure"] == "" and rep["steps_run"] == 400
+    assert all(n > 0 for n in rep["ops"].values()), rep["ops"]  # every kind of op ran
+    assert rep["rejected_calls"] > 0  # it really went past capacity
+    assert rep["peak_tokens"] >= rep["advertised_tokens"] * 0.8
+    assert rep["prefix_hit_tokens"] > 0 and 0 < rep["prefix_hit_rate"] < 1
+    again = stress.run(steps=400, seed=3, show_progress=False)
+    assert again.as_dict() | {"seconds": 0, "ops_per_s": 0} == rep | {"seconds": 0, "ops_per_s": 0}  # replayable
+
+
+@pytest.mark.parametrize("fault", ["leak", "double_free"])
+def test_a_broken_allocator_is_caught_with_step_and_seed(monkeypatch, capsys, fault):
+    real = BlockAllocator.release
+    calls = {"n": 0, "done": False}
+
+    def broken(self, blocks):
+        blocks = list(blocks)
+        calls["n"] += 1
+        shared = np.flatnonzero(self.ref >= 2)
+        if calls["n"] >= 40 and not calls["done"]:
+            if fault == "leak" and blocks:  # a block that never comes back
+                calls["done"] = True
+                blocks = blocks[1:]
+            elif fault == "double_free" and shared.size:  # freed while two sequences still hold it
+                calls["done"] = True
+                self.ref[shared[0]] = 1
+                blocks = [*blocks, int(shared[0])]
+        return real(self, blocks)
+
+    monkeypatch.setattr(BlockAllocator, "release", broken)
+    assert main(["stress", "--steps", "3000", "--seed", "7", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert calls["done"] and rep["tokens_lost"] >= 1 and rep["steps_run"] < 3000
+    assert rep["failure"].startswith(f"step {rep['steps_run'] - 1} (replay: kvhal stress --seed 7 --steps")
