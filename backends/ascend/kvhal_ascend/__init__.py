@@ -30,7 +30,7 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import Backend, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, parse_options, positive
+from kvhal.backend_util import Option, check_block_data, check_block_ids, parse_options, positive
 from kvhal.errors import BackendUnavailableError, DTypeError, SpecError
 from kvhal.formats import Format
 from kvhal.interop import host_float_array
@@ -226,7 +226,7 @@ class AscendBackend(Backend):
     def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
         import torch
 
-        ids = self._index(block_ids)
+        ids = self._index(check_block_ids(pools.n_blocks, block_ids))
         n = len(block_ids)
         # one gather per pool on the device, one copy to the host, in the raw block layout
         parts = [pool.index_select(0, ids).view(n, math.prod(pool.shape[1:])) for pool in _each_pool(pools)]
@@ -234,7 +234,7 @@ class AscendBackend(Backend):
 
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
         data = check_block_data(pools.spec, data)
-        ids = self._index(block_ids)
+        ids = self._index(check_block_ids(pools.n_blocks, block_ids, len(data)))
         dev = _from_numpy(data).to(self.device)  # one copy to the device
         at = 0
         for pool in _each_pool(pools):

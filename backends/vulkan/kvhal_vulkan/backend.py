@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, blocks_to_pages, pages_to_blocks, parse_options, visible_range
-from kvhal.errors import BackendUnavailableError, CapacityError, ShapeError
+from kvhal.backend_util import Option, blocks_to_pages, check_block_ids, pages_to_blocks, parse_options, visible_range
+from kvhal.errors import BackendUnavailableError, CapacityError
 from kvhal.spec import CacheSpec
 
 from . import adapter, shaders
@@ -218,7 +218,7 @@ class VulkanBackend(Backend):
 
     def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
         spec = pools.spec
-        ids = np.asarray(block_ids, np.int64)
+        ids = check_block_ids(pools.n_blocks, block_ids)
         if len(ids) == 0:
             return np.zeros((0, spec.block_nbytes), np.uint8)
         every = [p for layer in range(spec.n_layers) for p in (pools.k[layer], pools.v[layer])]
@@ -231,10 +231,8 @@ class VulkanBackend(Backend):
 
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
         spec = pools.spec
-        ids = np.asarray(block_ids, np.int64)
         pages = blocks_to_pages(spec, data)
-        if len(ids) != data.shape[0]:
-            raise ShapeError(f"{len(ids)} block ids for {data.shape[0]} blocks of data; pass one id per block")
+        ids = check_block_ids(pools.n_blocks, block_ids, data.shape[0])
         if len(ids) == 0:
             return
         every, rows = [], []
