@@ -91,11 +91,16 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
         for b in s.blocks:
             order.setdefault(b, len(order))
     block_ids = np.fromiter(order, np.int64, len(order))
-    raw = cache.backend.read_blocks(cache.pools, block_ids)
     tensors: dict[str, np.ndarray] = {}
-    for layer, (k, v) in enumerate(blocks_to_pages(spec, raw)):
-        tensors[f"blocks.l{layer}.k"] = np.ascontiguousarray(k)
-        tensors[f"blocks.l{layer}.v"] = np.ascontiguousarray(v)
+    for layer in range(spec.n_layers):
+        tensors[f"blocks.l{layer}.k"] = np.empty(spec.pool_shape(len(order), "k"), np.uint8)
+        tensors[f"blocks.l{layer}.v"] = np.empty(spec.pool_shape(len(order), "v"), np.uint8)
+    chunk = max(1, (8 << 20) // spec.block_nbytes)  # read ~8 MiB of blocks at a time, straight into the tensors
+    for c0 in range(0, len(block_ids), chunk):
+        raw = cache.backend.read_blocks(cache.pools, block_ids[c0 : c0 + chunk])
+        for layer, (k, v) in enumerate(blocks_to_pages(spec, raw)):
+            tensors[f"blocks.l{layer}.k"][c0 : c0 + len(raw)] = k
+            tensors[f"blocks.l{layer}.v"][c0 : c0 + len(raw)] = v
     seq_meta = []
     for i, s in enumerate(objs):
         tensors[f"seq{i}.blocks"] = np.array([order[b] for b in s.blocks], np.int32)
@@ -191,6 +196,36 @@ class _Reader:
             )
         return t
 
+    def check_rows(self, name: str, dtype: Any, shape: tuple[int, ...], rows: int) -> None:
+        """Check tensor ``name``'s dtype, shape and checksum reading ``rows`` rows at a time (the file's
+        pages are read in place, never all copied at once)."""
+        if name not in self.names:
+            raise SnapshotCorruptError(f"{str(self.path)!r} lacks tensor {name}; the file is incomplete")
+        try:
+            sl = self._file.get_slice(name)
+            got_dtype, got_shape = sl.get_dtype(), tuple(sl.get_shape())
+            if got_dtype != "U8" or got_shape != shape:
+                raise SnapshotCorruptError(
+                    f"{str(self.path)!r}: tensor {name} is {got_dtype} {got_shape}, expected U8 {shape}"
+                )
+            crc = 0
+            for r0 in range(0, shape[0], rows):
+                crc = zlib.crc32(np.ascontiguousarray(sl[r0 : min(r0 + rows, shape[0])]).view(np.uint8).data, crc)
+        except SnapshotCorruptError:
+            raise
+        except Exception as e:
+            raise SnapshotCorruptError(f"{str(self.path)!r}: tensor {name} is unreadable ({e}); truncated file") from None
+        if crc != self.meta.get("checksums", {}).get(name):
+            raise SnapshotCorruptError(
+                f"{str(self.path)!r}: tensor {name} fails its checksum; the file is corrupt (bit flips or a torn "
+                "copy): restore an intact copy or recompute"
+            )
+        del dtype
+
+    def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows ``[r0, r1)`` of a tensor already checked."""
+        return np.asarray(self._file.get_slice(name)[r0:r1])
+
     def tensor(self, name: str, dtype: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
         t = self.verified(name)
         if t.dtype != dtype or (shape is not None and t.shape != shape):
@@ -223,9 +258,11 @@ def restore(cache: KVCache, path: Any) -> list[int]:
         seq_meta = list(meta["seqs"])
     except (KeyError, TypeError, ValueError):
         raise SnapshotCorruptError(f"{str(r.path)!r}: kvhal metadata lacks n_blocks/seqs; save it again") from None
+    # the block bytes are checked in chunks of ~8 MiB of blocks, then staged chunk by chunk: a 1 GiB
+    # snapshot never needs 1 GiB of fresh memory (its page faults cost as much as the copy)
+    chunk = max(1, (8 << 20) // spec.block_nbytes)
     wanted = [(f"blocks.l{layer}.{w}", spec.pool_shape(n_blocks, w)) for layer in range(spec.n_layers) for w in "kv"]
-    read = list(_threads().map(lambda nw: r.tensor(nw[0], np.uint8, nw[1]), wanted))
-    pages = list(zip(read[0::2], read[1::2]))
+    list(_threads().map(lambda nw: r.check_rows(nw[0], np.uint8, nw[1], chunk), wanted))
     bs = spec.block_size
     staged: list[_Seq] = []
     uses = np.zeros(n_blocks, np.int64)
@@ -257,11 +294,14 @@ def restore(cache: KVCache, path: Any) -> list[int]:
             f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {cache._blocks.n_usable} of {cache.n_blocks} "
             "are free; free sequences first or create the cache with a larger capacity_tokens"
         )
-    data = pages_to_blocks(spec, pages)
     # everything checked: stage the bytes, then publish
     ids = cache._blocks.alloc(n_blocks)
     try:
-        cache.backend.write_blocks(cache.pools, np.array(ids, np.int64), data)
+        for c0 in range(0, n_blocks, chunk):
+            c1 = min(n_blocks, c0 + chunk)
+            part = [r.rows(name, c0, c1) for name, _ in wanted]
+            data = pages_to_blocks(spec, zip(part[0::2], part[1::2]))
+            cache.backend.write_blocks(cache.pools, np.array(ids[c0:c1], np.int64), data)
     except BaseException:
         cache._blocks.release(ids)
         raise
