@@ -844,10 +844,14 @@ def _token_ids(token_ids: Any) -> list[int]:
 
         return _token_ids(to_numpy(token_ids))
     elif isinstance(token_ids, (list, tuple)):
-        if not all(_is_int(t) for t in token_ids):
+        # plain ints (the common case) pass on one cheap type test; a bool's type is bool, not int
+        if all(type(t) is int for t in token_ids):
+            ids = list(token_ids)
+        elif all(_is_int(t) for t in token_ids):
+            ids = [int(t) for t in token_ids]
+        else:
             bad = next(t for t in token_ids if not _is_int(t))
             raise ShapeError(f"token_ids must hold ints, got {type(bad).__name__} {bad!r}")
-        ids = [int(t) for t in token_ids]
     else:
         raise ShapeError(f"token_ids must be a list of ints or a 1-d integer array, got {type(token_ids).__name__}")
     if ids and (min(ids) < 0 or max(ids) >= 2**31):

@@ -103,7 +103,9 @@ def hash_chain(
     """Hashes of every full block of ``tokens``, each chained to the previous (the first to ``root``)."""
     out: list[bytes] = []
     parent = root
+    ids = np.asarray(tokens, dtype="<i8").tobytes()  # converted once; each block hashes a slice of it
+    step = 8 * block_size
     for i in range(len(tokens) // block_size):
-        parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        parent = hashlib.sha256(_BLOCK_DOMAIN + parent + extra + ids[i * step : (i + 1) * step]).digest()
         out.append(parent)
     return out
