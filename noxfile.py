@@ -1,4 +1,5 @@
-"""Build matrix. Sessions: test-<backend> (one per backends/*/, generated), test-reference, lint, bench.
+"""Build matrix. Sessions: test-<backend> (one per backends/*/, generated), test-reference, test-transformers,
+lint, bench.
 
 A backend declares itself in ``backends/<name>/pyproject.toml`` under ``[tool.kvhal]``:
 
@@ -26,6 +27,7 @@ nox.options.sessions = ["lint", "test-reference"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
+TRANSFORMERS = "transformers==5.25.0"  # kvhal.integrations.transformers follows its Cache and attention interfaces
 
 
 def strict(session: nox.Session) -> bool:
@@ -69,6 +71,15 @@ def test_reference(session: nox.Session) -> None:
     session.install("-e", ".[test,bench]", TORCH)  # torch: DLPack interop tests
     session.run("pytest", "tests/unit", "tests/contract", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference"})
+
+
+@nox.session(name="test-transformers", tags=["cpu"])
+def test_transformers(session: nox.Session) -> None:
+    """tests/transformers: KVHalCache in transformers' Llama, Mistral and Qwen2 against DynamicCache, on the
+    reference and cpu backends."""
+    session.install("-e", ".[test,transformers]", TORCH, TRANSFORMERS, "-e", "backends/cpu")
+    session.run("pytest", "tests/transformers", *pytest_args(session),
+                env={"KVHAL_TEST_BACKENDS": "reference,cpu", "KVHAL_STRICT": "1"})
 
 
 def _make_backend_session(session_name: str, backend: str, table: dict, variant: list[str] | dict) -> None:

@@ -91,7 +91,7 @@ def backend_sessions(only_present: bool) -> list[str]:
 
 
 def cpu_rows(only_present: bool = False) -> list[Row]:
-    rows = [Row("lint", CPU), Row("test-reference", CPU)]
+    rows = [Row("lint", CPU), Row("test-reference", CPU), Row("test-transformers", CPU)]
     rows += [Row(s, CPU) for s in backend_sessions(only_present)]
     rows += [
         Row("compile-cuda13", CPU, uploads=f"{PREBUILT}/cuda13", container=CUDA13_IMAGE),

@@ -22,7 +22,7 @@ from .errors import (
     SpecError,
     UnsupportedError,
 )
-from .interop import to_numpy
+from .interop import to_like, to_numpy
 from .registry import BackendInfo, backends
 from .spec import CacheSpec
 
@@ -49,5 +49,6 @@ __all__ = [
     "UnsupportedError",
     "backends",
     "formats",
+    "to_like",
     "to_numpy",
 ]
