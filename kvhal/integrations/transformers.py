@@ -202,6 +202,12 @@ class KVHalCache(Cache):  # type: ignore[misc]
             raise ShapeError(
                 f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ"
             )
+        spec = self.kv.spec
+        if key_states.shape[1] != spec.n_kv_heads or key_states.shape[3] != spec.head_dim:
+            raise ShapeError(
+                f"key_states has shape {tuple(key_states.shape)}; the cache holds {spec.n_kv_heads} KV heads of "
+                f"head_dim {spec.head_dim}: build it from this model with KVHalCache.from_model"
+            )
         batch = int(key_states.shape[0])
         if self.seqs and batch != len(self.seqs):
             raise ShapeError(
@@ -226,6 +232,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
 
     def reset(self) -> None:
         """Free every row's sequence; the cache is empty and takes a new batch."""
+        pending = _PENDING.get()
+        if pending is not None and pending[0] is self:
+            _PENDING.set(None)
         for s in self.seqs:
             self.kv.free_seq(s)
         self.seqs = []
@@ -341,10 +350,10 @@ class KVHalCache(Cache):  # type: ignore[misc]
         batch, n_heads, n_new, head_dim = query.shape
         if tuple(key.shape[::2]) != (batch, n_new):
             raise ShapeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on batch or tokens")
-        step = self._plan(layer, mask, batch, n_new)
         window = self.windows[layer]
         kv = self.kv
         try:
+            step = self._plan(layer, mask, batch, n_new)
             if step.rows is None:  # every new column real (decode, unpadded prefill)
                 k, v = key.transpose(1, 2), value.transpose(1, 2)  # [batch, n_new, n_kv_heads, head_dim]
                 for b, s in enumerate(self.seqs):
@@ -371,7 +380,8 @@ class KVHalCache(Cache):  # type: ignore[misc]
                     for (b, pick), part in zip(picks, o.split(lens)):
                         out[b, pick] = part
         except BaseException as e:
-            self._failed = f"layer {layer} failed in the middle of a forward pass ({type(e).__name__}: {e})"
+            if self._real.shape[1] != self._cols[layer]:  # this forward already changed the cache
+                self._failed = f"layer {layer} failed in the middle of a forward pass ({type(e).__name__}: {e})"
             raise
         self._cols[layer] += n_new
         return out.to(query.dtype)

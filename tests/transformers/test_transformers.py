@@ -201,6 +201,12 @@ def test_errors_say_what_to_do(models):
             cache.crop(bad)
     with pytest.raises(kvhal.ShapeError, match="1D integer"):
         cache.reorder_cache(torch.tensor([0.0, 1.0]))
+    kv = torch.zeros(1, 2, 1, 32)
+    with pytest.raises(kvhal.ShapeError, match="2 KV heads of head_dim 32"):
+        cache.update(torch.zeros(1, 3, 1, 32), torch.zeros(1, 3, 1, 32), 0)
+    for layer in (True, 2, 1.0):
+        with pytest.raises(kvhal.PositionError, match="layer_idx"):
+            cache.update(kv, kv, layer)
     with pytest.raises(kvhal.SpecError, match="windows"):
         KVHalCache(cache.kv, [None])
     with pytest.raises(kvhal.SpecError, match="positive int"):
