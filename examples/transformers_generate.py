@@ -4,7 +4,8 @@ The model is a Llama with seeded random weights, shaped so attention matters at 
 heads over 8 KV heads of head_dim 128, small hidden and MLP). Each run is one ``model.generate`` call
 (greedy, batch 1) on a random prompt of ``context`` tokens; a logits processor stamps every step, and
 tokens/s is one over the median step after the warm-up steps. Cache bytes are those holding the tokens
-at the end: DynamicCache's f32 tensors, kvhal's pages in use.
+at the end: the f32 tensors of transformers' caches (DynamicCache grows by concatenation, StaticCache is
+allocated for the whole generation up front), kvhal's pages in use. Both baselines run SDPA.
 
     python examples/transformers_generate.py                        # q8_0 vs DynamicCache, 1k context
     python examples/transformers_generate.py --backend cpu --formats f32,q8_0,q4_0 --contexts 1024,8192
@@ -20,7 +21,14 @@ import time
 from typing import Any
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StaticCache,
+)
 
 from kvhal.integrations.transformers import KVHalCache
 from kvhal.progress import progress
@@ -35,6 +43,9 @@ class StepClock(LogitsProcessor):  # type: ignore[misc]
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.stamps.append(time.perf_counter())
         return scores
+
+
+BASELINES = {"dynamic": "DynamicCache f32", "static": "StaticCache f32"}
 
 
 def bench_model(layers: int, max_len: int) -> LlamaForCausalLM:
@@ -59,11 +70,17 @@ def cache_bytes(cache: Any) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def run_one(model: LlamaForCausalLM, prompt: torch.Tensor, fmt: str, backend: str, warmup: int, steps: int) -> dict[str, Any]:
+def run_one(
+    model: LlamaForCausalLM, prompt: torch.Tensor, fmt: str, backend: str, warmup: int, steps: int
+) -> dict[str, Any]:
     context = prompt.shape[1]
+    new_tokens = warmup + steps + 1
     if fmt == "dynamic":
         model.set_attn_implementation("sdpa")
         cache: Any = DynamicCache(config=model.config)
+    elif fmt == "static":
+        model.set_attn_implementation("sdpa")
+        cache = StaticCache(config=model.config, max_cache_len=context + new_tokens)
     else:
         model.set_attn_implementation("kvhal")
         cache = KVHalCache.from_model(
@@ -75,16 +92,16 @@ def run_one(model: LlamaForCausalLM, prompt: torch.Tensor, fmt: str, backend: st
             prompt,
             attention_mask=torch.ones_like(prompt),
             cache=cache,
-            max_new_tokens=warmup + steps + 1,
-            min_new_tokens=warmup + steps + 1,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             logits_processor=LogitsProcessorList([clock]),
             pad_token_id=0,
         )
     step_s = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][warmup:]
     return {
-        "cache": "DynamicCache f32" if fmt == "dynamic" else f"kvhal {fmt}",
-        "backend": "torch" if fmt == "dynamic" else cache.kv.backend.name,
+        "cache": BASELINES.get(fmt, f"kvhal {fmt}"),
+        "backend": cache.kv.backend.name if isinstance(cache, KVHalCache) else "torch",
         "context": context,
         "tokens_per_s": 1.0 / statistics.median(step_s),
         "cache_bytes": cache_bytes(cache),
@@ -104,11 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", help="also write the JSON result to this file")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c]
-    kinds = ["dynamic"] + [f for f in args.formats.split(",") if f]
+    kinds = [*BASELINES, *(f for f in args.formats.split(",") if f)]
     model = bench_model(args.layers, max(contexts) + args.warmup + args.steps + 16)
-    prompts = {n: torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)) for n in contexts}
+    prompts = {
+        n: torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        for n in contexts
+    }
     jobs = [(n, k) for n in contexts for k in kinds]
-    rows = [run_one(model, prompts[n], k, args.backend, args.warmup, args.steps) for n, k in progress(jobs, len(jobs), "generate", not args.json)]
+    rows = [
+        run_one(model, prompts[n], k, args.backend, args.warmup, args.steps)
+        for n, k in progress(jobs, len(jobs), "generate", not args.json)
+    ]
     for r in rows:  # same prompt, same weights: the f32 DynamicCache run is the reference
         ref = next(x for x in rows if x["context"] == r["context"] and x["cache"] == "DynamicCache f32")
         r["speed_vs_dynamic"] = r["tokens_per_s"] / ref["tokens_per_s"]
@@ -131,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['model']}; torch threads {result['torch_threads']}; median of {args.steps} decode steps after {args.warmup}")
-    print(f"{'cache':<18} {'backend':<9} {'context':>7} {'tok/s':>8} {'x dyn':>6} {'cache MB':>9} {'x dyn':>6} {'same tok':>8}")
+    print(
+        f"{result['model']}; torch threads {result['torch_threads']}; median of {args.steps} decode steps after {args.warmup}"
+    )
+    print(
+        f"{'cache':<18} {'backend':<9} {'context':>7} {'tok/s':>8} {'x dyn':>6} {'cache MB':>9} {'x dyn':>6} {'same tok':>8}"
+    )
     for r in rows:
         print(
             f"{r['cache']:<18} {r['backend']:<9} {r['context']:>7} {r['tokens_per_s']:>8.1f} {r['speed_vs_dynamic']:>6.2f} "
