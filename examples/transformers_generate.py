@@ -34,7 +34,7 @@ from kvhal.integrations.transformers import KVHalCache
 from kvhal.progress import progress
 
 
-class StepClock(LogitsProcessor):  # type: ignore[misc]
+class StepClock(LogitsProcessor):
     """Stamps each generation step (the processor runs once per new token)."""
 
     def __init__(self) -> None:

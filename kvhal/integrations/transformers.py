@@ -400,7 +400,13 @@ def kvhal_attention(
     """The ``attn_implementation="kvhal"`` function: store this layer's real new tokens, then attend over
     the quantized pages. ``query`` is ``[batch, n_heads, n_new, head_dim]``; returns ``[batch, n_new, n_heads, head_dim]``."""
     pending = _PENDING.get()
-    if pending is None or pending[2] is not key:
+    if pending is not None and pending[2] is not key:
+        _PENDING.set(None)
+        raise UnsupportedError(
+            f"layer {pending[1]}'s attention got other key states than KVHalCache.update returned: this model "
+            "changes K/V after the cache update, which kvhal attention cannot follow; use another attn_implementation"
+        )
+    if pending is None:
         raise KVHalError(
             f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a KVHalCache: pass '
             "cache=KVHalCache.from_model(model, ...) to generate() or to the forward call"

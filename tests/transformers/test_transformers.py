@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvhal  # noqa: E402
-from kvhal.integrations.transformers import KVHalCache  # noqa: E402
+from kvhal.integrations.transformers import KVHalCache, kvhal_attention  # noqa: E402
 
 # matrices this small gain nothing from threads, and spinning OpenMP threads on a shared 2-core machine
 # made every matmul ~40x slower
@@ -207,6 +207,10 @@ def test_errors_say_what_to_do(models):
     for layer in (True, 2, 1.0):
         with pytest.raises(kvhal.PositionError, match="layer_idx"):
             cache.update(kv, kv, layer)
+    attn = model.model.layers[0].self_attn
+    k, _ = cache.update(kv, kv, 0)
+    with pytest.raises(kvhal.UnsupportedError, match="changes K/V after the cache update"):
+        kvhal_attention(attn, torch.zeros(1, 4, 1, 32), k.clone(), kv, None)
     with pytest.raises(kvhal.SpecError, match="windows"):
         KVHalCache(cache.kv, [None])
     with pytest.raises(kvhal.SpecError, match="positive int"):
