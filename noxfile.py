@@ -24,6 +24,7 @@ nox.options.sessions = ["lint", "test-reference"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
+TRANSFORMERS = "transformers==5.25.0"  # kvhal.integrations.transformers follows its Cache and attention interfaces
 
 
 def strict(session: nox.Session) -> bool:
@@ -60,6 +61,15 @@ def test_reference(session: nox.Session) -> None:
     session.run("pytest", "tests/unit", "tests/contract", "tests/tiers", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference"})
     stress(session, "reference")
+
+
+@nox.session(name="test-transformers", tags=["cpu"])
+def test_transformers(session: nox.Session) -> None:
+    """tests/transformers: KVHalCache in transformers' Llama, Mistral and Qwen2 against DynamicCache, on the
+    reference and cpu backends."""
+    session.install("-e", ".[test,transformers]", TORCH, TRANSFORMERS, "-e", "backends/cpu")
+    session.run("pytest", "tests/transformers", *pytest_args(session),
+                env={"KVHAL_TEST_BACKENDS": "reference,cpu", "KVHAL_STRICT": "1"})
 
 
 # the capacity audit after each backend's tests: the full run where the kernels are the product's default

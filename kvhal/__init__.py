@@ -29,7 +29,7 @@ from .errors import (
     UnsupportedError,
 )
 from .fingerprint import Fingerprint
-from .interop import to_numpy
+from .interop import to_like, to_numpy
 from .registry import BackendInfo, backends
 from .spec import CacheSpec
 
@@ -64,5 +64,6 @@ __all__ = [
     "UnsupportedError",
     "backends",
     "formats",
+    "to_like",
     "to_numpy",
 ]

@@ -23,6 +23,27 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def to_like(x: Any, like: Any) -> Any:
+    """``x`` (a backend's output) in the array library and on the device of ``like`` (the caller's input).
+
+    torch in, torch out: a host numpy result becomes a CPU tensor sharing its memory (``torch.from_numpy``),
+    a device array goes through DLPack without a copy when it already sits on ``like``'s device. Anything
+    else comes back as it is.
+    """
+    if type(like).__module__.split(".")[0] != "torch":
+        return x
+    import torch  # already imported: ``like`` is a torch tensor
+    from torch.utils.dlpack import from_dlpack
+
+    if isinstance(x, np.ndarray):
+        t = torch.from_numpy(x)
+    elif isinstance(x, torch.Tensor):
+        t = x
+    else:
+        t = from_dlpack(x)
+    return t if t.device == like.device else t.to(like.device)
+
+
 def host_float_array(x: Any, what: str) -> np.ndarray:
     """A host float32/float16 numpy view of ``x`` (numpy, torch CPU tensor, anything with __dlpack__)."""
     if type(x) is np.ndarray and (x.dtype == np.float32 or x.dtype == np.float16):

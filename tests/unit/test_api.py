@@ -28,7 +28,7 @@ def rows(n: int, heads: int = 2, dim: int = 32, seed: int = 0) -> np.ndarray:
 def test_import_is_light():
     # CPU time, not wall time: the budget is kvhal's own work, not other processes on a shared machine
     code = ("import sys, time; t = time.process_time(); import kvhal; dt = time.process_time() - t; "
-            "heavy = [m for m in ('torch', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu') "
+            "heavy = [m for m in ('torch', 'transformers', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu') "
             "if m in sys.modules]; print(dt, heavy)")
     times = []
     for _ in range(5):
@@ -119,6 +119,22 @@ def test_float16_and_torch_inputs_through_dlpack():
     with pytest.raises(kvhal.DTypeError, match="float32"):
         c.store(s, 0, torch.from_numpy(k).double(), torch.from_numpy(v))
     assert isinstance(kvhal.to_numpy(torch.ones(2)), np.ndarray)
+
+
+def test_outputs_come_back_in_the_callers_array_library():
+    torch = pytest.importorskip("torch")
+    c = cache()
+    s = c.new_seq()
+    k = torch.from_numpy(rows(3))
+    c.store(s, 0, k, k)
+    q = torch.from_numpy(rows(3, heads=4, seed=1))
+    out = c.attention(0, q, seqs=[s])
+    t = kvhal.to_like(out, q)
+    assert isinstance(t, torch.Tensor) and t.device == q.device and t.dtype == torch.float32
+    assert np.shares_memory(t.numpy(), out)  # zero-copy on a host backend
+    np.testing.assert_array_equal(t.numpy(), kvhal.to_numpy(out))
+    assert kvhal.to_like(out, q.numpy()) is out  # numpy in, numpy out
+    assert kvhal.to_like(t, q) is t
 
 
 def test_seq_ops_semantics():

@@ -1,0 +1,446 @@
+"""Hugging Face transformers on a kvhal cache: ``KVHalCache`` and ``attn_implementation="kvhal"``.
+
+    from kvhal.integrations.transformers import KVHalCache      # registers attn_implementation="kvhal"
+    model.set_attn_implementation("kvhal")
+    cache = KVHalCache.from_model(model, k_format="q8_0", v_format="q8_0", capacity_tokens=8192, backend="cpu")
+    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64)
+
+Batch row ``b`` is kvhal sequence ``cache.seqs[b]`` and holds that row's real tokens only: a position the
+attention mask marks as padding is never stored or attended, and its attention output is zero. kvhal
+sequences are dense, so ``get_seq_length`` counts columns (padding included, as transformers does) while
+each sequence counts its own tokens; RoPE positions come from the model (``position_ids``), so dense
+storage changes nothing in the keys.
+
+How the pieces meet: the model calls ``cache.update(k, v, layer)`` and then the attention function with
+that layer's queries, in the same thread. Only the attention function sees the padding mask, so ``update``
+keeps the new K/V (no concatenation, no dense history) and names itself in a context variable; the
+attention function stores the real rows and runs ``KVCache.attention`` over the quantized pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..backend import Backend
+from ..cache import KVCache
+from ..errors import KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
+from ..interop import to_like
+from ..spec import CacheSpec
+
+ATTN_IMPLEMENTATION = "kvhal"
+
+# (cache, layer, the key tensor its update returned, the value tensor): set by update, taken by the attention
+_PENDING: ContextVar[tuple[KVHalCache, int, torch.Tensor, torch.Tensor] | None] = ContextVar(
+    "kvhal_pending_update", default=None
+)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _same_mask(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool((a == b).all())
+
+
+@dataclass
+class _Step:
+    """The columns one forward adds: which of them are real, per row (``None``: all of them, every row)."""
+
+    mask: Any
+    first_col: int
+    n_cols: int
+    rows: list[np.ndarray] | None
+
+
+class KVHalLayer(CacheLayerMixin):  # type: ignore[misc]
+    """One model layer's view of the shared ``KVCache`` (transformers inspects ``cache.layers``)."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, owner: KVHalCache, layer: int, window: int | None) -> None:
+        super().__init__()
+        self.owner, self.layer, self.sliding_window = owner, layer, window
+        self.is_sliding = window is not None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.owner.update(key_states, value_states, self.layer)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_seq_length(self.layer) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length(self.layer)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KVHalCache(Cache):  # type: ignore[misc]
+    """A transformers ``Cache`` whose layers all store into one kvhal ``KVCache`` (``self.kv``).
+
+    Run the model with ``attn_implementation="kvhal"``: attention reads the quantized pages directly.
+    Sliding-window layers attend over their window but keep every token (pages are shared by all layers
+    of a sequence), so ``crop`` is always exact.
+    """
+
+    def __init__(self, kv: KVCache, windows: Sequence[int | None]) -> None:
+        if not isinstance(kv, KVCache):
+            raise SpecError(f"kv must be a kvhal.KVCache, got {type(kv).__name__}; or use KVHalCache.from_model")
+        n_layers = kv.spec.n_layers
+        if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n_layers:
+            raise SpecError(f"windows must list one sliding window (int) or None per layer, {n_layers} in all")
+        for i, w in enumerate(windows):
+            if w is not None and (not _is_int(w) or w < 1):
+                raise SpecError(
+                    f"windows[{i}] is {w!r}; a sliding window is a positive int, or None for full attention"
+                )
+        super().__init__(layers=[KVHalLayer(self, i, w) for i, w in enumerate(windows)])
+        self.kv = kv
+        self.windows: list[int | None] = [None if w is None else int(w) for w in windows]
+        self.seqs: list[int] = []  # batch row -> kvhal sequence
+        self._real = np.zeros((0, 0), bool)  # [rows, columns]: which columns of each row are stored tokens
+        self._cols = [0] * n_layers  # columns each layer has attended (they differ inside a forward)
+        self._step: _Step | None = None
+        self._failed: str | None = None
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        *,
+        capacity_tokens: int,
+        k_format: str = "q8_0",
+        v_format: str = "q8_0",
+        backend: str | Backend = "auto",
+        allow_fallback: bool = False,
+        backend_options: dict[str, Any] | None = None,
+        **spec_options: Any,
+    ) -> KVHalCache:
+        """A cache shaped by ``model``'s config: its layers, KV heads (GQA), head_dim and sliding windows.
+
+        ``capacity_tokens`` is the whole cache (all rows, all beams); ``spec_options`` go to ``CacheSpec``
+        (e.g. ``block_size``). The model must run ``attn_implementation="kvhal"``.
+        """
+        if not isinstance(model, PreTrainedModel):
+            raise SpecError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        config = model.config.get_text_config(decoder=True)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:
+            raise SpecError(
+                f"the model runs attn_implementation={impl!r}; a KVHalCache needs the kvhal attention function: "
+                f'call model.set_attn_implementation("{ATTN_IMPLEMENTATION}") or load it with '
+                f'attn_implementation="{ATTN_IMPLEMENTATION}"'
+            )
+        n_heads = config.num_attention_heads
+        n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        windows: list[int | None] = []
+        for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                windows.append(None)
+            elif kind == "sliding_attention":
+                windows.append(kwargs["sliding_window"])
+            else:
+                raise UnsupportedError(
+                    f"layer {i} is {kind!r}; KVHalCache holds full and sliding-window attention layers only"
+                )
+        spec = CacheSpec(
+            n_layers=len(windows),
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            k_format=k_format,
+            v_format=v_format,
+            **spec_options,
+        )
+        kv = KVCache(spec, capacity_tokens, backend, allow_fallback=allow_fallback, backend_options=backend_options)
+        return cls(kv, windows)
+
+    # -- the Cache interface ----------------------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold this layer's new K/V ``[batch, n_kv_heads, n_new, head_dim]`` for the kvhal attention function.
+
+        Returns them as they are (the new tokens only): the attention function stores the real ones.
+        """
+        if self._failed is not None:
+            raise KVHalError(f"{self._failed}; the cache's layers are out of step: call reset() and start over")
+        if not _is_int(layer_idx) or not 0 <= layer_idx < len(self._cols):
+            raise PositionError(
+                f"layer_idx {layer_idx!r} is out of range; the cache has layers 0..{len(self._cols) - 1}"
+            )
+        layer = int(layer_idx)
+        pending = _PENDING.get()
+        if pending is not None and pending[0] is self:
+            _PENDING.set(None)
+            raise KVHalError(
+                f"layer {pending[1]}'s attention did not run through attn_implementation="
+                f'"{ATTN_IMPLEMENTATION}"; call model.set_attn_implementation("{ATTN_IMPLEMENTATION}")'
+            )
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4:
+                raise ShapeError(f"{name} must be a 4D tensor [batch, n_kv_heads, n_new, head_dim], got {x!r:.80}")
+        if key_states.shape != value_states.shape:
+            raise ShapeError(
+                f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ"
+            )
+        spec = self.kv.spec
+        if key_states.shape[1] != spec.n_kv_heads or key_states.shape[3] != spec.head_dim:
+            raise ShapeError(
+                f"key_states has shape {tuple(key_states.shape)}; the cache holds {spec.n_kv_heads} KV heads of "
+                f"head_dim {spec.head_dim}: build it from this model with KVHalCache.from_model"
+            )
+        batch = int(key_states.shape[0])
+        if self.seqs and batch != len(self.seqs):
+            raise ShapeError(
+                f"the cache holds {len(self.seqs)} rows but this step has {batch}; call reset() for a new batch"
+            )
+        _PENDING.set((self, layer, key_states, value_states))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns seen (padding included), as transformers counts positions."""
+        return self._cols[layer_idx] if 0 <= layer_idx < len(self._cols) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs) if self.seqs else -1
+
+    def reset(self) -> None:
+        """Free every row's sequence; the cache is empty and takes a new batch."""
+        pending = _PENDING.get()
+        if pending is not None and pending[0] is self:
+            _PENDING.set(None)
+        for s in self.seqs:
+            self.kv.free_seq(s)
+        self.seqs = []
+        self._real = np.zeros((0, 0), bool)
+        self._cols = [0] * len(self._cols)
+        self._step = None
+        self._failed = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` columns (transformers' convention: a negative count)."""
+        if not _is_int(tokens_to_remove) or tokens_to_remove > 0:
+            raise PositionError(f"crop takes a negative int, the count of tokens to remove; got {tokens_to_remove!r}")
+        n = -int(tokens_to_remove)
+        if n == 0:
+            return
+        self._in_step("crop")
+        cols = self._real.shape[1]
+        if n > cols:
+            raise PositionError(f"crop removes {n} tokens but the cache holds {cols}")
+        for s, real in zip(self.seqs, self._real):
+            drop = int(real[cols - n :].sum())
+            if drop:
+                self.kv.seq_rm(s, self.kv.seq_len(s) - drop, -1)
+        self._real = self._real[:, : cols - n]
+        self._cols = [cols - n] * len(self._cols)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes old row ``beam_idx[i]`` (beam search): shared pages, copy-on-write."""
+        self._select(beam_idx, "beam_idx")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not _is_int(repeats) or repeats < 1:
+            raise ShapeError(f"repeats must be a positive int, got {repeats!r}")
+        self._select([b for b in range(len(self.seqs)) for _ in range(int(repeats))], "repeats")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices, "indices")
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _in_step(self, what: str) -> None:
+        if len(set(self._cols)) != 1 or _PENDING.get() is not None:
+            raise KVHalError(f"{what} between the layers of a forward pass; call it between forward passes")
+
+    def _select(self, idx: Any, what: str) -> None:
+        """Rows become ``old[idx[0]], old[idx[1]], ...``: each old row's first use keeps its sequence, later
+        uses are ``seq_cp`` copies (whole pages shared), and unused rows are freed."""
+        if isinstance(idx, torch.Tensor):
+            if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.ndim != 1:
+                raise ShapeError(f"{what} must be a 1D integer tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
+            idx = idx.tolist()
+        if not isinstance(idx, list) or not all(_is_int(i) and 0 <= i < len(self.seqs) for i in idx):
+            raise ShapeError(f"{what} must hold row indices in [0, {len(self.seqs)}), got {idx!r:.80}")
+        if not self.seqs:
+            return
+        self._in_step(what)
+        old, kept, new = self.seqs, set(), []
+        for i in idx:  # seq_cp of a whole sequence shares pages: it allocates nothing and cannot fail midway
+            new.append(self.kv.seq_cp(old[i]) if i in kept else old[i])
+            kept.add(i)
+        for i, s in enumerate(old):
+            if i not in kept:
+                self.kv.free_seq(s)
+        self.seqs = new
+        self._real = self._real[idx]
+
+    def _plan(self, layer: int, mask: Any, batch: int, n_new: int) -> _Step:
+        """Which of this forward's ``n_new`` columns are real, per row; taken from the padding mask the first
+        time a layer sees these columns, then reused by the other layers."""
+        first = self._cols[layer]
+        step = self._step
+        if step is not None and step.first_col == first and step.n_cols == n_new:
+            if mask is step.mask or _same_mask(mask, step.mask):  # models build one mask per layer kind
+                return step
+            raise KVHalError(f"layer {layer} got another padding mask than the layers before it in this forward pass")
+        width = self._real.shape[1]
+        if first != width:
+            raise KVHalError(
+                f"layer {layer} is at column {first} but the cache at {width}: a forward pass ran a subset of layers"
+            )
+        if mask is None:
+            new_real = np.ones((batch, n_new), bool)
+        else:
+            if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+                raise UnsupportedError(
+                    "the kvhal attention takes the 2D padding mask [batch, columns] (or None); got "
+                    f"{type(mask).__name__}{'' if not hasattr(mask, 'shape') else tuple(mask.shape)}: a 4D or "
+                    "custom mask cannot be mapped onto kvhal's dense sequences"
+                )
+            if tuple(mask.shape) != (batch, first + n_new):
+                raise ShapeError(
+                    f"attention mask has shape {tuple(mask.shape)}; expected [{batch}, {first + n_new}] "
+                    f"({first} cached columns + {n_new} new)"
+                )
+            m = mask.detach().to("cpu", torch.bool).numpy()
+            if first and not np.array_equal(m[:, :first], self._real):
+                raise PositionError(
+                    "the attention mask changes which cached positions are real; kvhal stores only real tokens "
+                    "and cannot mask (or unmask) a cached one: reset() and run the whole sequence again"
+                )
+            new_real = m[:, first:]
+        if not self.seqs:
+            self.seqs = [self.kv.new_seq() for _ in range(batch)]
+            self._real = np.zeros((batch, 0), bool)
+        self._real = np.concatenate([self._real, new_real], axis=1)
+        rows = None if new_real.all() else [np.flatnonzero(r) for r in new_real]
+        self._step = _Step(mask, first, n_new, rows)
+        return self._step
+
+    def _attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float
+    ) -> torch.Tensor:
+        batch, n_heads, n_new, head_dim = query.shape
+        if tuple(key.shape[::2]) != (batch, n_new):
+            raise ShapeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on batch or tokens")
+        window = self.windows[layer]
+        kv = self.kv
+        try:
+            step = self._plan(layer, mask, batch, n_new)
+            if step.rows is None:  # every new column real (decode, unpadded prefill)
+                k, v = key.transpose(1, 2), value.transpose(1, 2)  # [batch, n_new, n_kv_heads, head_dim]
+                for b, s in enumerate(self.seqs):
+                    kv.store(s, layer, k[b], v[b])
+                q = query.transpose(1, 2).reshape(batch * n_new, n_heads, head_dim)
+                o = kv.attention(layer, q, seqs=self.seqs, q_lens=[n_new] * batch, scale=scale, window=window)
+                out = to_like(o, query).view(batch, n_new, n_heads, head_dim)
+            else:
+                out = query.new_zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32)
+                seqs, lens, picks, qs = [], [], [], []
+                for b, (s, cols) in enumerate(zip(self.seqs, step.rows)):
+                    if len(cols) == 0:
+                        continue
+                    pick = torch.from_numpy(cols).to(query.device)
+                    kv.store(s, layer, key[b, :, pick].transpose(0, 1), value[b, :, pick].transpose(0, 1))
+                    seqs.append(s)
+                    lens.append(len(cols))
+                    picks.append((b, pick))
+                    qs.append(query[b, :, pick].transpose(0, 1))
+                if seqs:
+                    o = to_like(
+                        kv.attention(layer, torch.cat(qs), seqs=seqs, q_lens=lens, scale=scale, window=window), query
+                    )
+                    for (b, pick), part in zip(picks, o.split(lens)):
+                        out[b, pick] = part
+        except BaseException as e:
+            if self._real.shape[1] != self._cols[layer]:  # this forward already changed the cache
+                self._failed = f"layer {layer} failed in the middle of a forward pass ({type(e).__name__}: {e})"
+            raise
+        self._cols[layer] += n_new
+        return out.to(query.dtype)
+
+
+def kvhal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``attn_implementation="kvhal"`` function: store this layer's real new tokens, then attend over
+    the quantized pages. ``query`` is ``[batch, n_heads, n_new, head_dim]``; returns ``[batch, n_new, n_heads, head_dim]``."""
+    pending = _PENDING.get()
+    if pending is not None and pending[2] is not key:
+        _PENDING.set(None)
+        raise UnsupportedError(
+            f"layer {pending[1]}'s attention got other key states than KVHalCache.update returned: this model "
+            "changes K/V after the cache update, which kvhal attention cannot follow; use another attn_implementation"
+        )
+    if pending is None:
+        raise KVHalError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a KVHalCache: pass '
+            "cache=KVHalCache.from_model(model, ...) to generate() or to the forward call"
+        )
+    _PENDING.set(None)
+    cache, layer = pending[0], pending[1]
+    if dropout:
+        raise UnsupportedError(f"kvhal attention has no dropout (got {dropout}); run the model in eval() mode")
+    for name in ("softcap", "position_bias", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedError(f"kvhal attention does not implement {name}; use another attn_implementation")
+    if hasattr(module, "sinks") or not getattr(module, "is_causal", True):
+        raise UnsupportedError("kvhal attention is causal attention without sinks; this module needs another kind")
+    window = kwargs.get("sliding_window")
+    if window is not None and window != cache.windows[layer]:
+        raise SpecError(
+            f"layer {layer} attends with sliding_window={window} but the cache was built with "
+            f"{cache.windows[layer]}; build it from this model with KVHalCache.from_model"
+        )
+    scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
+    return cache._attend(layer, query, key, value, attention_mask, scale), None
+
+
+def kvhal_mask(*, attention_mask: Any = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+    """Mask creation for ``attn_implementation="kvhal"``: kvhal applies causality and windows itself, so the
+    model passes on the 2D padding mask alone. Masks beyond causal, window and padding (packed sequences,
+    bidirectional blocks, extra mask functions) are refused rather than ignored."""
+    if not allow_is_causal_skip:
+        raise UnsupportedError(
+            "this model asks for an attention mask beyond causal + sliding window + padding, which kvhal "
+            "attention does not implement; use another attn_implementation"
+        )
+    return attention_mask
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvhal_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvhal_mask)

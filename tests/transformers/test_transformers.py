@@ -1,0 +1,271 @@
+"""kvhal inside transformers' own models: KVHalCache + attn_implementation="kvhal" against DynamicCache.
+
+The oracle is transformers itself: the same model (seeded random weights) run with DynamicCache and
+SDPA. Models are small configs of transformers' Llama, Mistral (every layer sliding) and Qwen2 (full
+and sliding layers mixed), all with grouped KV heads.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvhal  # noqa: E402
+from kvhal.integrations.transformers import KVHalCache, kvhal_attention  # noqa: E402
+
+# matrices this small gain nothing from threads, and spinning OpenMP threads on a shared 2-core machine
+# made every matmul ~40x slower
+torch.set_num_threads(1)
+
+NEW = 64
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.2)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=12),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=10, max_window_layers=1),
+}
+
+
+def make_model(name: str):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: make_model(name) for name in CONFIGS}
+
+
+def prompts(batch: int):
+    """Left-padded prompts of 17, 9 and 4 real tokens (pad id 0, never a prompt token)."""
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, SMALL["vocab_size"], (batch, 17), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n_pad in enumerate((0, 8, 13)[:batch]):
+        mask[row, :n_pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def generate(model, cache, ids, mask, new=NEW, **kw):
+    model.set_attn_implementation("sdpa" if isinstance(cache, transformers.DynamicCache) else "kvhal")
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True, **kw)
+
+
+def kv_cache(model, backend: str, fmt: str = "f32", capacity: int = 512) -> KVHalCache:
+    model.set_attn_implementation("kvhal")
+    return KVHalCache.from_model(model, k_format=fmt, v_format=fmt, capacity_tokens=capacity, backend=backend,
+                                 block_size=8)
+
+
+def max_logit_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_f32_equals_dynamic_cache(models, backend_info, name, batch):
+    model, (ids, mask) = models[name], prompts(batch)
+    ref = generate(model, transformers.DynamicCache(config=model.config), ids, mask)
+    cache = kv_cache(model, backend_info.name)
+    out = generate(model, cache, ids, mask)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) < 1e-4
+    # every row stored its real tokens only: prompt + generated (the last token is never fed back)
+    real = mask.sum(1).tolist()
+    assert [cache.kv.seq_len(s) for s in cache.seqs] == [n + NEW - 1 for n in real]
+    assert cache.get_seq_length() == ids.shape[1] + NEW - 1
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_prefill_logits_at_every_real_position(models, backend_info, name):
+    model, (ids, mask) = models[name], prompts(3)
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        ref = model(ids, attention_mask=mask, cache=transformers.DynamicCache(config=model.config)).logits
+        out = model(ids, attention_mask=mask, cache=kv_cache(model, backend_info.name)).logits
+    real = mask.bool()
+    assert float((out[real] - ref[real]).abs().max()) < 1e-4
+
+
+def test_cache_shape_comes_from_the_config(models):
+    mistral = kv_cache(models["mistral"], "reference")
+    qwen = kv_cache(models["qwen2"], "reference")
+    assert (mistral.kv.spec.n_layers, mistral.kv.spec.n_kv_heads, mistral.kv.spec.head_dim) == (2, 2, 32)
+    assert mistral.windows == [12, 12] and mistral.is_sliding == [True, True]
+    assert qwen.windows == [None, 10] and qwen.is_sliding == [False, True]
+    assert kv_cache(models["llama"], "reference").windows == [None, None]
+
+
+class ForceTokens(transformers.LogitsProcessor):
+    """Teacher forcing inside generate: each step emits the reference token whatever the logits say."""
+
+    def __init__(self, tokens):
+        self.tokens, self.step = tokens, 0
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -torch.inf)
+        forced.scatter_(1, self.tokens[:, self.step : self.step + 1], 0.0)
+        self.step += 1
+        return forced
+
+
+# floors well under what these models measure (printed by the test); a format that stopped attending
+# over the right keys lands near 1/vocab
+FLOORS = {"f16": 0.98, "q8_0": 0.85, "q4_0": 0.4}
+
+
+@pytest.mark.parametrize("fmt", list(FLOORS))
+def test_quantized_top1_agreement_with_f32(models, backend_info, fmt, capsys):
+    model, (ids, mask) = models["llama"], prompts(3)
+    ref = generate(model, kv_cache(model, backend_info.name), ids, mask)
+    tokens = ref.sequences[:, ids.shape[1] :]
+    out = generate(model, kv_cache(model, backend_info.name, fmt), ids, mask,
+                   logits_processor=transformers.LogitsProcessorList([ForceTokens(tokens)]))
+    assert torch.equal(out.sequences, ref.sequences)  # forced: every step saw the f32 run's prefix
+    top1 = torch.stack([a.argmax(-1) == b.argmax(-1) for a, b in zip(out.logits, ref.logits)])
+    agreement = float(top1.float().mean())
+    with capsys.disabled():
+        print(f"\n  top-1 agreement with the f32 cache, {fmt} K/V, {backend_info.name}: {agreement:.3f} "
+              f"({int(top1.sum())}/{top1.numel()} decode positions)")
+    assert agreement >= FLOORS[fmt]
+
+
+def test_beam_search_equals_dynamic_cache(models, backend_info):
+    model, (ids, mask) = models["llama"], prompts(3)
+    kw = dict(num_beams=3, num_return_sequences=2, early_stopping=False)
+    ref = generate(model, transformers.DynamicCache(config=model.config), ids, mask, new=16, **kw)
+    cache = kv_cache(model, backend_info.name)
+    out = generate(model, cache, ids, mask, new=16, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(cache.seqs) == 9 and cache.kv.stats().n_seqs == 9  # reordering freed what it dropped
+
+
+def test_crop_then_regenerate_equals_uncropped(models, backend_info):
+    model, (ids, mask) = models["mistral"], prompts(3)
+    cache = kv_cache(model, backend_info.name)
+    full = generate(model, cache, ids, mask, new=20)
+    before = [cache.kv.seq_len(s) for s in cache.seqs]
+    cache.crop(-6)
+    assert cache.get_seq_length() == ids.shape[1] + 19 - 6
+    assert [cache.kv.seq_len(s) for s in cache.seqs] == [n - 6 for n in before]
+    # feed the 6 dropped tokens back: the logits of the first 20 steps' tail must come out again
+    seq = full.sequences
+    n = ids.shape[1] + 19 - 6
+    more_mask = torch.cat([mask, torch.ones(3, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    positions = (more_mask.cumsum(-1) - 1).clamp(min=0)[:, n : n + 6]
+    with torch.inference_mode():
+        logits = model(seq[:, n : n + 6], attention_mask=more_mask[:, : n + 6], position_ids=positions,
+                       cache=cache).logits
+    for i in range(6):
+        assert float((logits[:, i] - full.logits[14 + i]).abs().max()) < 1e-4
+
+
+def test_without_padding_mask_equals_dynamic_cache(models, backend_info):
+    model = models["qwen2"]
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        ref_cache = transformers.DynamicCache(config=model.config)
+        ref = [model(ids, cache=ref_cache).logits, model(ids[:, :3], cache=ref_cache).logits]
+        cache = kv_cache(model, backend_info.name)
+        out = [model(ids, cache=cache).logits, model(ids[:, :3], cache=cache).logits]
+    assert max(float((a - b).abs().max()) for a, b in zip(out, ref)) < 1e-4
+
+
+def test_errors_say_what_to_do(models):
+    model, (ids, mask) = models["llama"], prompts(3)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(kvhal.SpecError, match='set_attn_implementation\\("kvhal"\\)'):
+        KVHalCache.from_model(model, capacity_tokens=64, backend="reference")
+    with pytest.raises(kvhal.SpecError, match="PreTrainedModel"):
+        KVHalCache.from_model(model.config, capacity_tokens=64, backend="reference")
+    cache = kv_cache(model, "reference")
+    model.set_attn_implementation("sdpa")  # the cache used with another attention function is caught
+    with pytest.raises(kvhal.KVHalError, match="did not run through"), torch.inference_mode():
+        model(ids, attention_mask=mask, cache=cache)
+    model.set_attn_implementation("kvhal")
+    with pytest.raises(kvhal.KVHalError, match="needs a KVHalCache"), torch.inference_mode():
+        model(ids, attention_mask=mask, cache=transformers.DynamicCache(config=model.config))
+    with pytest.raises(kvhal.UnsupportedError, match="2D padding mask"), torch.inference_mode():
+        model(ids, attention_mask=torch.ones(3, 1, 17, 17, dtype=torch.bool), cache=kv_cache(model, "reference"))
+    for bad in (True, 3, 2.0, "1"):
+        with pytest.raises(kvhal.PositionError, match="negative int"):
+            cache.crop(bad)
+    with pytest.raises(kvhal.ShapeError, match="1D integer"):
+        cache.reorder_cache(torch.tensor([0.0, 1.0]))
+    kv = torch.zeros(1, 2, 1, 32)
+    with pytest.raises(kvhal.ShapeError, match="2 KV heads of head_dim 32"):
+        cache.update(torch.zeros(1, 3, 1, 32), torch.zeros(1, 3, 1, 32), 0)
+    for layer in (True, 2, 1.0):
+        with pytest.raises(kvhal.PositionError, match="layer_idx"):
+            cache.update(kv, kv, layer)
+    attn = model.model.layers[0].self_attn
+    k, _ = cache.update(kv, kv, 0)
+    with pytest.raises(kvhal.UnsupportedError, match="changes K/V after the cache update"):
+        kvhal_attention(attn, torch.zeros(1, 4, 1, 32), k.clone(), kv, None)
+    with pytest.raises(kvhal.SpecError, match="windows"):
+        KVHalCache(cache.kv, [None])
+    with pytest.raises(kvhal.SpecError, match="positive int"):
+        KVHalCache(cache.kv, [None, True])
+    with pytest.raises(kvhal.SpecError, match="kvhal.KVCache"):
+        KVHalCache(object(), [None, None])
+
+
+def test_mask_that_rewrites_the_past_is_refused(models):
+    model, (ids, mask) = models["llama"], prompts(3)
+    cache = kv_cache(model, "reference")
+    with torch.inference_mode():
+        model(ids, attention_mask=mask, cache=cache)
+        later = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        later[0, 2] = 0  # a cached real token turned into padding
+        with pytest.raises(kvhal.PositionError, match="cannot mask"):
+            model(ids[:, :1], attention_mask=later, cache=cache)
+        # nothing changed: the right mask still works
+        later[0, 2] = 1
+        model(ids[:, :1], attention_mask=later, cache=cache)
+    assert cache.get_seq_length() == 18
+
+
+def test_failed_forward_leaves_a_cache_that_asks_for_reset(models):
+    model, (ids, mask) = models["llama"], prompts(3)
+    cache = kv_cache(model, "reference", capacity=32)  # 4 pages of 8: row 0 alone needs 3
+    with pytest.raises(kvhal.CapacityError, match="capacity_tokens"), torch.inference_mode():
+        model(ids, attention_mask=mask, cache=cache)
+    with pytest.raises(kvhal.KVHalError, match="reset\\(\\)"), torch.inference_mode():
+        model(ids, attention_mask=mask, cache=cache)
+    cache.reset()
+    assert cache.kv.stats().blocks_used == 0
+    with torch.inference_mode():
+        model(ids[1:2], attention_mask=mask[1:2], cache=cache)
+    assert [cache.kv.seq_len(s) for s in cache.seqs] == [9]
+
+
+def test_readme_integration_runs(monkeypatch, capsys):
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"## transformers.*?```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.setenv("KVHAL_BACKEND", "reference")
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r"tokens=\d+", out) and "k_format='q8_0'" in out
+
+
+def test_rows_share_pages_after_beam_reorder(models):
+    model, (ids, mask) = models["llama"], prompts(1)
+    cache = kv_cache(model, "reference")
+    with torch.inference_mode():
+        model(ids, attention_mask=mask, cache=cache)
+    cache.batch_repeat_interleave(3)
+    assert cache.kv.stats().blocks_shared == cache.kv.stats().blocks_used > 0
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert len(cache.seqs) == 3 and cache.kv.stats().n_seqs == 3
+    cache.batch_select_indices(torch.tensor([1]))
+    assert cache.kv.stats().n_seqs == 1 and cache.kv.stats().blocks_shared == 0
+    assert cache.get_seq_length() == 17 and cache.kv.seq_len(cache.seqs[0]) == 17
