@@ -214,7 +214,9 @@ class _Reader:
         except SnapshotCorruptError:
             raise
         except Exception as e:
-            raise SnapshotCorruptError(f"{str(self.path)!r}: tensor {name} is unreadable ({e}); truncated file") from None
+            raise SnapshotCorruptError(
+                f"{str(self.path)!r}: tensor {name} is unreadable ({e}); truncated file"
+            ) from None
         if crc != self.meta.get("checksums", {}).get(name):
             raise SnapshotCorruptError(
                 f"{str(self.path)!r}: tensor {name} fails its checksum; the file is corrupt (bit flips or a torn "
