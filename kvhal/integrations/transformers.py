@@ -19,6 +19,7 @@ attention function stores the real rows and runs ``KVCache.attention`` over the 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..backend import Backend
 from ..cache import KVCache
 from ..errors import KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
+from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
 
@@ -130,12 +132,15 @@ class KVHalCache(Cache):  # type: ignore[misc]
         backend: str | Backend = "auto",
         allow_fallback: bool = False,
         backend_options: dict[str, Any] | None = None,
+        fingerprint: Fingerprint | None = None,
         **spec_options: Any,
     ) -> KVHalCache:
         """A cache shaped by ``model``'s config: its layers, KV heads (GQA), head_dim and sliding windows.
 
         ``capacity_tokens`` is the whole cache (all rows, all beams); ``spec_options`` go to ``CacheSpec``
-        (e.g. ``block_size``). The model must run ``attn_implementation="kvhal"``.
+        (e.g. ``block_size``). The model must run ``attn_implementation="kvhal"``. ``fingerprint`` names the
+        model for the prefix cache (default: its class, name and config; pass one with the weights' digest
+        before sharing blocks through tiers or snapshots).
         """
         if not isinstance(model, PreTrainedModel):
             raise SpecError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -169,8 +174,57 @@ class KVHalCache(Cache):  # type: ignore[misc]
             v_format=v_format,
             **spec_options,
         )
-        kv = KVCache(spec, capacity_tokens, backend, allow_fallback=allow_fallback, backend_options=backend_options)
+        if fingerprint is None:
+            digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()
+            name = f"{type(model).__name__}:{getattr(model.config, '_name_or_path', '')}"
+            fingerprint = Fingerprint(model=name, extra={"config_sha256": digest})
+        kv = KVCache(
+            spec,
+            capacity_tokens,
+            backend,
+            allow_fallback=allow_fallback,
+            backend_options=backend_options,
+            fingerprint=fingerprint,
+        )
         return cls(kv, windows)
+
+    def match_prefix(self, input_ids: Any, attention_mask: Any = None) -> list[int]:
+        """Before ``generate``: give each row the longest cached prefix of its prompt, and record the
+        prompt's token ids so its blocks become matchable. Returns the tokens reused per row.
+
+        ``generate(input_ids, past_key_values=cache)`` then computes only the columns past the reused
+        ones (the same count for every row: the fewest any row reuses, padding included). Call it on an
+        empty cache (a new one, or after ``reset()``, which keeps the freed blocks matchable)."""
+        if self.seqs:
+            raise KVHalError("match_prefix needs an empty cache: call reset() first (freed blocks stay matchable)")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ShapeError(f"input_ids must be a 2D torch tensor [batch, columns], got {type(input_ids).__name__}")
+        batch, cols = (int(x) for x in input_ids.shape)
+        if attention_mask is None:
+            real = np.ones((batch, cols), bool)
+        elif isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == (batch, cols):
+            real = attention_mask.detach().to("cpu", torch.bool).numpy()
+        else:
+            raise ShapeError(f"attention_mask must be a torch tensor of input_ids' shape {(batch, cols)} or None")
+        ids = input_ids.detach().to("cpu").numpy()
+        rows = [ids[r][real[r]].tolist() for r in range(batch)]
+        if any(not np.all(real[r][np.argmax(real[r]) :]) for r in range(batch) if real[r].any()):
+            raise UnsupportedError("match_prefix takes left padding only (padding before every real token)")
+        matched = [self.kv.match_prefix(row) for row in rows]
+        pads = [cols - len(row) for row in rows]
+        reused = min(pad + n for pad, (_, n) in zip(pads, matched))  # columns every row holds
+        reused = min(reused, cols - 1)  # generate computes at least the last column
+        out = []
+        for (seq, n), pad, row in zip(matched, pads, rows):
+            keep = max(0, reused - pad)
+            if n > keep:
+                self.kv.seq_rm(seq, keep, -1)
+            self.kv.append_tokens(seq, row[keep:])  # the ids of the positions generate will store
+            out.append(keep)
+        self.seqs = [seq for seq, _ in matched]
+        self._real = real[:, :reused].copy()
+        self._cols = [reused] * len(self._cols)
+        return out
 
     # -- the Cache interface ----------------------------------------------------------------------------
 

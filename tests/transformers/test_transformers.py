@@ -269,3 +269,40 @@ def test_rows_share_pages_after_beam_reorder(models):
     cache.batch_select_indices(torch.tensor([1]))
     assert cache.kv.stats().n_seqs == 1 and cache.kv.stats().blocks_shared == 0
     assert cache.get_seq_length() == 17 and cache.kv.seq_len(cache.seqs[0]) == 17
+
+
+def test_prefix_reuse_across_generate_calls(models, backend_info):
+    """A second generate whose prompts extend the first's reuses every cached full block of them (match_prefix),
+    computes only the rest, and equals DynamicCache token for token."""
+    model = models["llama"]
+    g = torch.Generator().manual_seed(7)
+    first = torch.randint(1, SMALL["vocab_size"], (2, 30), generator=g)
+    cache = kv_cache(model, backend_info.name)
+    assert cache.match_prefix(first) == [0, 0]  # an empty cache reuses nothing, but records the ids
+    generate(model, cache, first, torch.ones_like(first), new=4)
+    cache.reset()  # freed blocks stay matchable
+    more = torch.cat([first, torch.randint(1, SMALL["vocab_size"], (2, 9), generator=g)], dim=1)
+    more[1, :3] = 0  # row 1 is left-padded by 3: it shares nothing at its (shifted) positions
+    mask = torch.ones_like(more)
+    mask[1, :3] = 0
+    hits_before = cache.kv.stats().prefix_hit_tokens
+    reused = cache.match_prefix(more, mask)
+    # one column count for the batch (transformers has one cache position): row 1 holds only its 3 padding
+    # columns, so row 0 reuses 3 of its 24 cached tokens
+    assert reused == [3, 0]
+    out = generate(model, cache, more, mask, new=12)
+    want = generate(model, transformers.DynamicCache(), more, mask, new=12)
+    assert torch.equal(out.sequences, want.sequences)
+    assert max_logit_diff(out, want) < 1e-4
+    solo = kv_cache(model, backend_info.name)
+    solo.match_prefix(first[:1])
+    generate(model, solo, first[:1], torch.ones_like(first[:1]), new=4)
+    solo.reset()
+    assert solo.match_prefix(more[:1]) == [24]  # 30 prompt tokens: 3 full blocks of 8
+    assert solo.kv.stats().prefix_hit_tokens == 24
+    out1 = generate(model, solo, more[:1], mask[:1], new=12)
+    want1 = generate(model, transformers.DynamicCache(), more[:1], mask[:1], new=12)
+    assert torch.equal(out1.sequences, want1.sequences)
+    assert cache.kv.stats().prefix_hit_tokens >= hits_before
+    with pytest.raises(kvhal.KVHalError, match="reset"):
+        solo.match_prefix(more[:1])
