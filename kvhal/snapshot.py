@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import tempfile
 import zlib
@@ -169,6 +170,26 @@ class _Reader:
             self.version = int(self.meta["snapshot_version"])
         except (ValueError, KeyError, TypeError) as e:
             raise SnapshotCorruptError(f"{str(path)!r} has unreadable kvhal metadata ({e}); save it again") from None
+        self._mm: mmap.mmap | None = None
+        self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def _mapped(self, name: str) -> tuple[mmap.mmap, int, tuple[int, ...]]:
+        """The file mapped once, and ``name``'s byte offset and shape in it: checksums and staging read the
+        page cache in place instead of copying each tensor out (safe_open has already checked the header)."""
+        if self._mm is None:
+            with open(self.path, "rb") as fh:
+                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            n = int.from_bytes(self._mm[:8], "little")  # the safetensors layout: u64 header size, JSON header
+            for key, info in json.loads(self._mm[8 : 8 + n]).items():
+                if key != "__metadata__":
+                    self._layout[key] = (8 + n + int(info["data_offsets"][0]), tuple(info["shape"]))
+        offset, shape = self._layout[name]
+        return self._mm, offset, shape
 
     def check_version(self) -> None:
         got = (self.meta.get("snapshot_version"), self.meta.get("format_version"))
@@ -208,9 +229,12 @@ class _Reader:
                 raise SnapshotCorruptError(
                     f"{str(self.path)!r}: tensor {name} is {got_dtype} {got_shape}, expected U8 {shape}"
                 )
+            mm, offset, _ = self._mapped(name)
+            view = memoryview(mm)[offset : offset + math.prod(shape)]
             crc = 0
-            for r0 in range(0, shape[0], rows):
-                crc = zlib.crc32(np.ascontiguousarray(sl[r0 : min(r0 + rows, shape[0])]).view(np.uint8).data, crc)
+            step = rows * math.prod(shape[1:])
+            for b0 in range(0, len(view), step):
+                crc = zlib.crc32(view[b0 : b0 + step], crc)
         except SnapshotCorruptError:
             raise
         except Exception as e:
@@ -225,8 +249,10 @@ class _Reader:
         del dtype
 
     def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
-        """Rows ``[r0, r1)`` of a tensor already checked."""
-        return np.asarray(self._file.get_slice(name)[r0:r1])
+        """Rows ``[r0, r1)`` of a U8 tensor already checked: a view of the mapped file, no copy."""
+        mm, offset, shape = self._mapped(name)
+        row = math.prod(shape[1:])
+        return np.frombuffer(mm, np.uint8, (r1 - r0) * row, offset + r0 * row).reshape(r1 - r0, *shape[1:])
 
     def tensor(self, name: str, dtype: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
         t = self.verified(name)
@@ -238,9 +264,16 @@ class _Reader:
 
 
 def restore(cache: KVCache, path: Any) -> list[int]:
+    r = _Reader(_path(path))
+    try:
+        return _restore(cache, r)
+    finally:
+        r.close()
+
+
+def _restore(cache: KVCache, r: _Reader) -> list[int]:
     from .cache import _Seq
 
-    r = _Reader(_path(path))
     r.check_version()
     meta, spec = r.meta, cache.spec
     fp = meta.get("fingerprint", {})
@@ -299,11 +332,14 @@ def restore(cache: KVCache, path: Any) -> list[int]:
     # everything checked: stage the bytes, then publish
     ids = cache._blocks.alloc(n_blocks)
     try:
-        for c0 in range(0, n_blocks, chunk):
+
+        def stage(c0: int) -> None:  # chunks write disjoint blocks: two at a time
             c1 = min(n_blocks, c0 + chunk)
             part = [r.rows(name, c0, c1) for name, _ in wanted]
             data = pages_to_blocks(spec, zip(part[0::2], part[1::2]))
             cache.backend.write_blocks(cache.pools, np.array(ids[c0:c1], np.int64), data)
+
+        list(_threads().map(stage, range(0, n_blocks, chunk)))
     except BaseException:
         cache._blocks.release(ids)
         raise
