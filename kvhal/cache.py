@@ -308,6 +308,7 @@ class KVCache:
         n_full = min(len(s.tokens), min(s.lens)) // bs
         if s.sealable is not None:
             n_full = min(n_full, s.sealable)
+        sealed: list[tuple[int, bytes]] = []
         for i in range(len(s.hashes), n_full):
             parent = s.hashes[-1] if s.hashes else self.root_hash
             h = block_hash(parent, s.tokens[i * bs : (i + 1) * bs], s.extra)
@@ -316,8 +317,9 @@ class KVCache:
                 continue
             b = s.blocks[i - s.base // bs]
             self._blocks.register(b, h)
-            if self.write_through:
-                self._put_down([b], [h])
+            sealed.append((b, h))
+        if self.write_through and sealed:
+            self._put_down([b for b, _ in sealed], [h for _, h in sealed])
 
     def seq_len(self, seq: int, layer: int | None = None) -> int:
         """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
