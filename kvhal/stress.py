@@ -163,7 +163,8 @@ def run(
         v_format=v_format,
         block_size=block_size,
     )
-    on_full = EvictOnFull(SinkWindow(sinks=block_size), keep_tokens=capacity_tokens // 4)
+    # past capacity, the longest sequence is cut to sinks + recent tokens (StreamingLLM), with a record
+    on_full = EvictOnFull(SinkWindow(sinks=block_size), keep_tokens=4 * block_size)
     cache = KVCache(spec, capacity_tokens, backend=backend, fingerprint=Fingerprint("kvhal-stress"), on_full=on_full)
     rng = np.random.default_rng(seed)
     audit = _Audit(cache)
