@@ -84,10 +84,13 @@ RUNNERS = [
 FIXED_HARDWARE = {"test-rocm", "bench-cuda13", "bench-cuda12"}
 
 
+CORE_CPU = [Row("lint", CPU), Row("test-reference", CPU), Row("test-transformers", CPU)]  # no backend table
+
+
 def cpu_rows(root: Path = ROOT) -> list[Row]:
-    """lint, test-reference, every cpu-tagged variant's test-<variant>, then the GPU build rows that need no GPU."""
+    """The core sessions, every cpu-tagged variant's test-<variant>, then the GPU build rows that need no GPU."""
     variants = [Row(v.session, CPU) for v in kvhal_tables.variants(root) if "cpu" in v.tags]
-    return [Row("lint", CPU), Row("test-reference", CPU), Row("test-transformers", CPU), *variants, *FIXED_CPU]
+    return [*CORE_CPU, *variants, *FIXED_CPU]
 
 
 def hardware_rows(root: Path = ROOT) -> list[Row]:

@@ -47,7 +47,8 @@ gpu-cpu = {requires = ["pkg-b"], env = {B = "z"}, tags = ["cpu"]}
     assert (a.session, a.tags, a.requires, a.env) == ("test-gpu-a", ("gpu",), ("pkg-a",), {"A": "x", "B": "y"})
     assert (b.session, b.tags, b.requires, b.env) == ("test-gpu-cpu", ("cpu",), ("pkg-b",), {"A": "x", "B": "z"})
     assert kvhal_tables.apt_packages(tmp_path) == ["gcc", "hipcc", "redis-server"]
-    assert [r.session for r in matrix.cpu_rows(tmp_path)][:4] == ["lint", "test-reference", "test-gpu-cpu", "test-plain"]
+    core = [r.session for r in matrix.CORE_CPU]
+    assert [r.session for r in matrix.cpu_rows(tmp_path)][: len(core) + 2] == [*core, "test-gpu-cpu", "test-plain"]
     with pytest.raises(SystemExit, match=r"\['test-gpu-a'\] need hardware"):
         matrix.hardware_rows(tmp_path)
 
@@ -83,7 +84,9 @@ def test_apt_packages_script_prints_the_union():
 def test_cpu_rows_are_the_cpu_tagged_variants_and_the_fixed_sessions():
     sessions = [r.session for r in matrix.cpu_rows()]
     variants = [v.session for v in kvhal_tables.variants() if "cpu" in v.tags]
-    assert sessions == ["lint", "test-reference", *variants, *[r.session for r in matrix.FIXED_CPU]]
+    core = [r.session for r in matrix.CORE_CPU]
+    assert core == ["lint", "test-reference", "test-transformers"]
+    assert sessions == [*core, *variants, *[r.session for r in matrix.FIXED_CPU]]
     assert "test-cuda13" not in sessions  # gpu-only: a hardware row
     out = subprocess.run([sys.executable, "ci/matrix.py", "--cpu"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == sessions
