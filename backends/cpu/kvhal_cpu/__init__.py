@@ -221,6 +221,38 @@ class CpuBackend(HostPoolsBackend):
         causal: bool,
         window: int | None,
     ) -> np.ndarray:
+        return self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, False)[0]
+
+    def attention_lse(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``attention`` and each row's log-sum-exp from the same kernel call (the online softmax's max and sum)."""
+        out, lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
+        assert lse is not None
+        return out, lse
+
+    def _attention(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+        with_lse: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         bt = np.ascontiguousarray(block_table, dtype=np.int32)
@@ -228,10 +260,13 @@ class CpuBackend(HostPoolsBackend):
         ql = np.ascontiguousarray(q_lens, dtype=np.int32)
         a = Args.from_buffer_copy(pools.state[layer])
         a.q, a.out, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(out), _ptr(bt), _ptr(sl), _ptr(ql)
+        lse = np.empty(q.shape[:2], np.float64) if with_lse else None
+        if lse is not None and lse.size:
+            a.lse = _ptr(lse)
         a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
         a.scale, a.causal, a.window = scale, causal, window or 0
         self._check(self._lib.kvc_attention(a), "attention")
-        return out
+        return out, lse
 
     def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
         s = np.ascontiguousarray(src, dtype=np.int64)

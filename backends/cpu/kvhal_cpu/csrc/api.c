@@ -25,7 +25,7 @@ static int kv_has_f16c(void) {
 }
 #endif
 
-KV_EXPORT int kvc_abi_version(void) { return 3; }
+KV_EXPORT int kvc_abi_version(void) { return 4; }
 
 /* kv_args as this build lays it out: "kv_args <size>" then "<name> <offset> <size> <kind>" per field in
  * declaration order (kind: i int32, q int64, f float, p pointer), ';'-separated. Python compares it
@@ -42,7 +42,7 @@ KV_EXPORT int kvc_args_layout(char *out, int cap) {
                   KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(krow),      KV_FIELD(vrow),
                   KV_FIELD(kpool),      KV_FIELD(vpool),       KV_FIELD(k),         KV_FIELD(v),
                   KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
-                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(q),         KV_FIELD(out),
+                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(q),         KV_FIELD(out),       KV_FIELD(lse),
                   KV_FIELD(block_table), KV_FIELD(seq_lens),   KV_FIELD(q_lens),    KV_FIELD(n_seqs),
                   KV_FIELD(max_blocks), KV_FIELD(causal),      KV_FIELD(window),    KV_FIELD(scale)};
     int n = snprintf(out, (size_t)cap, "kv_args %zu", sizeof(kv_args));
@@ -274,8 +274,9 @@ static void merge_task(void *p, int64_t task, int worker) {
             M = m > M ? m : M;
         }
         float L = 0.0f;
-        int hh = r / R, i = (r % R) / G;
-        float *dst = c->out + ((c->q_start[g->seq] + g->pos0 + i) * c->n_heads + (int64_t)(g->head0 + hh) * G + r % G) * D;
+        const int head = (g->head0 + r / R) * G + r % G;
+        const int64_t qrow = c->q_start[g->seq] + g->pos0 + (r % R) / G;
+        float *dst = c->out + (qrow * c->n_heads + head) * D;
         memset(dst, 0, (size_t)D * sizeof(float));
         for (int k = 0; k < g->n_parts; k++) {
             size_t pk = (size_t)(g->first_part + k);
@@ -286,7 +287,7 @@ static void merge_task(void *p, int64_t task, int worker) {
             const float *o = a->part_o + (pk * RM + r) * D;
             for (int j = 0; j < D; j++) dst[j] += w * o[j];
         }
-        float inv = 1.0f / L;
+        float inv = kv_row_done(c, qrow, head, M, L);
         for (int j = 0; j < D; j++) dst[j] *= inv;
     }
 }
@@ -328,7 +329,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
     if (!q_start) return KV_ENOMEM;
     kv_call c = {n_seqs, a->n_heads, n_kv_heads, D, a->block_size, a->max_blocks, a->kfmt, a->vfmt, a->causal,
-                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, a->out, a->kpool, a->vpool,
+                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, a->out, a->lse, a->kpool, a->vpool,
                  a->block_table, seq_lens, q_lens, q_start, 0};
     int64_t acc = 0;
     for (int s = 0; s < n_seqs; s++) {
