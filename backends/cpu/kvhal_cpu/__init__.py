@@ -20,7 +20,15 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import HostPoolsBackend, Op, Pools, Probe
-from kvhal.backend_util import Option, format_id, non_negative, one_of, parse_options
+from kvhal.backend_util import (
+    Option,
+    check_block_data,
+    check_block_ids,
+    format_id,
+    non_negative,
+    one_of,
+    parse_options,
+)
 from kvhal.errors import BackendUnavailableError, KVHalError
 from kvhal.spec import CacheSpec
 
@@ -274,3 +282,29 @@ class CpuBackend(HostPoolsBackend):
         a = Args.from_buffer_copy(pools.state[layer])
         a.slots, a.dst_slots, a.n = _ptr(s), _ptr(d), s.shape[0]
         self._check(self._lib.kvc_copy_slots(a), "copy_slots")
+
+    def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
+        ids = check_block_ids(pools.n_blocks, block_ids)
+        out = np.empty((ids.size, pools.spec.block_nbytes), np.uint8)
+        self._block_io(pools, ids, out, self._lib.kvc_read_blocks, "read_blocks")
+        return out
+
+    def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(check_block_data(pools.spec, data))
+        ids = check_block_ids(pools.n_blocks, block_ids, len(data))
+        self._block_io(pools, ids, data, self._lib.kvc_write_blocks, "write_blocks")
+
+    def _block_io(self, pools: Pools, ids: np.ndarray, raw: np.ndarray, fn: Any, what: str) -> None:
+        """Pages of ``ids`` <-> ``raw`` [n, block_nbytes], one memcpy per page on the thread pool."""
+        if not ids.size:
+            return
+        spec = pools.spec
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        # a block named twice is written in order (the last copy wins), so not in parallel
+        threads = 1 if what == "write_blocks" and np.unique(ids).size < ids.size else self.threads
+        at = _ptr(raw)
+        for layer in range(spec.n_layers):
+            a = Args.from_buffer_copy(pools.state[layer])
+            a.blocks, a.n, a.raw, a.raw_stride, a.threads = _ptr(ids), ids.size, at, spec.block_nbytes, threads
+            self._check(fn(a), what)
+            at += spec.page_nbytes("k") + spec.page_nbytes("v")

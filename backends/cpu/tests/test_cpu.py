@@ -521,3 +521,37 @@ def test_streamed_attention_equals_all_resident(isa, tile, fmt):
         got = small.attention(1, q, [s], [q_len], causal=causal)
         want = big.attention(1, q, [r], [q_len], causal=causal)
         assert float(np.abs(got - want).max()) <= be.attention_tolerance, (q_len, causal)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_block_io_is_the_reference_bytes_on_many_blocks(threads):
+    """read_blocks / write_blocks copy pages on the thread pool: the reference's bytes for hundreds of blocks
+    of 3 layers in any order; a block named twice ends with its last copy, as in the reference."""
+    from kvhal.reference import ReferenceBackend
+
+    rng = np.random.default_rng(31)
+    spec = kvhal.CacheSpec(n_layers=3, n_kv_heads=4, head_dim=64, k_format="q5_1", v_format="f16", block_size=16)
+    be, ref = CpuBackend(threads=threads), ReferenceBackend()
+    ours, theirs = be.allocate(spec, 400), ref.allocate(spec, 400)
+    for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
+        a[...] = b[...] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+    ids = rng.permutation(400)[:333]
+    np.testing.assert_array_equal(be.read_blocks(ours, ids), ref.read_blocks(theirs, ids))
+    assert be.read_blocks(ours, np.zeros(0, np.int64)).shape == (0, spec.block_nbytes)
+    data = rng.integers(0, 256, (300, spec.block_nbytes), dtype=np.uint8)
+    data.flags.writeable = False  # e.g. straight from a file
+    for dst in (ids[:300], np.r_[ids[:150], ids[:150]]):  # distinct, then every block twice
+        be.write_blocks(ours, dst, data)
+        ref.write_blocks(theirs, dst, data)
+        for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
+            np.testing.assert_array_equal(a, b)
+    before = [a.copy() for a in ours.k + ours.v]
+    for bad_ids, bad_data, err in (
+        (np.array([1, 400]), data[:2], kvhal.PositionError),
+        (np.array([1, 2, 3]), data[:2], kvhal.ShapeError),
+        (np.array([1]), data[:1, :-1], kvhal.ShapeError),
+    ):
+        with pytest.raises(err):
+            be.write_blocks(ours, bad_ids, bad_data)
+    for a, b in zip(before, ours.k + ours.v):  # a refused call wrote nothing
+        np.testing.assert_array_equal(a, b)

@@ -1,4 +1,4 @@
-/* The exported C API (loaded by kvhal_cpu through ctypes): ISA selection, store, load, copy_slots and
+/* The exported C API (loaded by kvhal_cpu through ctypes): ISA selection, store, load, copy_slots, block I/O and
  * the attention driver that cuts a batch into (sequence, KV head, query chunk, KV split) items,
  * runs them on the thread pool and merges split-KV partials with a log-sum-exp. */
 #define _GNU_SOURCE
@@ -42,8 +42,9 @@ KV_EXPORT int kvc_args_layout(char *out, int cap) {
                   KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(krow),      KV_FIELD(vrow),
                   KV_FIELD(kpool),      KV_FIELD(vpool),       KV_FIELD(k),         KV_FIELD(v),
                   KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
-                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(q),         KV_FIELD(out),       KV_FIELD(lse),
-                  KV_FIELD(block_table), KV_FIELD(seq_lens),   KV_FIELD(q_lens),    KV_FIELD(n_seqs),
+                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(raw),       KV_FIELD(raw_stride),
+                  KV_FIELD(q),          KV_FIELD(out),         KV_FIELD(lse),       KV_FIELD(block_table),
+                  KV_FIELD(seq_lens),   KV_FIELD(q_lens),      KV_FIELD(n_seqs),
                   KV_FIELD(max_blocks), KV_FIELD(causal),      KV_FIELD(window),    KV_FIELD(scale)};
     int n = snprintf(out, (size_t)cap, "kv_args %zu", sizeof(kv_args));
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
@@ -235,6 +236,45 @@ KV_EXPORT int kvc_copy_slots(const kv_args *a) {
     int rc = copy_slots(a->kpool, a->krow, a->slots, a->dst_slots, a->n, a->n_kv_heads, a->block_size);
     return rc ? rc : copy_slots(a->vpool, a->vrow, a->slots, a->dst_slots, a->n, a->n_kv_heads, a->block_size);
 }
+
+/* whole pages between the pools and the raw block layout, BLOCKS_PER_TASK blocks per task */
+#define BLOCKS_PER_TASK 8
+
+typedef struct {
+    const kv_args *a;
+    int write; /* 1: raw -> pools, 0: pools -> raw */
+} blocks_ctx;
+
+static void blocks_task(void *p, int64_t task, int worker) {
+    (void)worker;
+    const blocks_ctx *c = (const blocks_ctx *)p;
+    const kv_args *a = c->a;
+    const int64_t rows = (int64_t)a->n_kv_heads * a->block_size, kb = rows * a->krow, vb = rows * a->vrow;
+    int64_t i1 = (task + 1) * BLOCKS_PER_TASK;
+    if (i1 > a->n) i1 = a->n;
+    for (int64_t i = task * BLOCKS_PER_TASK; i < i1; i++) {
+        uint8_t *raw = a->raw + i * a->raw_stride, *kp = a->kpool + a->blocks[i] * kb, *vp = a->vpool + a->blocks[i] * vb;
+        if (c->write) {
+            memcpy(kp, raw, (size_t)kb);
+            memcpy(vp, raw + kb, (size_t)vb);
+        } else {
+            memcpy(raw, kp, (size_t)kb);
+            memcpy(raw + kb, vp, (size_t)vb);
+        }
+    }
+}
+
+static int copy_blocks(const kv_args *a, int write) {
+    blocks_ctx c = {a, write};
+    kv_pool_run(blocks_task, &c, (a->n + BLOCKS_PER_TASK - 1) / BLOCKS_PER_TASK, a->threads);
+    return KV_OK;
+}
+
+/* this layer's K and V pages of the blocks a->blocks into a->raw */
+KV_EXPORT int kvc_read_blocks(const kv_args *a) { return copy_blocks(a, 0); }
+
+/* a->raw into this layer's K and V pages of the blocks a->blocks (distinct ids: tasks run in parallel) */
+KV_EXPORT int kvc_write_blocks(const kv_args *a) { return copy_blocks(a, 1); }
 
 /* ---- attention ---------------------------------------------------------------------------------- */
 

@@ -59,6 +59,10 @@ typedef struct {
     const int64_t *slots, *dst_slots, *blocks;
     float *kout, *vout;
     int64_t n;
+    /* read_blocks / write_blocks: the pages of the n blocks blocks[] and raw [n][raw_stride] bytes, this
+     * layer's K page at raw + i * raw_stride, its V page right after */
+    uint8_t *raw;
+    int64_t raw_stride;
     /* attention of q [sum q_lens][n_heads][head_dim] into out over block_table [n_seqs][max_blocks];
      * lse (NULL: not wanted) gets each row's natural log-sum-exp of its scaled scores [sum q_lens][n_heads],
      * -inf for a row that sees no key (its out row is 0) */
