@@ -177,24 +177,26 @@ KV_EXPORT int kvc_store(const kv_args *a) {
 
 typedef struct {
     const kv_isa *isa;
-    int fmt;
-    const uint8_t *pool;
-    int64_t row_bytes;
-    const int64_t *blocks;
-    int64_t n;
-    int H, D, bs;
-    float *out;
+    const kv_args *a;
 } load_ctx;
 
+/* one task: the tokens of page `task` (block_size of them, fewer in the last), K then V. Output rows of
+ * those tokens are one contiguous run [t0 * H * D, (t0 + nt) * H * D), written front to back. */
 static void load_task(void *p, int64_t task, int worker) {
     (void)worker;
-    load_ctx *c = (load_ctx *)p;
-    int64_t rows = c->n * c->H, r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
-    if (r1 > rows) r1 = rows;
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i = r / c->H, h = r % c->H;
-        int64_t src = (c->blocks[i / c->bs] * c->H + h) * c->bs + i % c->bs;
-        c->isa->dequantize(c->fmt, c->pool + src * c->row_bytes, c->out + r * c->D, c->D);
+    const load_ctx *c = (const load_ctx *)p;
+    const kv_args *a = c->a;
+    const int H = a->n_kv_heads, D = a->head_dim, bs = a->block_size;
+    const int64_t t0 = task * bs;
+    const int nt = a->n - t0 < bs ? (int)(a->n - t0) : bs;
+    for (int w = 0; w < 2; w++) {
+        const int fmt = w ? a->vfmt : a->kfmt;
+        const int64_t row = w ? a->vrow : a->krow;
+        const uint8_t *page = (w ? a->vpool : a->kpool) + a->blocks[task] * H * bs * row;
+        float *out = (w ? a->vout : a->kout) + t0 * H * D;
+        for (int t = 0; t < nt; t++)
+            for (int h = 0; h < H; h++)
+                c->isa->dequantize(fmt, page + ((int64_t)h * bs + t) * row, out + ((int64_t)t * H + h) * D, D);
     }
 }
 
@@ -202,11 +204,8 @@ static void load_task(void *p, int64_t task, int worker) {
 KV_EXPORT int kvc_load(const kv_args *a) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    const int64_t tasks = (a->n * a->n_kv_heads + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    load_ctx k = {isa, a->kfmt, a->kpool, a->krow, a->blocks, a->n, a->n_kv_heads, a->head_dim, a->block_size, a->kout};
-    load_ctx v = {isa, a->vfmt, a->vpool, a->vrow, a->blocks, a->n, a->n_kv_heads, a->head_dim, a->block_size, a->vout};
-    kv_pool_run(load_task, &k, tasks, a->threads);
-    kv_pool_run(load_task, &v, tasks, a->threads);
+    load_ctx c = {isa, a};
+    kv_pool_run(load_task, &c, (a->n + a->block_size - 1) / a->block_size, a->threads);
     return KV_OK;
 }
 
