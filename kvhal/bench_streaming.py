@@ -6,7 +6,8 @@ is stored as it comes and moved out with ``offload(keep_tokens=resident)``, so i
 tokens (whole blocks) stay in the pools and the rest sits in host memory: each decode step copies it
 through the arena chunk by chunk (``write_blocks``) and merges the partial results by log-sum-exp. The
 all-resident cache holds the whole sequence. Both hold the same K/V (``bench.Workload``) and take the same
-query; medians of ``repeats`` steps after a warm-up. ``copy`` times the arena copies alone.
+query; medians of ``repeats`` steps after a warm-up. ``copy`` times the arena copies alone, next to the host
+read bandwidth measured in the same run (a copy reads every byte once and writes it once).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import HEAD_DIM, N_HEADS, N_KV_HEADS, STORE_CHUNK, Workload, cpu_model, median_time
+from .bench import HEAD_DIM, N_HEADS, N_KV_HEADS, STORE_CHUNK, Workload, cpu_model, median_time, read_bandwidth
 from .cache import KVCache
 from .errors import SpecError
 from .progress import progress
@@ -71,6 +72,7 @@ def run(
             small.backend.write_blocks(small.pools, arena_ids[:n], host[c0 : c0 + n])
 
     copy_s = median_time(copy, sync, repeats)
+    bw = read_bandwidth(threads=getattr(small.backend, "threads", None))
     err = float(np.abs(small.attention(0, q, [s], [1]) - big.attention(0, q, [r], [1])).max())
     return {
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg": list(os.getloadavg())},
@@ -91,6 +93,7 @@ def run(
         "ratio": streamed_s / resident_s,
         "copy_ms": copy_s * 1e3,
         "copy_gbps": host.nbytes / copy_s / 1e9,
+        "read_bandwidth_gbps": bw / 1e9,
         "max_abs_diff": err,
     }
 
@@ -108,7 +111,8 @@ def table(r: dict[str, Any]) -> str:
             f"median of {r['repeats']}",
             f"  all resident      {r['resident_ms']:9.2f} ms",
             f"  streamed          {r['streamed_ms']:9.2f} ms   {r['ratio']:.2f}x all resident",
-            f"  of which copies   {r['copy_ms']:9.2f} ms   {r['copy_gbps']:.1f} GB/s into the arena",
+            f"  of which copies   {r['copy_ms']:9.2f} ms   {r['copy_gbps']:.1f} GB/s into the arena (host read bandwidth "
+            f"{r['read_bandwidth_gbps']:.1f} GB/s)",
             f"  max |streamed - all resident| {r['max_abs_diff']:.2e}",
         ]
     )
