@@ -180,6 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         "unless --format)",
     )
     pb.add_argument("--lifecycle-tokens", type=_positive, default=16384, help="tokens of the --lifecycle sequence")
+    pb.add_argument(
+        "--streaming",
+        action="store_true",
+        help="instead: decode attention over a long sequence streamed from host memory through a small arena vs "
+        "the same sequence all resident (q4_0 unless --format)",
+    )
+    pb.add_argument("--streaming-tokens", type=_positive, default=262144, help="tokens of the --streaming sequence")
+    pb.add_argument(
+        "--arena-tokens", type=_positive, default=16384, help="--streaming: arena and resident-tail tokens each"
+    )
     pst = sub.add_parser("stress", help="audit a cache past its capacity: every surviving token's bytes checked")
     pst.add_argument("--backend", default="reference", help="backend name (default: reference)")
     pst.add_argument("--k-format", default="q8_0")
@@ -239,6 +249,23 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.output, "w") as fh:
                     json.dump(life, fh, indent=2)
             print(json.dumps(life, indent=2) if args.json else bench_lifecycle.table(life))
+            return 0
+        if args.streaming:
+            from . import bench_streaming
+
+            res = bench_streaming.run(
+                (args.backend or ["auto"])[0],
+                (args.formats or ["q4_0"])[0],
+                args.streaming_tokens,
+                args.arena_tokens,
+                args.arena_tokens,
+                repeats=args.repeats,
+                show_progress=not args.json,
+            )
+            if args.output:
+                with open(args.output, "w") as fh:
+                    json.dump(res, fh, indent=2)
+            print(json.dumps(res, indent=2) if args.json else bench_streaming.table(res))
             return 0
         from . import bench
 

@@ -20,7 +20,15 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import HostPoolsBackend, Op, Pools, Probe
-from kvhal.backend_util import Option, format_id, non_negative, one_of, parse_options
+from kvhal.backend_util import (
+    Option,
+    check_block_data,
+    check_block_ids,
+    format_id,
+    non_negative,
+    one_of,
+    parse_options,
+)
 from kvhal.errors import BackendUnavailableError, KVHalError
 from kvhal.spec import CacheSpec
 
@@ -221,6 +229,38 @@ class CpuBackend(HostPoolsBackend):
         causal: bool,
         window: int | None,
     ) -> np.ndarray:
+        return self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, False)[0]
+
+    def attention_lse(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``attention`` and each row's log-sum-exp from the same kernel call (the online softmax's max and sum)."""
+        out, lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
+        assert lse is not None
+        return out, lse
+
+    def _attention(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+        with_lse: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         bt = np.ascontiguousarray(block_table, dtype=np.int32)
@@ -228,10 +268,13 @@ class CpuBackend(HostPoolsBackend):
         ql = np.ascontiguousarray(q_lens, dtype=np.int32)
         a = Args.from_buffer_copy(pools.state[layer])
         a.q, a.out, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(out), _ptr(bt), _ptr(sl), _ptr(ql)
+        lse = np.empty(q.shape[:2], np.float64) if with_lse else None
+        if lse is not None and lse.size:
+            a.lse = _ptr(lse)
         a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
         a.scale, a.causal, a.window = scale, causal, window or 0
         self._check(self._lib.kvc_attention(a), "attention")
-        return out
+        return out, lse
 
     def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
         s = np.ascontiguousarray(src, dtype=np.int64)
@@ -239,3 +282,29 @@ class CpuBackend(HostPoolsBackend):
         a = Args.from_buffer_copy(pools.state[layer])
         a.slots, a.dst_slots, a.n = _ptr(s), _ptr(d), s.shape[0]
         self._check(self._lib.kvc_copy_slots(a), "copy_slots")
+
+    def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
+        ids = check_block_ids(pools.n_blocks, block_ids)
+        out = np.empty((ids.size, pools.spec.block_nbytes), np.uint8)
+        self._block_io(pools, ids, out, self._lib.kvc_read_blocks, "read_blocks")
+        return out
+
+    def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(check_block_data(pools.spec, data))
+        ids = check_block_ids(pools.n_blocks, block_ids, len(data))
+        self._block_io(pools, ids, data, self._lib.kvc_write_blocks, "write_blocks")
+
+    def _block_io(self, pools: Pools, ids: np.ndarray, raw: np.ndarray, fn: Any, what: str) -> None:
+        """Pages of ``ids`` <-> ``raw`` [n, block_nbytes], one memcpy per page on the thread pool."""
+        if not ids.size:
+            return
+        spec = pools.spec
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        # a block named twice is written in order (the last copy wins), so not in parallel
+        threads = 1 if what == "write_blocks" and np.unique(ids).size < ids.size else self.threads
+        at = _ptr(raw)
+        for layer in range(spec.n_layers):
+            a = Args.from_buffer_copy(pools.state[layer])
+            a.blocks, a.n, a.raw, a.raw_stride, a.threads = _ptr(ids), ids.size, at, spec.block_nbytes, threads
+            self._check(fn(a), what)
+            at += spec.page_nbytes("k") + spec.page_nbytes("v")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvhal.backend_util import format_table
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISAS = ("scalar", "avx2", "avx512", "neon")  # enum order of csrc/kvcpu.h
 ERRORS = {-1: "the requested ISA is not supported by this CPU", -2: "out of memory", -3: "invalid arguments"}
 
@@ -29,7 +29,9 @@ class Args(ctypes.Structure):
         ("vrow", _i64),
         *((name, _p) for name in ("kpool", "vpool", "k", "v", "slots", "dst_slots", "blocks", "kout", "vout")),
         ("n", _i64),
-        *((name, _p) for name in ("q", "out", "block_table", "seq_lens", "q_lens")),
+        ("raw", _p),
+        ("raw_stride", _i64),
+        *((name, _p) for name in ("q", "out", "lse", "block_table", "seq_lens", "q_lens")),
         *((name, _i32) for name in ("n_seqs", "max_blocks", "causal", "window")),
         ("scale", _f32),
     ]
@@ -68,6 +70,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvc_load": (_i32, [args]),
         "kvc_copy_slots": (_i32, [args]),
         "kvc_attention": (_i32, [args]),
+        "kvc_read_blocks": (_i32, [args]),
+        "kvc_write_blocks": (_i32, [args]),
     }
     for name, (res, argtypes) in sigs.items():
         fn = getattr(lib, name)

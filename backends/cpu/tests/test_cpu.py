@@ -425,3 +425,133 @@ def test_empty_load_ranges_are_empty_arrays():
     s = c.new_seq()
     k, v = c.load(s, 0)
     assert k.shape == v.shape == (0, 2, 64) and k.dtype == np.float32
+
+
+# -- attention_lse: the kernels' log-sum-exp, and block streaming built on it --------------------------
+
+# (n_heads, n_kv_heads, dim, seq lens, q lens, causal, window, block_size)
+LSE_SHAPES = {
+    "decode-gqa4-d128": (32, 8, 128, [333, 64], [1, 1], True, None, 16),  # the AVX-512 decode fast path
+    "decode-window-gqa8": (16, 2, 128, [300], [1], True, 45, 32),
+    "prefill-window": (8, 2, 64, [150, 40], [70, 40], True, 33, 8),
+    # causal rows before the first key, and a sequence with no keys at all: lse -inf, output 0
+    "rows-that-see-nothing": (8, 2, 64, [30, 0, 5], [50, 3, 9], True, None, 16),
+    # a streamed chunk: every key precedes every query, more queries than keys
+    "non-causal-more-queries-than-keys": (16, 4, 128, [64, 96], [100, 1], False, None, 16),
+}
+
+
+def paged_pools(be: kvhal.Backend, spec: kvhal.CacheSpec, lens: list[int], rng: np.random.Generator):
+    """Pools holding random K/V of sequences ``lens`` on shuffled pages, and their block table."""
+    bs = spec.block_size
+    pages = [-(-n // bs) for n in lens]
+    n_blocks = sum(pages) + 1
+    pools = be.allocate(spec, n_blocks)
+    order = rng.permutation(n_blocks)
+    table = np.full((len(lens), max(max(pages), 1)), -1, np.int32)
+    used = 0
+    for s, (n, p) in enumerate(zip(lens, pages)):
+        table[s, :p] = order[used : used + p]
+        used += p
+        if n:
+            k = rng.standard_normal((n, spec.n_kv_heads, spec.head_dim), dtype=np.float32)
+            k[:, :, 3] *= 8
+            v = rng.standard_normal((n, spec.n_kv_heads, spec.head_dim), dtype=np.float32)
+            j = np.arange(n)
+            be.store(pools, 0, k, v, (table[s, j // bs].astype(np.int64) * bs + j % bs))
+    return pools, table
+
+
+@pytest.mark.parametrize("isa,tile", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(LSE_SHAPES))
+def test_attention_lse_matches_the_float64_default(isa, tile, fmt, shape):
+    """One kernel call gives the output and each row's log-sum-exp: both within the path's tolerance of
+    the float64 default (``backend_util.attention_lse`` over the reference's reading of the same bytes),
+    -inf exactly where a row sees no key, and the output bit-identical to ``attention``."""
+    from kvhal.backend_util import attention_lse
+    from kvhal.reference import ReferenceBackend
+
+    n_heads, n_kv, dim, lens, q_lens, causal, window, bs = LSE_SHAPES[shape]
+    if dim % 32 and fmt.startswith("q"):
+        pytest.skip("quantized formats need head_dim % 32 == 0")
+    rng = np.random.default_rng(17)
+    be = CpuBackend(isa=isa, kv_split=64, tile=tile)  # small splits: the partials' merge gives lse too
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=n_kv, head_dim=dim, k_format=fmt, v_format=fmt, block_size=bs)
+    pools, table = paged_pools(be, spec, lens, rng)
+    q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
+    args = (q, pools, 0, table, np.array(lens, np.int32), np.array(q_lens, np.int32), dim**-0.5, causal, window)
+    out, lse = be.attention_lse(*args)
+    want_out, want_lse = attention_lse(ReferenceBackend(), *args)
+    assert out.dtype == np.float32 and lse.dtype == np.float64 and lse.shape == q.shape[:2]
+    seen = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    assert np.all(lse[~seen] == -np.inf) and np.all(out[~seen] == 0.0)
+    if shape == "rows-that-see-nothing":
+        assert 0 < seen.sum() < seen.size
+    tol = path_tolerance(isa, fmt, fmt)
+    assert float(np.abs(lse[seen] - want_lse[seen]).max()) <= tol
+    assert float(np.abs(out - want_out).max()) <= tol
+    np.testing.assert_array_equal(out, be.attention(*args))
+
+
+@pytest.mark.parametrize("isa,tile", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "f16", "q5_1"])
+def test_streamed_attention_equals_all_resident(isa, tile, fmt):
+    """A sequence offloaded to host memory and streamed through a small arena (partials merged by the
+    kernels' log-sum-exp) attends like the same sequence all resident, decode, prefill and non-causal."""
+    rng = np.random.default_rng(23)
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=4, head_dim=128, k_format=fmt, v_format=fmt, block_size=16)
+    be = CpuBackend(isa=isa, tile=tile, kv_split=128)
+    n = 1500
+    k = rng.standard_normal((n, 4, 128), dtype=np.float32)
+    v = rng.standard_normal((n, 4, 128), dtype=np.float32)
+    small = kvhal.KVCache(spec, 224, backend=be, stream_arena_tokens=256)
+    big = kvhal.KVCache(spec, n + 16, backend=be)
+    s, r = small.new_seq(), big.new_seq()
+    for start in range(0, n, 100):
+        for layer in (0, 1):
+            small.store(s, layer, k[start : start + 100], v[start : start + 100])
+            big.store(r, layer, k[start : start + 100], v[start : start + 100])
+        small.offload(s, keep_tokens=80)
+    held = small.stats().offloaded_tokens
+    assert n - held < 224 and held > 5 * 256  # several arena passes
+    for q_len, causal in ((1, True), (64, True), (7, False)):
+        q = rng.standard_normal((q_len, 16, 128), dtype=np.float32)
+        got = small.attention(1, q, [s], [q_len], causal=causal)
+        want = big.attention(1, q, [r], [q_len], causal=causal)
+        assert float(np.abs(got - want).max()) <= be.attention_tolerance, (q_len, causal)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_block_io_is_the_reference_bytes_on_many_blocks(threads):
+    """read_blocks / write_blocks copy pages on the thread pool: the reference's bytes for hundreds of blocks
+    of 3 layers in any order; a block named twice ends with its last copy, as in the reference."""
+    from kvhal.reference import ReferenceBackend
+
+    rng = np.random.default_rng(31)
+    spec = kvhal.CacheSpec(n_layers=3, n_kv_heads=4, head_dim=64, k_format="q5_1", v_format="f16", block_size=16)
+    be, ref = CpuBackend(threads=threads), ReferenceBackend()
+    ours, theirs = be.allocate(spec, 400), ref.allocate(spec, 400)
+    for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
+        a[...] = b[...] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+    ids = rng.permutation(400)[:333]
+    np.testing.assert_array_equal(be.read_blocks(ours, ids), ref.read_blocks(theirs, ids))
+    assert be.read_blocks(ours, np.zeros(0, np.int64)).shape == (0, spec.block_nbytes)
+    data = rng.integers(0, 256, (300, spec.block_nbytes), dtype=np.uint8)
+    data.flags.writeable = False  # e.g. straight from a file
+    for dst in (ids[:300], np.r_[ids[:150], ids[:150]]):  # distinct, then every block twice
+        be.write_blocks(ours, dst, data)
+        ref.write_blocks(theirs, dst, data)
+        for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
+            np.testing.assert_array_equal(a, b)
+    before = [a.copy() for a in ours.k + ours.v]
+    for bad_ids, bad_data, err in (
+        (np.array([1, 400]), data[:2], kvhal.PositionError),
+        (np.array([1, 2, 3]), data[:2], kvhal.ShapeError),
+        (np.array([1]), data[:1, :-1], kvhal.ShapeError),
+    ):
+        with pytest.raises(err):
+            be.write_blocks(ours, bad_ids, bad_data)
+    for a, b in zip(before, ours.k + ours.v):  # a refused call wrote nothing
+        np.testing.assert_array_equal(a, b)

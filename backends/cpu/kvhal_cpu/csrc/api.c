@@ -1,4 +1,4 @@
-/* The exported C API (loaded by kvhal_cpu through ctypes): ISA selection, store, load, copy_slots and
+/* The exported C API (loaded by kvhal_cpu through ctypes): ISA selection, store, load, copy_slots, block I/O and
  * the attention driver that cuts a batch into (sequence, KV head, query chunk, KV split) items,
  * runs them on the thread pool and merges split-KV partials with a log-sum-exp. */
 #define _GNU_SOURCE
@@ -25,7 +25,7 @@ static int kv_has_f16c(void) {
 }
 #endif
 
-KV_EXPORT int kvc_abi_version(void) { return 3; }
+KV_EXPORT int kvc_abi_version(void) { return 4; }
 
 /* kv_args as this build lays it out: "kv_args <size>" then "<name> <offset> <size> <kind>" per field in
  * declaration order (kind: i int32, q int64, f float, p pointer), ';'-separated. Python compares it
@@ -42,8 +42,9 @@ KV_EXPORT int kvc_args_layout(char *out, int cap) {
                   KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(krow),      KV_FIELD(vrow),
                   KV_FIELD(kpool),      KV_FIELD(vpool),       KV_FIELD(k),         KV_FIELD(v),
                   KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
-                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(q),         KV_FIELD(out),
-                  KV_FIELD(block_table), KV_FIELD(seq_lens),   KV_FIELD(q_lens),    KV_FIELD(n_seqs),
+                  KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(raw),       KV_FIELD(raw_stride),
+                  KV_FIELD(q),          KV_FIELD(out),         KV_FIELD(lse),       KV_FIELD(block_table),
+                  KV_FIELD(seq_lens),   KV_FIELD(q_lens),      KV_FIELD(n_seqs),
                   KV_FIELD(max_blocks), KV_FIELD(causal),      KV_FIELD(window),    KV_FIELD(scale)};
     int n = snprintf(out, (size_t)cap, "kv_args %zu", sizeof(kv_args));
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
@@ -176,24 +177,26 @@ KV_EXPORT int kvc_store(const kv_args *a) {
 
 typedef struct {
     const kv_isa *isa;
-    int fmt;
-    const uint8_t *pool;
-    int64_t row_bytes;
-    const int64_t *blocks;
-    int64_t n;
-    int H, D, bs;
-    float *out;
+    const kv_args *a;
 } load_ctx;
 
+/* one task: the tokens of page `task` (block_size of them, fewer in the last), K then V. Output rows of
+ * those tokens are one contiguous run [t0 * H * D, (t0 + nt) * H * D), written front to back. */
 static void load_task(void *p, int64_t task, int worker) {
     (void)worker;
-    load_ctx *c = (load_ctx *)p;
-    int64_t rows = c->n * c->H, r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
-    if (r1 > rows) r1 = rows;
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i = r / c->H, h = r % c->H;
-        int64_t src = (c->blocks[i / c->bs] * c->H + h) * c->bs + i % c->bs;
-        c->isa->dequantize(c->fmt, c->pool + src * c->row_bytes, c->out + r * c->D, c->D);
+    const load_ctx *c = (const load_ctx *)p;
+    const kv_args *a = c->a;
+    const int H = a->n_kv_heads, D = a->head_dim, bs = a->block_size;
+    const int64_t t0 = task * bs;
+    const int nt = a->n - t0 < bs ? (int)(a->n - t0) : bs;
+    for (int w = 0; w < 2; w++) {
+        const int fmt = w ? a->vfmt : a->kfmt;
+        const int64_t row = w ? a->vrow : a->krow;
+        const uint8_t *page = (w ? a->vpool : a->kpool) + a->blocks[task] * H * bs * row;
+        float *out = (w ? a->vout : a->kout) + t0 * H * D;
+        for (int t = 0; t < nt; t++)
+            for (int h = 0; h < H; h++)
+                c->isa->dequantize(fmt, page + ((int64_t)h * bs + t) * row, out + ((int64_t)t * H + h) * D, D);
     }
 }
 
@@ -201,11 +204,8 @@ static void load_task(void *p, int64_t task, int worker) {
 KV_EXPORT int kvc_load(const kv_args *a) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    const int64_t tasks = (a->n * a->n_kv_heads + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    load_ctx k = {isa, a->kfmt, a->kpool, a->krow, a->blocks, a->n, a->n_kv_heads, a->head_dim, a->block_size, a->kout};
-    load_ctx v = {isa, a->vfmt, a->vpool, a->vrow, a->blocks, a->n, a->n_kv_heads, a->head_dim, a->block_size, a->vout};
-    kv_pool_run(load_task, &k, tasks, a->threads);
-    kv_pool_run(load_task, &v, tasks, a->threads);
+    load_ctx c = {isa, a};
+    kv_pool_run(load_task, &c, (a->n + a->block_size - 1) / a->block_size, a->threads);
     return KV_OK;
 }
 
@@ -235,6 +235,45 @@ KV_EXPORT int kvc_copy_slots(const kv_args *a) {
     int rc = copy_slots(a->kpool, a->krow, a->slots, a->dst_slots, a->n, a->n_kv_heads, a->block_size);
     return rc ? rc : copy_slots(a->vpool, a->vrow, a->slots, a->dst_slots, a->n, a->n_kv_heads, a->block_size);
 }
+
+/* whole pages between the pools and the raw block layout, BLOCKS_PER_TASK blocks per task */
+#define BLOCKS_PER_TASK 8
+
+typedef struct {
+    const kv_args *a;
+    int write; /* 1: raw -> pools, 0: pools -> raw */
+} blocks_ctx;
+
+static void blocks_task(void *p, int64_t task, int worker) {
+    (void)worker;
+    const blocks_ctx *c = (const blocks_ctx *)p;
+    const kv_args *a = c->a;
+    const int64_t rows = (int64_t)a->n_kv_heads * a->block_size, kb = rows * a->krow, vb = rows * a->vrow;
+    int64_t i1 = (task + 1) * BLOCKS_PER_TASK;
+    if (i1 > a->n) i1 = a->n;
+    for (int64_t i = task * BLOCKS_PER_TASK; i < i1; i++) {
+        uint8_t *raw = a->raw + i * a->raw_stride, *kp = a->kpool + a->blocks[i] * kb, *vp = a->vpool + a->blocks[i] * vb;
+        if (c->write) {
+            memcpy(kp, raw, (size_t)kb);
+            memcpy(vp, raw + kb, (size_t)vb);
+        } else {
+            memcpy(raw, kp, (size_t)kb);
+            memcpy(raw + kb, vp, (size_t)vb);
+        }
+    }
+}
+
+static int copy_blocks(const kv_args *a, int write) {
+    blocks_ctx c = {a, write};
+    kv_pool_run(blocks_task, &c, (a->n + BLOCKS_PER_TASK - 1) / BLOCKS_PER_TASK, a->threads);
+    return KV_OK;
+}
+
+/* this layer's K and V pages of the blocks a->blocks into a->raw */
+KV_EXPORT int kvc_read_blocks(const kv_args *a) { return copy_blocks(a, 0); }
+
+/* a->raw into this layer's K and V pages of the blocks a->blocks (distinct ids: tasks run in parallel) */
+KV_EXPORT int kvc_write_blocks(const kv_args *a) { return copy_blocks(a, 1); }
 
 /* ---- attention ---------------------------------------------------------------------------------- */
 
@@ -274,8 +313,9 @@ static void merge_task(void *p, int64_t task, int worker) {
             M = m > M ? m : M;
         }
         float L = 0.0f;
-        int hh = r / R, i = (r % R) / G;
-        float *dst = c->out + ((c->q_start[g->seq] + g->pos0 + i) * c->n_heads + (int64_t)(g->head0 + hh) * G + r % G) * D;
+        const int head = (g->head0 + r / R) * G + r % G;
+        const int64_t qrow = c->q_start[g->seq] + g->pos0 + (r % R) / G;
+        float *dst = c->out + (qrow * c->n_heads + head) * D;
         memset(dst, 0, (size_t)D * sizeof(float));
         for (int k = 0; k < g->n_parts; k++) {
             size_t pk = (size_t)(g->first_part + k);
@@ -286,7 +326,7 @@ static void merge_task(void *p, int64_t task, int worker) {
             const float *o = a->part_o + (pk * RM + r) * D;
             for (int j = 0; j < D; j++) dst[j] += w * o[j];
         }
-        float inv = 1.0f / L;
+        float inv = kv_row_done(c, qrow, head, M, L);
         for (int j = 0; j < D; j++) dst[j] *= inv;
     }
 }
@@ -328,7 +368,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
     if (!q_start) return KV_ENOMEM;
     kv_call c = {n_seqs, a->n_heads, n_kv_heads, D, a->block_size, a->max_blocks, a->kfmt, a->vfmt, a->causal,
-                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, a->out, a->kpool, a->vpool,
+                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, a->out, a->lse, a->kpool, a->vpool,
                  a->block_table, seq_lens, q_lens, q_start, 0};
     int64_t acc = 0;
     for (int s = 0; s < n_seqs; s++) {

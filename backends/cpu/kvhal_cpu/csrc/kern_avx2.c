@@ -35,28 +35,45 @@ typedef __m256 VF;
 #define F32_TO_F16(src, dst, n) kv_f32_to_f16_row_f16c(src, dst, n)
 #define F32_TO_F16_1(x) ((uint16_t)_cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT))
 
-/* q8_0 / q4_0 rows to f32, 8 lanes at a time (the same d*q and d*(n-8) as the template's loops) */
+/* every format's row but f32/f16, 8 lanes at a time, bit-exact with the template's scalar loops (the same
+ * d*q, d*(n-o), d*n + m and bit moves, no FMA) */
 static int dequant_row_avx2(int fmt, const uint8_t *y, float *dst, int d) {
-    if (fmt != KV_Q8_0 && fmt != KV_Q4_0) return 0;
-    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK) {
-        __m256 s = _mm256_set1_ps(_cvtsh_ss(kv_load_u16(y)));
+    if (fmt == KV_F32 || fmt == KV_F16 || d % KV_QK) return 0;
+    if (fmt == KV_BF16) {
+        for (int i = 0; i < d; i += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 2 * i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+        return 1;
+    }
+    const int bb = kv_block_bytes[fmt];
+    const __m256i m4 = _mm256_set1_epi32(15), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK, y += bb) {
+        const __m256 s = _mm256_set1_ps(_cvtsh_ss(kv_load_u16(y)));
         if (fmt == KV_Q8_0) {
             for (int i = 0; i < 4; i++) {
                 __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(y + 2 + 8 * i));
                 _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
             }
-            y += KV_Q8_0_BYTES;
-        } else {
-            const __m256 eight = _mm256_set1_ps(8.0f);
-            const __m256i m4 = _mm256_set1_epi32(15);
-            for (int i = 0; i < 2; i++) {
-                __m256i n = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(y + 2 + 8 * i)));
-                __m256 lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(n, m4)), eight);
-                __m256 hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(n, 4)), eight);
-                _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(s, lo));
-                _mm256_storeu_ps(dst + 16 + 8 * i, _mm256_mul_ps(s, hi));
+            continue;
+        }
+        /* nibble formats: q4_0 (qs at 2), q5_0 (qh at 2, qs at 6), q4_1 (m at 2, qs at 4), q5_1 (m, qh at 4, qs at 8) */
+        const int has_min = fmt == KV_Q4_1 || fmt == KV_Q5_1, has_qh = fmt == KV_Q5_0 || fmt == KV_Q5_1;
+        const int qs = fmt == KV_Q4_0 ? 2 : fmt == KV_Q5_0 ? 6 : fmt == KV_Q4_1 ? 4 : 8;
+        const uint32_t qh = has_qh ? kv_load_u32(y + (has_min ? 4 : 2)) : 0;
+        const __m256 m = _mm256_set1_ps(has_min ? _cvtsh_ss(kv_load_u16(y + 2)) : 0.0f);
+        const __m256 off = _mm256_set1_ps(has_qh ? 16.0f : 8.0f);
+        for (int i = 0; i < 2; i++) {
+            __m256i n = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(y + qs + 8 * i)));
+            for (int hi = 0; hi < 2; hi++) {
+                __m256i v = hi ? _mm256_srli_epi32(n, 4) : _mm256_and_si256(n, m4);
+                if (has_qh) /* 5th bits: qh bit 8i + lane (low nibbles), 16 + 8i + lane (high) */
+                    v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
+                        _mm256_set1_epi32((int)(qh >> (16 * hi + 8 * i))), lane), _mm256_set1_epi32(1)), 4));
+                __m256 x = _mm256_cvtepi32_ps(v);
+                x = has_min ? _mm256_add_ps(_mm256_mul_ps(s, x), m) : _mm256_mul_ps(s, _mm256_sub_ps(x, off));
+                _mm256_storeu_ps(dst + 16 * hi + 8 * i, x);
             }
-            y += KV_Q4_0_BYTES;
         }
     }
     return 1;

@@ -114,23 +114,46 @@ static int quant_row_512(int fmt, const float *x, uint8_t *y, int d) {
 }
 #define QUANT_BLOCK_OVERRIDE(fmt, x, dst, d) quant_row_512(fmt, x, dst, d)
 
+/* 16 values of nibbles (lo: low nibbles of 16 bytes, else high) with the 5th bits of qh (bits 0-15 for the
+ * low nibbles, 16-31 for the high), as f32 */
+static inline __m512 kv512_nib(__m512i n, int hi, uint32_t qh, int has_qh) {
+    __m512i v = hi ? _mm512_srli_epi32(n, 4) : _mm512_and_si512(n, _mm512_set1_epi32(15));
+    if (has_qh) v = _mm512_or_si512(v, _mm512_maskz_mov_epi32((__mmask16)(hi ? qh >> 16 : qh), _mm512_set1_epi32(16)));
+    return _mm512_cvtepi32_ps(v);
+}
+
+/* every format's row, 16 lanes at a time, bit-exact with the template's scalar loops (the same d*(n-o),
+ * d*n + m and bit moves, no FMA) */
 static int dequant_row_512(int fmt, const uint8_t *y, float *dst, int d) {
-    if (fmt != KV_Q8_0 && fmt != KV_Q4_0) return 0;
-    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK) {
+    if (fmt == KV_F32 || fmt == KV_F16 || d % KV_QK) return 0; /* memcpy / F16C already; odd tails */
+    if (fmt == KV_BF16) {
+        for (int i = 0; i < d; i += 16) {
+            __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(y + 2 * i)));
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+        }
+        return 1;
+    }
+    const int bb = kv_block_bytes[fmt];
+    for (int b = 0; b < d / KV_QK; b++, dst += KV_QK, y += bb) {
+        const __m512 s = _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y)));
         if (fmt == KV_Q8_0) {
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y)));
             __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(y + 2));
             _mm512_storeu_ps(dst, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
             _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
-            y += KV_Q8_0_BYTES;
-        } else {
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y))), eight = _mm512_set1_ps(8.0f);
-            __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 2)));
-            __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(n, _mm512_set1_epi32(15))), eight);
-            __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(n, 4)), eight);
-            _mm512_storeu_ps(dst, _mm512_mul_ps(s, lo));
-            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, hi));
-            y += KV_Q4_0_BYTES;
+            continue;
+        }
+        /* nibble formats: q4_0 (qs at 2), q5_0 (qh at 2, qs at 6), q4_1 (m at 2, qs at 4), q5_1 (m, qh at 4, qs at 8) */
+        const int has_min = fmt == KV_Q4_1 || fmt == KV_Q5_1, has_qh = fmt == KV_Q5_0 || fmt == KV_Q5_1;
+        const int qs = fmt == KV_Q4_0 ? 2 : fmt == KV_Q5_0 ? 6 : fmt == KV_Q4_1 ? 4 : 8;
+        const uint32_t qh = has_qh ? kv_load_u32(y + (has_min ? 4 : 2)) : 0;
+        const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + qs)));
+        for (int hi = 0; hi < 2; hi++) {
+            __m512 x = kv512_nib(n, hi, qh, has_qh), r;
+            if (has_min)
+                r = _mm512_add_ps(_mm512_mul_ps(s, x), _mm512_set1_ps(_cvtsh_ss(kv_load_u16(y + 2))));
+            else
+                r = _mm512_mul_ps(s, _mm512_sub_ps(x, _mm512_set1_ps(has_qh ? 16.0f : 8.0f)));
+            _mm512_storeu_ps(dst + 16 * hi, r);
         }
     }
     return 1;

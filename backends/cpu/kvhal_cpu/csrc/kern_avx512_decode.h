@@ -341,9 +341,9 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     for (int r = 0; r < RT; r++) {
         const float *o = ws->o + (size_t)r * DEC_D;
         if (it->part < 0) {
-            int hh = r / R, g = r % R;
-            float *dst = c->out + (qpos * c->n_heads + (int64_t)(it->head0 + hh) * G + g) * DEC_D;
-            int_v_unpermute(c, o, dst, 1.0f / ws->l[r]);
+            const int head = (it->head0 + r / R) * G + r % R;
+            float *dst = c->out + (qpos * c->n_heads + head) * DEC_D;
+            int_v_unpermute(c, o, dst, kv_row_done(c, qpos, head, ws->m[r], ws->l[r]));
         } else {
             pm[r] = ws->m[r];
             pl[r] = ws->l[r];

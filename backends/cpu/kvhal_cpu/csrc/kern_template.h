@@ -475,9 +475,10 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
         float *dst;
         float inv;
         if (it->part < 0) {
-            int hh = r / R, i = (r % R) / G, g = r % G;
-            dst = c->out + ((c->q_start[s] + it->pos0 + i) * c->n_heads + (int64_t)(it->head0 + hh) * G + g) * D;
-            inv = 1.0f / ws->l[r];
+            int hh = r / R, i = (r % R) / G, g = r % G, head = (it->head0 + hh) * G + g;
+            const int64_t qrow = c->q_start[s] + it->pos0 + i;
+            dst = c->out + (qrow * c->n_heads + head) * D;
+            inv = kv_row_done(c, qrow, head, ws->m[r], ws->l[r]);
         } else {
             dst = po + (size_t)r * D;
             pm[r] = ws->m[r];

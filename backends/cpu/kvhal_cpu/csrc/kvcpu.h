@@ -7,6 +7,7 @@
 #ifndef KVCPU_H
 #define KVCPU_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -58,9 +59,16 @@ typedef struct {
     const int64_t *slots, *dst_slots, *blocks;
     float *kout, *vout;
     int64_t n;
-    /* attention of q [sum q_lens][n_heads][head_dim] into out over block_table [n_seqs][max_blocks] */
+    /* read_blocks / write_blocks: the pages of the n blocks blocks[] and raw [n][raw_stride] bytes, this
+     * layer's K page at raw + i * raw_stride, its V page right after */
+    uint8_t *raw;
+    int64_t raw_stride;
+    /* attention of q [sum q_lens][n_heads][head_dim] into out over block_table [n_seqs][max_blocks];
+     * lse (NULL: not wanted) gets each row's natural log-sum-exp of its scaled scores [sum q_lens][n_heads],
+     * -inf for a row that sees no key (its out row is 0) */
     const float *q;
     float *out;
+    double *lse;
     const int32_t *block_table, *seq_lens, *q_lens;
     int32_t n_seqs, max_blocks, causal, window; /* window <= 0: none */
     float scale;
@@ -74,6 +82,7 @@ typedef struct {
     float scale2;                   /* softmax scale * log2(e): kernels use exp2 */
     const float *q;                 /* [sum q_lens][n_heads][head_dim] */
     float *out;
+    double *lse;                    /* [sum q_lens][n_heads] or NULL */
     const uint8_t *kpool, *vpool;
     const int32_t *block_table, *seq_lens, *q_lens;
     const int64_t *q_start; /* first q row of each sequence */
@@ -135,6 +144,14 @@ KV_INLINE const uint8_t *kv_row(const kv_call *c, const uint8_t *pool, int64_t r
     int32_t blk = c->block_table[(int64_t)s * c->max_blocks + j / c->block_size];
     int64_t r = ((int64_t)blk * c->n_kv_heads + h) * c->block_size + j % c->block_size;
     return pool + r * row_bytes;
+}
+
+/* The end of query row `qrow`, head `head`, whose online softmax holds max m (log2 units: scores carry
+ * scale*log2 e) and sum l: its log-sum-exp into c->lse when wanted, and the factor its output takes
+ * (1/l; 0 for a row that saw no key, so it reads 0 rather than 0/0) */
+KV_INLINE float kv_row_done(const kv_call *c, int64_t qrow, int head, float m, float l) {
+    if (c->lse) c->lse[qrow * c->n_heads + head] = l > 0.0f ? (double)m * 0.6931471805599453 + log((double)l) : -INFINITY;
+    return l > 0.0f ? 1.0f / l : 0.0f;
 }
 
 #endif
