@@ -86,7 +86,8 @@ class _Seq:
     # attention mass per layer (observe=True): [n_kv_heads, positions] float64, all queries / last window
     # block streaming: the first ``base`` positions (whole blocks) live in host memory, raw block layout
     base: int = 0
-    host: np.ndarray | None = field(default=None, repr=False)
+    host: np.ndarray | None = field(default=None, repr=False)  # rows [0, host_n) hold blocks; room to grow
+    host_n: int = 0
     mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -521,9 +522,15 @@ class KVCache:
         lens = [s.lens[layer] - s.base for s in seq_objs]  # resident tokens
         for i, (n_q, n) in enumerate(zip(qls, lens)):
             if n_q > n:
+                base = seq_objs[i].base
+                why = (
+                    f"only its last {n} are resident (the first {base} are offloaded): queries must be resident "
+                    "tokens; offload with a larger keep_tokens"
+                    if base
+                    else "store the new tokens' K/V before attending"
+                )
                 raise PositionError(
-                    f"sequence {seqs[i]} has {n} tokens at layer {layer} but {n_q} queries; "
-                    "store the new tokens' K/V before attending"
+                    f"sequence {seqs[i]} has {n + base} tokens at layer {layer} but {n_q} queries; {why}"
                 )
         if window is not None and (not _is_int(window) or window < 1):
             raise ShapeError(f"window must be a positive int or None, got {window!r}")
@@ -584,7 +591,13 @@ class KVCache:
             return 0
         moved = s.blocks[:n_move]
         data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
-        s.host = data if s.host is None else np.concatenate([s.host, data])
+        if s.host is None or s.host_n + n_move > len(s.host):  # grow by doubling: appends stay linear
+            grown = np.empty((max(2 * s.host_n, s.host_n + n_move), self.spec.block_nbytes), np.uint8)
+            if s.host is not None:
+                grown[: s.host_n] = s.host[: s.host_n]
+            s.host = grown
+        s.host[s.host_n : s.host_n + n_move] = data
+        s.host_n += n_move
         del s.blocks[:n_move]
         s.changed()
         s.base += n_move * bs
@@ -608,7 +621,7 @@ class KVCache:
                 table = s.table()[None, : -(-tail // bs)]
                 lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
                 parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, causal, None))
-            held = 0 if s.host is None else len(s.host)
+            held = s.host_n
             for c0 in range(0, held, len(arena)):  # every host key precedes every query: no mask
                 m = min(len(arena), held - c0)
                 assert s.host is not None
