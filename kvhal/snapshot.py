@@ -25,6 +25,7 @@ import math
 import mmap
 import os
 import tempfile
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,25 +172,31 @@ class _Reader:
         except (ValueError, KeyError, TypeError) as e:
             raise SnapshotCorruptError(f"{str(path)!r} has unreadable kvhal metadata ({e}); save it again") from None
         self._mm: mmap.mmap | None = None
+        self._lock = threading.Lock()
         self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     def close(self) -> None:
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:  # a view of it still lives (in an exception's traceback): it goes with it
+                pass
             self._mm = None
 
     def _mapped(self, name: str) -> tuple[mmap.mmap, int, tuple[int, ...]]:
         """The file mapped once, and ``name``'s byte offset and shape in it: checksums and staging read the
         page cache in place instead of copying each tensor out (safe_open has already checked the header)."""
-        if self._mm is None:
-            with open(self.path, "rb") as fh:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            n = int.from_bytes(self._mm[:8], "little")  # the safetensors layout: u64 header size, JSON header
-            for key, info in json.loads(self._mm[8 : 8 + n]).items():
-                if key != "__metadata__":
-                    self._layout[key] = (8 + n + int(info["data_offsets"][0]), tuple(info["shape"]))
-        offset, shape = self._layout[name]
-        return self._mm, offset, shape
+        with self._lock:  # the checksum threads ask at once: map and index the file exactly once
+            if self._mm is None:
+                with open(self.path, "rb") as fh:
+                    mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                n = int.from_bytes(mm[:8], "little")  # the safetensors layout: u64 header size, JSON header
+                for key, info in json.loads(mm[8 : 8 + n]).items():
+                    if key != "__metadata__":
+                        self._layout[key] = (8 + n + int(info["data_offsets"][0]), tuple(info["shape"]))
+                self._mm = mm
+            offset, shape = self._layout[name]
+            return self._mm, offset, shape
 
     def check_version(self) -> None:
         got = (self.meta.get("snapshot_version"), self.meta.get("format_version"))
@@ -230,11 +237,11 @@ class _Reader:
                     f"{str(self.path)!r}: tensor {name} is {got_dtype} {got_shape}, expected U8 {shape}"
                 )
             mm, offset, _ = self._mapped(name)
-            view = memoryview(mm)[offset : offset + math.prod(shape)]
             crc = 0
             step = rows * math.prod(shape[1:])
-            for b0 in range(0, len(view), step):
-                crc = zlib.crc32(view[b0 : b0 + step], crc)
+            with memoryview(mm) as whole, whole[offset : offset + math.prod(shape)] as view:
+                for b0 in range(0, len(view), step):
+                    crc = zlib.crc32(view[b0 : b0 + step], crc)
         except SnapshotCorruptError:
             raise
         except Exception as e:

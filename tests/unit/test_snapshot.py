@@ -85,7 +85,7 @@ def test_restart_reuses_every_full_block(tmp_path):
     code = RESTART_CHILD.format(root=str(ROOT))
     snap, att = tmp_path / "s.kvs", tmp_path / "att.npy"
     subprocess.run([sys.executable, "-c", code, "save", str(snap), str(att)], check=True, cwd=ROOT)
-    out = subprocess.run([sys.executable, "-c", code, "restore", str(snap)], check=True, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, "restore", str(snap)], check=True, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "99"}).stdout
     r = json.loads(out)
     assert r["n"] == 32 and r["stored"] == 8  # 35 saved tokens = 8 full blocks of 4; 40 - 32 new
