@@ -224,7 +224,7 @@ class _Reader:
             )
         return t
 
-    def check_rows(self, name: str, dtype: Any, shape: tuple[int, ...], rows: int) -> None:
+    def check_rows(self, name: str, shape: tuple[int, ...], rows: int) -> None:
         """Check tensor ``name``'s dtype, shape and checksum reading ``rows`` rows at a time (the file's
         pages are read in place, never all copied at once)."""
         if name not in self.names:
@@ -253,7 +253,6 @@ class _Reader:
                 f"{str(self.path)!r}: tensor {name} fails its checksum; the file is corrupt (bit flips or a torn "
                 "copy): restore an intact copy or recompute"
             )
-        del dtype
 
     def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows ``[r0, r1)`` of a U8 tensor already checked: a view of the mapped file, no copy."""
@@ -304,7 +303,7 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
     # snapshot never needs 1 GiB of fresh memory (its page faults cost as much as the copy)
     chunk = max(1, (8 << 20) // spec.block_nbytes)
     wanted = [(f"blocks.l{layer}.{w}", spec.pool_shape(n_blocks, w)) for layer in range(spec.n_layers) for w in "kv"]
-    list(_threads().map(lambda nw: r.check_rows(nw[0], np.uint8, nw[1], chunk), wanted))
+    list(_threads().map(lambda nw: r.check_rows(nw[0], nw[1], chunk), wanted))
     bs = spec.block_size
     staged: list[_Seq] = []
     uses = np.zeros(n_blocks, np.int64)
