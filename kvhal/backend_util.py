@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import formats
-from .errors import PositionError, ShapeError, SpecError
+from .errors import FormatError, PositionError, ShapeError, SpecError
 from .spec import CacheSpec
 
 # -- formats ----------------------------------------------------------------------------------------
@@ -28,6 +28,21 @@ def format_table() -> list[tuple[str, int, int, int]]:
     """``(name, id, block_len, block_bytes)`` of every format, in id order: the one table kernels are
     generated from (a C header, a WGSL constant, a define list)."""
     return [(f.name, i, f.block_len, f.block_bytes) for i, f in enumerate(map(formats.get, formats.names()))]
+
+
+def whole_pages(slots: np.ndarray, block_size: int) -> np.ndarray:
+    """The pages that ``slots`` fill completely, each in token order: what a store of a per-channel K
+    format (KIVI) takes. Anything else is a FormatError: such pages are quantized once, whole."""
+    slots = np.asarray(slots, np.int64)
+    if slots.size % block_size or np.any(slots.reshape(-1, block_size) % block_size != np.arange(block_size)):
+        raise FormatError(
+            f"a per-channel K format quantizes whole pages: stores must fill pages of {block_size} tokens "
+            "in order (the cache keeps a page's tokens in its f16 tail until the page is full)"
+        )
+    pages = slots.reshape(-1, block_size)
+    if np.any(pages // block_size != pages[:, :1] // block_size):
+        raise FormatError(f"slots {pages.tolist()} do not form whole pages of {block_size} tokens")
+    return pages[:, 0] // block_size
 
 
 # -- attention geometry -----------------------------------------------------------------------------

@@ -150,6 +150,11 @@ class KVCache:
         self.spec = spec
         self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
         self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
+        if spec.k_paged:
+            raise UnsupportedError(
+                f"k_format={spec.k_format!r} quantizes K per channel over whole pages, which needs the cache's f16 "
+                "page tail (not in this build); use it as v_format, or a per-token K format"
+            )
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
         if not _is_int(stream_arena_tokens) or stream_arena_tokens < 0:
             raise SpecError(f"stream_arena_tokens must be an int >= 0, got {stream_arena_tokens!r}")

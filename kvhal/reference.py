@@ -6,7 +6,7 @@ import numpy as np
 
 from . import formats
 from .backend import HostPoolsBackend, Pools, Probe
-from .backend_util import visible_range
+from .backend_util import visible_range, whole_pages
 from .formats import Format
 
 
@@ -22,20 +22,32 @@ class ReferenceBackend(HostPoolsBackend):
     def store(self, pools: Pools, layer: int, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         spec = pools.spec
         blk, off = slots // spec.block_size, slots % spec.block_size
-        qk, qv = spec.k_fmt.quantize(k), spec.v_fmt.quantize(v)  # both before either pool is written
-        pools.k[layer][blk, :, off, :] = qk
+        qv = spec.v_fmt.quantize(v)  # everything quantized before either pool is written
+        if spec.k_fmt.k_page is not None:
+            pages = whole_pages(slots, spec.block_size)
+            x = k.reshape(len(pages), spec.block_size, spec.n_kv_heads, spec.head_dim).transpose(0, 2, 1, 3)
+            spec.k_fmt.check_values(x)
+            qk = spec.k_fmt.k_page.quantize_page(np.ascontiguousarray(x, np.float32).reshape(-1, *x.shape[2:]))
+            pools.k[layer][pages] = qk.reshape(len(pages), spec.n_kv_heads, spec.block_size, spec.k_row_bytes)
+        else:
+            pools.k[layer][blk, :, off, :] = spec.k_fmt.quantize(k)
         pools.v[layer][blk, :, off, :] = qv
 
     @staticmethod
-    def _gather(pool: np.ndarray, fmt: Format, block_ids: np.ndarray, n: int) -> np.ndarray:
+    def _gather(pool: np.ndarray, fmt: Format, block_ids: np.ndarray, n: int, paged: bool = False) -> np.ndarray:
         pages = pool[block_ids]  # [nb, H, bs, rb]
-        rows = pages.transpose(0, 2, 1, 3).reshape(-1, pool.shape[1], pool.shape[3])[:n]
+        nb, h, bs, rb = pages.shape
+        if paged:  # per-channel K: dequantize whole pages, then cut the rows
+            assert fmt.k_page is not None
+            x = fmt.k_page.dequantize_page(pages.reshape(nb * h, bs * rb), bs).reshape(nb, h, bs, -1)
+            return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(nb * bs, h, -1)[:n]
+        rows = pages.transpose(0, 2, 1, 3).reshape(-1, h, rb)[:n]
         return fmt.dequantize(rows)  # [n, H, D]
 
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         spec = pools.spec
         return (
-            self._gather(pools.k[layer], spec.k_fmt, block_ids, n),
+            self._gather(pools.k[layer], spec.k_fmt, block_ids, n, spec.k_paged),
             self._gather(pools.v[layer], spec.v_fmt, block_ids, n),
         )
 

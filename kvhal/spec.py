@@ -36,6 +36,8 @@ class CacheSpec:
             fmt = formats.get(getattr(self, name))  # raises FormatError for unknown names
             try:
                 fmt.check_row_len(self.head_dim)
+                if name == "k_format" and fmt.k_page is not None:
+                    fmt.k_page.row_bytes(self.head_dim, self.block_size)
             except FormatError as e:
                 raise SpecError(f"CacheSpec.{name}={fmt.name!r}: {e}") from None
 
@@ -48,9 +50,21 @@ class CacheSpec:
         return formats.get(self.v_format)
 
     @property
+    def k_paged(self) -> bool:
+        """K is quantized per channel over whole pages (KIVI): a K page is written once, when full."""
+        return self.k_fmt.k_page is not None
+
+    @property
     def k_row_bytes(self) -> int:
-        """Bytes of one token's K for one head."""
+        """Bytes of one token's K for one head (for a per-channel K format, its share of the page)."""
+        if self.k_fmt.k_page is not None:
+            return self.k_fmt.k_page.row_bytes(self.head_dim, self.block_size)
         return self.k_fmt.row_bytes(self.head_dim)
+
+    @property
+    def k_bits_per_element(self) -> float:
+        fmt = self.k_fmt
+        return fmt.k_page.bits_per_element(self.block_size) if fmt.k_page is not None else fmt.bits_per_element
 
     @property
     def v_row_bytes(self) -> int:

@@ -18,6 +18,32 @@ Quantizer = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
+class KPageCodec:
+    """K stored per channel over the ``block_size`` tokens of one page of one KV head (KIVI).
+
+    A page of ``bs`` tokens x ``n`` channels is ``bs`` rows of packed codes followed by the page's
+    per-channel f16 scales and mins; the page is ``bs * row_bytes(n, bs)`` contiguous bytes, so it fits
+    the pool's ``[block, head, token, row]`` layout and a row view of it is just a reshape.
+    """
+
+    bits: int
+    quantize_page: Callable[[np.ndarray], np.ndarray] = field(repr=False)  # [pages, bs, n] f32 -> [pages, bytes]
+    dequantize_page: Callable[[np.ndarray, int], np.ndarray] = field(repr=False)  # ([pages, bytes], bs) -> f32
+
+    def row_bytes(self, n: int, bs: int) -> int:
+        """Bytes per token row of a K page: the codes plus this row's share of the page's scales."""
+        if n % 32 or (4 * n) % bs:
+            raise FormatError(
+                f"per-channel K pages of head_dim {n} and block_size {bs}: head_dim must be a multiple of 32 "
+                f"and block_size must divide 4*head_dim = {4 * n} (pick a block_size of 8, 16, 32 or 64)"
+            )
+        return n * self.bits // 8 + 4 * n // bs
+
+    def bits_per_element(self, bs: int) -> float:
+        return self.bits + 32 / bs
+
+
+@dataclass(frozen=True)
 class Format:
     name: str
     block_len: int  # values per block
@@ -26,6 +52,13 @@ class Format:
     quantize_blocks: Quantizer = field(repr=False)  # [nb, block_len] f32 -> [nb, block_bytes] u8
     dequantize_blocks: Quantizer = field(repr=False)  # [nb, block_bytes] u8 -> [nb, block_len] f32
     ggml_type: str | None = None  # gguf.GGMLQuantizationType member name, when ggml has the format
+    # values beyond max_abs store max_abs (fp8, nvfp4) instead of being refused
+    saturates: bool = False
+    # what a calibrated cache scale maps the first store's |x| max to; None: the format's own block
+    # scales make a cache scale pointless, and calibration picks 1.0
+    calibration_max: float | None = None
+    # K quantized per channel over the tokens of a page (KIVI); V and this format's rows are per token
+    k_page: KPageCodec | None = field(default=None, repr=False)
 
     @property
     def bits_per_element(self) -> float:
@@ -57,7 +90,7 @@ class Format:
                 "or clamp before storing"
             )
         amax = float(np.abs(x).max())
-        if amax > self.max_abs:
+        if amax > self.max_abs and not self.saturates:
             raise NonFiniteError(
                 f"|x| = {amax:g} exceeds {self.max_abs:g}, the largest value format {self.name} stores "
                 "without overflowing to inf; clamp, rescale, or use a wider format (f32/bf16)"
@@ -106,6 +139,15 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-from . import ggml as _ggml  # noqa: E402,F401  (registers the ggml formats)
+# registration order is the format id kernels switch on: formats only ever join at the end
+# isort: off
+from . import ggml as _ggml  # noqa: E402,F401  (f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1)
+from . import fp8 as _fp8  # noqa: E402,F401  (fp8_e4m3 fp8_e5m2)
+from . import fp4 as _fp4  # noqa: E402,F401  (mxfp4 nvfp4)
+from . import kivi as _kivi  # noqa: E402,F401  (kivi4 kivi2)
+# isort: on
 
-__all__ = ["Format", "get", "names", "register"]
+# the formats of kvhal 1 (ggml's KV types): what a backend without kernels for the later ones runs
+GGML_CLASSIC = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+__all__ = ["GGML_CLASSIC", "Format", "KPageCodec", "get", "names", "register"]

@@ -131,7 +131,7 @@ def brute_max_context(held: list[int], budget: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("k", formats.names())
+@pytest.mark.parametrize("k", [f for f in formats.names() if formats.get(f).ggml_type])
 @pytest.mark.parametrize("v", ["f16", "q8_0", "q4_0"])
 def test_bytes_per_token_equal_ggml_block_sizes(k, v):
     p = estimate(ModelShape.uniform(32, 8, 128), [f"{k}/{v}"])
@@ -139,6 +139,15 @@ def test_bytes_per_token_equal_ggml_block_sizes(k, v):
     assert (row.k_format, row.v_format) == (k, v)
     assert row.bytes_per_token == 32 * 8 * (gguf_row_bytes(k, 128) + gguf_row_bytes(v, 128))
     assert row.page_bytes == 16 * 8 * (gguf_row_bytes(k, 128) + gguf_row_bytes(v, 128))
+
+
+@pytest.mark.parametrize("k", ["fp8_e4m3", "kivi4", "kivi2"])
+def test_bytes_per_token_of_formats_without_ggml_type(k):
+    p = estimate(ModelShape.uniform(32, 8, 128), [f"{k}/q8_0"])
+    (row,) = p.rows
+    code_bits = {"fp8_e4m3": 8, "kivi4": 4, "kivi2": 2}[k]
+    k_row = 128 * code_bits // 8 + (4 * 128 // 16 if formats.get(k).k_page else 0)  # + page scales per row
+    assert row.bytes_per_token == 32 * 8 * (k_row + gguf_row_bytes("q8_0", 128))
 
 
 def test_llama3_8b_config_on_24_gib(tmp_path):

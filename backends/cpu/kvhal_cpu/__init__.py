@@ -135,7 +135,7 @@ def _ptr(a: np.ndarray) -> int:
 
 class CpuBackend(HostPoolsBackend):
     name = "cpu"
-    formats = frozenset(formats.names())  # all registered; supports() refuses any the kernel library lacks
+    formats = frozenset(formats.GGML_CLASSIC)  # what its kernels implement; supports() also refuses any a built library lacks
     # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits) measure <= 1.65e-4 on the contract
     # cases; the f32 paths (scalar, AVX2, NEON, and the float formats everywhere) stay near 1e-6.
     # An instance declares the figure of the kernels its ISA runs.

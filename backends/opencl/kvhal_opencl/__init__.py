@@ -51,7 +51,7 @@ class _Plan:
 
 class OpenCLBackend(Backend):
     name = "opencl"
-    formats = frozenset(formats.names())
+    formats = frozenset(formats.GGML_CLASSIC)  # its kernels implement the ggml KV formats only
     # f32 accumulation with exp2 and split-K merging, against float64 on unit-scale inputs
     attention_tolerance: ClassVar[float] = 2e-5
 

@@ -66,7 +66,7 @@ class _Plan:
 
 class OpenVINOBackend(HostPoolsBackend):
     name = "openvino"
-    formats = frozenset(formats.names())
+    formats = frozenset(formats.GGML_CLASSIC)  # its kernels implement the ggml KV formats only
     # f32 matmuls and softmax (INFERENCE_PRECISION_HINT=f32); measured max error 3.7e-6 over the contract
     # cases and 3000/8000-token decodes (docs/backends/openvino.md)
     attention_tolerance = 2e-5
