@@ -27,8 +27,26 @@
 #define KV_Q5_1 7
 #define KV_Q5_1_LEN 32
 #define KV_Q5_1_BYTES 24
-#define KV_NFMT 8
-#define KV_BLOCK_LEN_TABLE {1, 1, 1, 32, 32, 32, 32, 32}
-#define KV_BLOCK_BYTES_TABLE {4, 2, 2, 34, 18, 20, 22, 24}
+#define KV_FP8_E4M3 8
+#define KV_FP8_E4M3_LEN 1
+#define KV_FP8_E4M3_BYTES 1
+#define KV_FP8_E5M2 9
+#define KV_FP8_E5M2_LEN 1
+#define KV_FP8_E5M2_BYTES 1
+#define KV_MXFP4 10
+#define KV_MXFP4_LEN 32
+#define KV_MXFP4_BYTES 17
+#define KV_NVFP4 11
+#define KV_NVFP4_LEN 64
+#define KV_NVFP4_BYTES 36
+#define KV_KIVI4 12
+#define KV_KIVI4_LEN 32
+#define KV_KIVI4_BYTES 20
+#define KV_KIVI2 13
+#define KV_KIVI2_LEN 32
+#define KV_KIVI2_BYTES 12
+#define KV_NFMT 14
+#define KV_BLOCK_LEN_TABLE {1, 1, 1, 32, 32, 32, 32, 32, 1, 1, 32, 64, 32, 32}
+#define KV_BLOCK_BYTES_TABLE {4, 2, 2, 34, 18, 20, 22, 24, 1, 1, 17, 36, 20, 12}
 
 #endif
