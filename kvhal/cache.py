@@ -68,6 +68,8 @@ class CacheStats:
     evictions: int = 0  # evict() calls and full-cache evictions that dropped tokens
     evicted_tokens_called: int = 0  # tokens dropped by evict()
     evicted_tokens_on_full: int = 0  # tokens dropped because a store found no free block
+    tail_tokens: int = 0  # tokens held in the f16 tails (host memory, every layer), longest layer per sequence
+    tail_bytes: int = 0  # host bytes of those tails, K and V, all layers
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -1075,6 +1077,8 @@ class KVCache:
             evictions=self._evicted["n"],
             evicted_tokens_called=self._evicted["evict"],
             evicted_tokens_on_full=self._evicted["on_full"],
+            tail_tokens=sum(max(L - p for L, p in zip(x.lens, x.pages())) for x in self._seqs.values()),
+            tail_bytes=sum(a.nbytes for x in self._seqs.values() for d in (x.tail_k, x.tail_v) for a in d.values()),
         )
 
     # -- internals -----------------------------------------------------------------------------------

@@ -72,6 +72,11 @@ class CacheSpec:
             if isinstance(value, list):  # a list would make the spec unhashable: take it as the tuple it means
                 object.__setattr__(self, name, tuple(value))
             _check_scale(name, getattr(self, name), self.n_kv_heads)
+            value = getattr(self, name)
+            if isinstance(value, tuple):  # 2 and 2.0 are one scale: one fingerprint
+                object.__setattr__(self, name, tuple(float(x) for x in value))
+            elif isinstance(value, int):
+                object.__setattr__(self, name, float(value))
         for name in ("k_rotation", "v_rotation"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or value not in ROTATIONS):

@@ -560,3 +560,32 @@ def test_streamed_attention_equals_resident(backend_info, rng):
     got = kvhal.to_numpy(small.attention(0, q, [s], [3]))
     want = kvhal.to_numpy(big.attention(0, q, [r], [3]))
     assert float(np.abs(got - want).max()) <= 2 * big.backend.attention_tolerance
+
+
+@pytest.mark.parametrize("tail", [0, 5])
+def test_transforms_match_reference(backend_info, rng, tail):
+    """Scales, rotations and the f16 tail live in the cache: on this backend they give the reference's
+    pool bytes, loads and (within tolerance) attention."""
+    fmt = "q8_0" if "q8_0" in claimed(backend_info) else "f16"
+    kw = dict(k_scale=(0.5, 2.0), v_scale="calibrate", k_rotation="hadamard", v_rotation="hadamard", tail=tail)
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=16, **kw)
+    caches = [kvhal.KVCache(spec, 256, backend=name) for name in (backend_info.name, "reference")]
+    k, v = kv(rng, 70)
+    seqs = []
+    for c in caches:
+        s = c.new_seq()
+        for a, b in ((0, 1), (1, 40), (40, 41), (41, 70)):
+            for layer in (0, 1):
+                c.store(s, layer, k[a:b], v[a:b])
+        seqs.append(s)
+    for layer in (0, 1):
+        for got, want in zip(pool_bytes(caches[0], layer), pool_bytes(caches[1], layer)):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(caches[0].load(seqs[0], layer), caches[1].load(seqs[1], layer)):
+            np.testing.assert_array_equal(kvhal.to_numpy(got), kvhal.to_numpy(want))
+    assert caches[0].scales() == caches[1].scales() and caches[0].root_hash == caches[1].root_hash
+    tol = caches[0].backend.attention_tolerance + caches[1].backend.attention_tolerance
+    for n_q, window in ((1, None), (30, None), (3, 9)):
+        q = rng.standard_normal((n_q, 4, 64), dtype=np.float32)
+        outs = [kvhal.to_numpy(c.attention(1, q, [s], window=window)) for c, s in zip(caches, seqs)]
+        assert float(np.abs(outs[0] - outs[1]).max()) <= tol

@@ -270,6 +270,8 @@ def test_tail_lifecycle(rng, tmp_path):
     for layer in (0, 1):
         c.store(s, layer, k, v)
     assert c._seqs[s].pages() == [32, 32] and len(c._seqs[s].hashes) == 2
+    st = c.stats()
+    assert st.tail_tokens == 13 and st.tail_bytes == 2 * 2 * 13 * 2 * 64 * 2  # layers, K+V, tokens, heads, dim, f16
     q = rng.standard_normal((1, 2, 64)).astype(np.float32)
     want = kvhal.to_numpy(c.attention(1, q, [s]))
     # the prefix cache shares whole quantized blocks only, as many as a prefill of the query would quantize
@@ -320,6 +322,8 @@ def test_transforms_enter_the_fingerprint():
         digests.add(fp.digest(dataclasses.replace(base, **change)))
     assert len(digests) == 8
     assert fp.digest(dataclasses.replace(base, k_scale=None)) == fp.digest(base)
+    assert fp.digest(dataclasses.replace(base, k_scale=2)) == fp.digest(dataclasses.replace(base, k_scale=2.0))
+    assert dataclasses.replace(base, v_scale=(1, 2)).v_scale == (1.0, 2.0)
     assert "k_scale" not in fp.as_dict(base)["spec"]  # identity transforms keep the digests caches had before
 
 
