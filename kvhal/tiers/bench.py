@@ -113,7 +113,7 @@ class TierArm(Arm):
     def __init__(self, w: Workload, tier: Tier, files: Path | None = None) -> None:
         super().__init__(w)
         self.tier, self.files = tier, files
-        self.got: list[bytes | None] = []
+        self.got: list[bytes | memoryview | None] = []
         ns = os.urandom(32)  # fresh keys every run: nothing is already there
         self.keys = [BlockKey(ns, hashlib.sha256(i.to_bytes(8, "little")).digest()) for i in range(w.n)]
 

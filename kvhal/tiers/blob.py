@@ -67,10 +67,16 @@ def decode_blob(key: BlockKey, blob: Payload) -> bytes | None:
     """The payload of ``blob`` if it is an intact blob of ``key``, else None (foreign, torn, corrupt, other version).
     The checksum runs over a view; the payload is copied once, out of the blob."""
     _check_key(key)
-    view = memoryview(check_payload(blob, "blob"))
+    view = payload_view(key, check_payload(blob, "blob"))
+    return None if view is None else bytes(view)
+
+
+def payload_view(key: BlockKey, blob: bytes | memoryview) -> memoryview | None:
+    """``decode_blob`` without the copy: a read-only view of the payload inside ``blob`` (which it keeps alive)."""
+    view = memoryview(blob).toreadonly()
     if payload_length(key, view) is None or not payload_matches(view, view[HEADER_SIZE:]):
         return None
-    return bytes(view[HEADER_SIZE:])
+    return view[HEADER_SIZE:]
 
 
 def _check_key(key: object) -> None:

@@ -236,9 +236,9 @@ class DiskTier(Tier):
                 return n
         return len(keys)
 
-    def _get(self, keys: list[BlockKey]) -> list[bytes | None]:
+    def _get(self, keys: list[BlockKey]) -> list[bytes | memoryview | None]:
         rels = [_rel(k) for k in keys]
-        out: list[bytes | None] = []
+        out: list[bytes | memoryview | None] = []
         opened = [_open(self._abs(r)) for r in rels]  # every file's readahead starts before the first read
         reads = self._map(_read, [(fd, k) for (state, fd), k in zip(opened, keys) if state == _OK])
         results = iter(reads)

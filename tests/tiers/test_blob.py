@@ -11,6 +11,7 @@ import pytest
 
 import kvhal
 from kvhal.tiers import HEADER_SIZE, BlockKey, decode_blob, encode_blob
+from kvhal.tiers.blob import payload_view
 
 from .conftest import NS, NS_B, key, payload, version1_blob
 
@@ -84,3 +85,13 @@ def test_block_key_validation():
         BlockKey(NS, bytearray(h))  # type: ignore[arg-type]
     assert isinstance(kvhal.TierError("x"), kvhal.KVHalError)
     assert BlockKey(NS, h) == BlockKey(bytes(NS), bytes(h)) and len({BlockKey(NS, h), BlockKey(NS, h)}) == 1
+
+
+def test_payload_view_is_the_payload_in_place():
+    k, data = key(5), payload(5, 3000)
+    blob = bytearray(encode_blob(k, data))
+    view = payload_view(k, blob)
+    assert view is not None and view == data and view.readonly and view.nbytes == 3000
+    blob[HEADER_SIZE] ^= 0xFF  # the view reads the blob's own bytes: nothing was copied
+    assert view[0] == blob[HEADER_SIZE] != data[0]
+    assert payload_view(k, bytes(blob)) is None and payload_view(key(6), encode_blob(k, data)) is None
