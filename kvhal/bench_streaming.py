@@ -111,9 +111,13 @@ def table(r: dict[str, Any]) -> str:
             f"of K/V; {r['shape']['n_heads']} q heads / {r['shape']['n_kv_heads']} kv heads / head_dim "
             f"{r['shape']['head_dim']}); {m['cpu']}, {m['cores']} cores, {r['threads']} threads, load average "
             + " ".join(f"{x:.2f}" for x in m["load_avg"]),
-            f"  streamed: {r['resident_tokens']} tokens resident, {r['offloaded_tokens']} in host memory through "
-            f"a {r['arena_tokens']}-token arena ({r['arena_passes']} passes{', in place' if r['in_place'] else ''}); "
-            f"pools {r['device_bytes'] / 1e6:.0f} MB; "
+            f"  streamed: {r['resident_tokens']} tokens resident, {r['offloaded_tokens']} in host memory "
+            + (
+                f"attended in place in {r['arena_passes']} pieces of the {r['arena_tokens']}-token arena's size; "
+                if r["in_place"]
+                else f"through a {r['arena_tokens']}-token arena ({r['arena_passes']} passes); "
+            )
+            + f"pools {r['device_bytes'] / 1e6:.0f} MB; "
             f"median of {r['repeats']}",
             f"  all resident      {r['resident_ms']:9.2f} ms",
             f"  streamed          {r['streamed_ms']:9.2f} ms   {r['ratio']:.2f}x all resident",

@@ -584,7 +584,8 @@ class KVCache:
         """Move ``seq``'s leading whole blocks to host memory, keeping at least its last ``keep_tokens``
         (and every block not yet stored at all layers) in the pools; returns the tokens moved. The
         sequence keeps growing with ``store``; ``attention`` streams the host part through the arena
-        (``stream_arena_tokens``) and merges the pieces by log-sum-exp. Other calls on it raise."""
+        (``stream_arena_tokens``; in place where the pools are host memory) and merges the pieces by
+        log-sum-exp. Other calls on it raise."""
         s = self._seq(seq)
         if not self._arena:
             raise SpecError("offload needs a streaming arena: create the cache with stream_arena_tokens > 0")
