@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import registry, streaming
+from . import registry
 from .backend import Backend
 from .blocks import BlockAllocator
 from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
@@ -598,8 +598,7 @@ class KVCache:
         moved = s.blocks[:n_move]
         data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
         if s.host is None:
-            in_place = streaming.pools_in_host_memory(self.pools)
-            s.host = streaming.HostBlocks(self.backend, self.spec, len(self._arena), in_place)
+            s.host = HostBlocks.for_pools(self.backend, self.pools, len(self._arena))
         s.host.append(data)
         del s.blocks[:n_move]
         s.changed()

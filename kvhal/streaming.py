@@ -34,6 +34,11 @@ class HostBlocks:
         self.raw: np.ndarray | None = None  # copy layout: rows [0, n) hold blocks, room to grow
         self.segments: list[Any] = []  # in-place layout: backend pools of arena_blocks blocks each
 
+    @classmethod
+    def for_pools(cls, backend: Any, pools: Any, arena_blocks: int) -> HostBlocks:
+        """The layout ``pools`` call for: in place where they are host memory, else through the arena."""
+        return cls(backend, pools.spec, arena_blocks, pools_in_host_memory(pools))
+
     def append(self, data: np.ndarray) -> None:
         """Add blocks (raw block layout, as ``read_blocks`` returns them) after those held."""
         n_new = len(data)
