@@ -200,7 +200,7 @@ def test_cluster_round_trip_one_slot_per_model(redis_cluster: str):
     a, b = keys(8), keys(8, ns=NS_B)
     data_a = [payload(i, 20000) for i in range(8)]
     data_b = [payload(100 + i, 20000) for i in range(8)]
-    assert t.put(a + b, data_a + data_b) == [True] * 16
+    assert t.put(a + b, data_a + data_b) == [True] * 16, t.stats().last_error
     mixed = [a[0], b[0], a[1], b[1], key(50)]
     got = t.get(mixed)
     assert got == [data_a[0], data_b[0], data_a[1], data_b[1], None], t.stats().last_error
