@@ -246,6 +246,25 @@ def test_raw_block_io_is_one_launch_each_way_and_checks_its_ids():
     np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.arange(a.n_blocks)), before)
 
 
+@pytest.mark.parametrize("fk,fv,dim", [("fp8_e4m3", "fp8_e5m2", 33), ("mxfp4", "q4_0", 32), ("f16", "mxfp4", 96)])
+def test_odd_sized_pages_copy_bytewise(fk, fv, dim):
+    """fp8 rows of an odd head_dim and mxfp4's 17-byte blocks make odd pages, which start at odd offsets."""
+    rng = np.random.default_rng(6)
+    a, ref = make(fk, fv, heads=3, dim=dim, bs=5, cap=60, layers=2)
+    assert (a.spec.page_nbytes("k") | a.spec.page_nbytes("v")) & 1
+    k = rng.standard_normal((23, 3, dim), dtype=np.float32)
+    for c in (a, ref):
+        s = c.new_seq()
+        for layer in range(2):
+            c.store(s, layer, k * (layer + 1), -k)
+        c.seq_rm(s, 2, 9)  # copy_slots
+    ids = np.array([3, 0, 2], np.int64)
+    got = a.backend.read_blocks(a.pools, ids)
+    np.testing.assert_array_equal(got, ref.backend.read_blocks(ref.pools, ids))
+    a.backend.write_blocks(a.pools, np.array([5, 11, 1]), got)
+    np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.array([5, 11, 1])), got)
+
+
 def test_wide_heads_store_and_load_though_attention_refuses():
     """supports() refuses only attention past head_dim 256; store and load run any width."""
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=320, k_format="q4_1", v_format="f16", block_size=4)
