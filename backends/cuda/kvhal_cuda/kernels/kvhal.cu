@@ -28,8 +28,14 @@ static_assert(KV_NVFP4_BLOCK_LEN == 64, "kvhal.cu quantizes nvfp4 as two 32-valu
 static_assert(KV_FP8_E4M3_BLOCK_LEN == 1 && KV_FP8_E5M2_BLOCK_LEN == 1, "fp8 is one byte per value");
 
 __device__ __forceinline__ float kv_neg_inf() { return kv_u32_as_f32(0xff800000u); }
-__device__ __forceinline__ u16 ld16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
-__device__ __forceinline__ void st16(u8* p, u16 v) { *reinterpret_cast<u16*>(p) = v; }
+__device__ __forceinline__ u16 ld16(const u8* p) {
+  kv_check_aligned(p, 2);  // a fault on the GPU; the emulator fails the launch
+  return *reinterpret_cast<const u16*>(p);
+}
+__device__ __forceinline__ void st16(u8* p, u16 v) {
+  kv_check_aligned(p, 2);
+  *reinterpret_cast<u16*>(p) = v;
+}
 __device__ __forceinline__ float ldf16(const u8* p) { return kv_f16_to_f32(ld16(p)); }
 __device__ __forceinline__ u32 ld32_2(const u8* p) { return (u32)ld16(p) | ((u32)ld16(p + 2) << 16); }
 __device__ __forceinline__ void st32_2(u8* p, u32 v) {
