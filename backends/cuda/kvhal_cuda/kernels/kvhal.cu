@@ -3,14 +3,16 @@
 // K pages of kivi excepted: plan.spec_refusal).
 //
 // Pools are [n_blocks, n_kv_heads, block_size, row_bytes] bytes, a row being one token of one head in
-// the format's byte layout (the numpy references in kvhal/formats/ are the spec). Quantization is bit-exact with that spec:
-// fp32 inverse of the *unrounded* scale (0 when it is 0 or overflows), C roundf (half away from zero,
-// exact just below 0.5) for q8_0, truncation of x*id + 8.5 / +16.5 / +0.5, RNE f32->f16 of the scales,
-// ggml's first-occurrence reductions, and no FMA contraction (kv_*_rn, see platform.h).
+// its format's byte layout (the numpy references in kvhal/formats/ are the spec). Quantization is
+// bit-exact with that spec: fp32 inverse of the *unrounded* scale (0 when it is 0 or overflows), C roundf
+// (half away from zero, exact just below 0.5) for q8_0, truncation of x*id + 8.5 / +16.5 / +0.5, RNE
+// f32->f16 of the scales, ggml's first-occurrence reductions, and no FMA contraction (kv_*_rn, see
+// platform.h); the v2 formats (fp8, mxfp4, nvfp4, kivi) as their helpers below say.
 //
 // Rows of formats with 16-bit fields start at even byte offsets (their row and block sizes are even), so
-// 16-bit loads and stores are aligned; fp8 and mxfp4 rows, which may be odd-sized, are read bytewise. Launch geometry and argument layout come from kvhal_cuda/plan.py; format ids, block
-// sizes and the geometry constants (KV_NW, KV_MAXC, KV_RPW_MAX) from the generated kvhal_constants.h.
+// 16-bit loads and stores are aligned; fp8 and mxfp4 rows, which may be odd-sized, are read bytewise.
+// Launch geometry and argument layout come from kvhal_cuda/plan.py; format ids, block sizes and the
+// geometry constants (KV_NW, KV_MAXC, KV_RPW_MAX) from the generated kvhal_constants.h.
 #include "platform.h"
 #include "kvhal_constants.h"
 
@@ -256,8 +258,8 @@ __device__ __forceinline__ float kv_round(float x) {
 }
 
 // fp8 (kvhal/formats/fp8.py): round to nearest even, saturating at max_finite, the sign kept on zero. In
-// software on every arch (bit manipulation; sm_89's cvt.satfinite would give the same bytes, but older
-// archs need this path anyway and one path is one thing to test).
+// software on every arch (bit manipulation): older archs need it anyway, and sm_89's native
+// cvt.rn.satfinite is not used until its bytes are checked against the spec on a GPU.
 template <int EB, int MB>
 __device__ __forceinline__ u8 fp8_encode(float x, float max_finite) {
   const int bias = (1 << (EB - 1)) - 1;
