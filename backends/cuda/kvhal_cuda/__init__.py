@@ -43,7 +43,7 @@ class CacheState:
 class CudaBackend(Backend):
     name = "cuda"
     platform: ClassVar[str] = "cuda"
-    formats = frozenset(formats.GGML_CLASSIC)  # its kernels implement the ggml KV formats only
+    formats = frozenset(formats.names())  # every format; K of kivi4/kivi2 (per-channel pages) is refused by supports
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4

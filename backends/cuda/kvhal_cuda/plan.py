@@ -38,7 +38,13 @@ def _ceil(a: int, b: int) -> int:
 
 def spec_refusal(spec: CacheSpec, op: str) -> str | None:
     """Why the kernels cannot run ``op`` for ``spec``, or None (``CudaBackend.supports``; nothing it passes
-    is refused later). Store, load and copies take any spec; attention has two limits."""
+    is refused later). Store, load and copies take any spec whose K is stored per row; attention has two
+    limits."""
+    if spec.k_paged:
+        return (
+            f"k_format {spec.k_format} quantizes K per channel over whole pages, which the CUDA/HIP kernels do not "
+            f"implement; use {spec.k_format} as v_format only (its V rows run here) or the reference backend"
+        )
     if op != "attention":
         return None
     if spec.head_dim > MAX_HEAD_DIM:
@@ -52,7 +58,8 @@ def spec_refusal(spec: CacheSpec, op: str) -> str | None:
 
 
 def quantized(fmt: str) -> bool:
-    """Block formats: one 32-lane warp quantizes one block (kvhal.cu checks block_len == 32)."""
+    """Block formats: one 32-lane warp quantizes 32 values, a block or half of nvfp4's 64-value block (kvhal.cu
+    checks the block lengths); fp8 and the float formats take one thread per value."""
     return formats.get(fmt).block_len > 1
 
 

@@ -17,7 +17,12 @@ cuda_emulator = pytest.importorskip("cuda_emulator")
 if cuda_emulator.compiler() is None:
     pytest.skip("no C++ compiler for the kernel emulator", allow_module_level=True)
 
-FMTS = sorted(cuda_emulator.EmulatedCudaBackend.formats, key=formats.names().index)  # what its kernels implement
+FMTS = sorted(cuda_emulator.EmulatedCudaBackend.formats, key=formats.names().index)
+
+
+def kv_formats(fmt):
+    """(K, V) formats that store ``fmt``: a per-channel K format (kivi) runs as V only, K then in f16."""
+    return ("f16", fmt) if formats.get(fmt).k_page is not None else (fmt, fmt)
 
 
 def make(fmt_k, fmt_v=None, *, heads=2, dim=64, bs=16, cap=512, n_sm=4, layers=1):
@@ -59,26 +64,86 @@ def test_store_is_bit_exact_on_hard_values(fmt):
     x = hard_blocks(rng)
     x = np.clip(x, -f.max_abs, f.max_abs)
     k = np.stack([x, x[::-1]], axis=1)  # [n, 2 heads, 64]
-    a, b = make(fmt)
+    a, b = make(*kv_formats(fmt))
     for c in (a, b):
         c.store(c.new_seq(), 0, k, -k)
     for got, want in zip(pools(a), pools(b), strict=False):
         np.testing.assert_array_equal(got, want)
-    got = kvhal.to_numpy(a.load(0, 0)[0])
-    np.testing.assert_array_equal(got, f.dequantize(f.quantize(k)))
+    got = kvhal.to_numpy(a.load(0, 0)[1])
+    np.testing.assert_array_equal(got, f.dequantize(f.quantize(-k)))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_store_random_rows_and_f16_input(fmt):
     rng = np.random.default_rng(5)
     k = (rng.standard_normal((45, 2, 64)) * rng.uniform(0.01, 30, (45, 2, 1))).astype(np.float32)
-    a, b = make(fmt)
+    a, b = make(*kv_formats(fmt))
     for c in (a, b):
         s = c.new_seq()
         c.store(s, 0, k[:20].astype(np.float16), k[:20].astype(np.float16))
         c.store(s, 0, k[20:], k[20:])
     for got, want in zip(pools(a), pools(b), strict=False):
         np.testing.assert_array_equal(got, want)
+
+
+def rows_of(values, dim=64):
+    """A flat value list as [n, 2 heads, dim] rows (padded with zeros), the second head reversed."""
+    v = np.asarray(values, np.float32).ravel()
+    v = np.concatenate([v, np.zeros(-v.size % dim, np.float32)]).reshape(-1, dim)
+    return np.stack([v, v[::-1, ::-1]], axis=1)
+
+
+def store_both(fmt, k, dim=64):
+    a, b = make(*kv_formats(fmt), dim=dim, cap=max(64, -(-k.shape[0] // 16) * 16))
+    for c in (a, b):
+        c.store(c.new_seq(), 0, k, -k)
+    for got, want in zip(pools(a), pools(b), strict=True):
+        np.testing.assert_array_equal(got, want)
+    return a
+
+
+@pytest.mark.parametrize("fmt,dtype", [("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+def test_fp8_rounds_every_halfway_point_like_ml_dtypes_and_saturates(fmt, dtype):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    f = formats.get(fmt)
+    vals = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, dtype)).astype(np.float32)
+    pos = np.unique(vals[np.isfinite(vals) & (vals >= 0)])  # every finite non-negative value, ascending
+    mid = (pos[:-1] + pos[1:]) / 2  # exact in f32: halfway points, round to even
+    x = np.concatenate([pos, mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf), [1e-45, 1e-39, pos[1] / 4]])
+    x = np.concatenate([x, -x, [-0.0]]).astype(np.float32)
+    k = rows_of(x)
+    a = store_both(fmt, k)
+    # an independent oracle: ml_dtypes' conversion (every value is in range), zeros' signs included
+    want = (-k).astype(getattr(ml_dtypes, dtype)).astype(np.float32)
+    got = kvhal.to_numpy(a.load(0, 0)[1])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    # beyond the largest finite value: saturate (ml_dtypes gives inf/NaN there)
+    big = np.array([f.max_abs * 1.0001, f.max_abs * 1.5, 1e30, 3.4e38], np.float32)
+    a = store_both(fmt, rows_of(np.concatenate([big, -big])))
+    np.testing.assert_array_equal(kvhal.to_numpy(a.load(0, 0)[1])[0, 0, :8], np.repeat([-f.max_abs, f.max_abs], 4))
+
+
+def test_mxfp4_exponent_follows_f32_log2_just_below_powers_of_two():
+    # amax = 2^k (1 - 2^-24): an f32 log2 rounds to k for most k, the exact floor is k - 1
+    blocks = []
+    for k in range(-140, 125, 3):
+        amax = np.nextafter(np.float32(2.0) ** k if k > -149 else np.float32(1e-45), np.float32(0))
+        blk = np.linspace(-1, 1, 32).astype(np.float32) * amax
+        blk[7] = amax
+        blocks.append(blk)
+    store_both("mxfp4", rows_of(np.concatenate(blocks)))
+
+
+def test_nvfp4_scales_across_the_ue4m3_range():
+    rng = np.random.default_rng(12)
+    amax = np.concatenate(
+        [np.geomspace(1e-4, 3000, 200), 6 * np.array([2.0**-9, 2.0**-7, 0.0155, 255.0, 256.0, 448.0])]
+    )
+    sub = rng.uniform(-1, 1, (amax.size, 16)).astype(np.float32) * amax[:, None].astype(np.float32)
+    sub[:, 3] = amax
+    sub[::5] = 0.0
+    store_both("nvfp4", rows_of(sub.ravel(), dim=128), dim=128)
 
 
 def test_copy_slots_overlapping_shift():
@@ -102,6 +167,10 @@ CASES = [
     (3, 1, 40, "f16", "f32", [50, 2], [7, 2], False, None),  # head_dim not a multiple of 32
     (6, 3, 8, "f32", "f16", [19], [19], False, 4),
     (4, 2, 64, "q8_0", "q8_0", [500, 400], [30, 1], True, 100),  # split prefill + decode, window
+    (4, 2, 40, "fp8_e4m3", "fp8_e5m2", [300, 7], [1, 7], True, None),  # odd-free but non-32 head_dim
+    (4, 1, 128, "nvfp4", "mxfp4", [600, 33], [1, 33], True, None),
+    (2, 2, 64, "mxfp4", "kivi2", [90], [40], False, None),
+    (4, 2, 128, "fp8_e4m3", "kivi4", [520], [1], True, 64),
 ]
 
 
@@ -175,6 +244,25 @@ def test_raw_block_io_is_one_launch_each_way_and_checks_its_ids():
     with pytest.raises(kvhal.ShapeError):
         a.backend.write_blocks(a.pools, ids[:2], got)
     np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.arange(a.n_blocks)), before)
+
+
+@pytest.mark.parametrize("fk,fv,dim", [("fp8_e4m3", "fp8_e5m2", 33), ("mxfp4", "q4_0", 32), ("f16", "mxfp4", 96)])
+def test_odd_sized_pages_copy_bytewise(fk, fv, dim):
+    """fp8 rows of an odd head_dim and mxfp4's 17-byte blocks make odd pages, which start at odd offsets."""
+    rng = np.random.default_rng(6)
+    a, ref = make(fk, fv, heads=3, dim=dim, bs=5, cap=60, layers=2)
+    assert (a.spec.page_nbytes("k") | a.spec.page_nbytes("v")) & 1
+    k = rng.standard_normal((23, 3, dim), dtype=np.float32)
+    for c in (a, ref):
+        s = c.new_seq()
+        for layer in range(2):
+            c.store(s, layer, k * (layer + 1), -k)
+        c.seq_rm(s, 2, 9)  # copy_slots
+    ids = np.array([3, 0, 2], np.int64)
+    got = a.backend.read_blocks(a.pools, ids)
+    np.testing.assert_array_equal(got, ref.backend.read_blocks(ref.pools, ids))
+    a.backend.write_blocks(a.pools, np.array([5, 11, 1]), got)
+    np.testing.assert_array_equal(a.backend.read_blocks(a.pools, np.array([5, 11, 1])), got)
 
 
 def test_wide_heads_store_and_load_though_attention_refuses():

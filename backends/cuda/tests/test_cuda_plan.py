@@ -33,15 +33,26 @@ def test_constants_are_generated_from_the_registry_and_plan():
     # nothing typed twice: the checked-in source defines none of them and spells no block size
     cu = (source.KERNEL_DIR / "kvhal.cu").read_text() + (source.KERNEL_DIR / "platform.h").read_text()
     assert not re.search(r"^#define KV_(NW|MAXC|RPW_MAX|F32|F16|BF16|Q\d)", cu, re.M)
-    assert not re.search(r"\b(34|18|20|22|24)\b", re.sub(r"//.*", "", cu))
+    assert not re.search(r"\b(34|18|20|22|24|17|36|12)\b", re.sub(r"//.*", "", cu))
 
 
 def test_kernels_dispatch_every_registered_format():
     dispatch = re.search(r"#define KV_DISPATCH\(fmt, CALL\)(.*?)\n\n", SRC, re.S)
     assert dispatch
     cases = set(re.findall(r"KV_(\w+)\)", dispatch.group(1)))
-    assert {f"{n.upper()}" for n in CudaBackend.formats} <= cases | {"DEQ"}
-    assert CudaBackend.formats == frozenset(formats.GGML_CLASSIC)
+    assert {f"{n.upper()}" for n in formats.names()} <= cases | {"DEQ"}
+    assert CudaBackend.formats == frozenset(formats.names())
+
+
+@pytest.mark.parametrize("fmt", [f for f in formats.names() if formats.get(f).k_page is not None])
+def test_per_channel_k_pages_are_refused_with_a_reason(fmt):
+    backend = CudaBackend.__new__(CudaBackend)  # supports() needs no device
+    paged = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt)
+    for op in ("store", "load", "attention"):
+        reason = backend.supports(paged, op) or ""
+        assert f"k_format {fmt}" in reason and "per channel" in reason and "v_format" in reason
+    v_only = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="f16", v_format=fmt)
+    assert all(backend.supports(v_only, op) is None for op in ("store", "load", "attention"))
 
 
 def test_every_launched_kernel_is_in_the_source():
@@ -50,14 +61,16 @@ def test_every_launched_kernel_is_in_the_source():
     assert len(source.kernel_names()) == 10 and launched == set(source.kernel_names())
 
 
-@pytest.mark.parametrize("fmt", formats.GGML_CLASSIC)
-@pytest.mark.parametrize("dims", [(1, 1, 64), (37, 2, 64), (5, 8, 256), (3, 3, 32)])
+@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("dims", [(1, 1, 64), (37, 2, 64), (5, 8, 256), (3, 3, 32), (2, 1, 40)])
 def test_store_launch_covers_every_block(fmt, dims):
     n, h, d = dims
+    if d % formats.get(fmt).block_len:
+        pytest.skip(f"{fmt} rows hold whole {formats.get(fmt).block_len}-value blocks")
     name, grid, block = plan.store_launch(fmt, n, h, d)
     threads = grid[0] * block[0]
     assert block[0] % 32 == 0 and block[0] <= 1024
-    if formats.get(fmt).block_len == 32:
+    if formats.get(fmt).block_len in (32, 64):  # a warp per 32 values: a block, or half an nvfp4 block
         assert name == "kvhal_store_quant"
         warps = n * h * d // 32
         assert threads // 32 >= warps > (grid[0] - 1) * block[0] // 32  # all blocks, no empty CTA

@@ -1,15 +1,18 @@
 // kvhal kernels for CUDA and HIP: store (quantize + scatter), load (gather + dequantize), paged attention
-// (split-KV decode, tiled prefill, log-sum-exp merge) and copy_slots, over every kvhal ggml format.
+// (split-KV decode, tiled prefill, log-sum-exp merge) and copy_slots, over every kvhal format (per-channel
+// K pages of kivi excepted: plan.spec_refusal).
 //
 // Pools are [n_blocks, n_kv_heads, block_size, row_bytes] bytes, a row being one token of one head in
-// ggml's byte layout (kvhal/formats/ggml.py is the spec). Quantization is bit-exact with that spec:
-// fp32 inverse of the *unrounded* scale (0 when it is 0 or overflows), C roundf (half away from zero,
-// exact just below 0.5) for q8_0, truncation of x*id + 8.5 / +16.5 / +0.5, RNE f32->f16 of the scales,
-// ggml's first-occurrence reductions, and no FMA contraction (kv_*_rn, see platform.h).
+// its format's byte layout (the numpy references in kvhal/formats/ are the spec). Quantization is
+// bit-exact with that spec: fp32 inverse of the *unrounded* scale (0 when it is 0 or overflows), C roundf
+// (half away from zero, exact just below 0.5) for q8_0, truncation of x*id + 8.5 / +16.5 / +0.5, RNE
+// f32->f16 of the scales, ggml's first-occurrence reductions, and no FMA contraction (kv_*_rn, see
+// platform.h); the v2 formats (fp8, mxfp4, nvfp4, kivi) as their helpers below say.
 //
-// Every row starts at an even byte offset (all row and block sizes are even), so 16-bit loads and
-// stores are aligned. Launch geometry and argument layout come from kvhal_cuda/plan.py; format ids, block
-// sizes and the geometry constants (KV_NW, KV_MAXC, KV_RPW_MAX) from the generated kvhal_constants.h.
+// Rows of formats with 16-bit fields start at even byte offsets (their row and block sizes are even), so
+// 16-bit loads and stores are aligned; fp8 and mxfp4 rows, which may be odd-sized, are read bytewise.
+// Launch geometry and argument layout come from kvhal_cuda/plan.py; format ids, block sizes and the
+// geometry constants (KV_NW, KV_MAXC, KV_RPW_MAX) from the generated kvhal_constants.h.
 #include "platform.h"
 #include "kvhal_constants.h"
 
@@ -18,14 +21,23 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-// one 32-lane warp quantizes one block; the bit layouts below are ggml's 32-value blocks
+// one 32-lane warp quantizes 32 values: one block, or half of an nvfp4 block (two of its 16-value sub-blocks)
 static_assert(KV_Q8_0_BLOCK_LEN == 32 && KV_Q4_0_BLOCK_LEN == 32 && KV_Q4_1_BLOCK_LEN == 32 &&
-                  KV_Q5_0_BLOCK_LEN == 32 && KV_Q5_1_BLOCK_LEN == 32,
+                  KV_Q5_0_BLOCK_LEN == 32 && KV_Q5_1_BLOCK_LEN == 32 && KV_MXFP4_BLOCK_LEN == 32 &&
+                  KV_KIVI4_BLOCK_LEN == 32 && KV_KIVI2_BLOCK_LEN == 32,
               "kvhal.cu quantizes 32-value blocks");
+static_assert(KV_NVFP4_BLOCK_LEN == 64, "kvhal.cu quantizes nvfp4 as two 32-value halves of a 64-value block");
+static_assert(KV_FP8_E4M3_BLOCK_LEN == 1 && KV_FP8_E5M2_BLOCK_LEN == 1, "fp8 is one byte per value");
 
 __device__ __forceinline__ float kv_neg_inf() { return kv_u32_as_f32(0xff800000u); }
-__device__ __forceinline__ u16 ld16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
-__device__ __forceinline__ void st16(u8* p, u16 v) { *reinterpret_cast<u16*>(p) = v; }
+__device__ __forceinline__ u16 ld16(const u8* p) {
+  kv_check_aligned(p, 2);  // a fault on the GPU; the emulator fails the launch
+  return *reinterpret_cast<const u16*>(p);
+}
+__device__ __forceinline__ void st16(u8* p, u16 v) {
+  kv_check_aligned(p, 2);
+  *reinterpret_cast<u16*>(p) = v;
+}
 __device__ __forceinline__ float ldf16(const u8* p) { return kv_f16_to_f32(ld16(p)); }
 __device__ __forceinline__ u32 ld32_2(const u8* p) { return (u32)ld16(p) | ((u32)ld16(p + 2) << 16); }
 __device__ __forceinline__ void st32_2(u8* p, u32 v) {
@@ -46,9 +58,44 @@ __device__ __forceinline__ i64 token_offset(const int* table, int t, int hk, int
   return (((i64)table[page] * H + hk) * bs + (t - page * bs)) * (i64)row_bytes;
 }
 
-// ---- dequantization: value e of a stored row, op for op as kvhal/formats/ggml.py -----------------
+// ---- dequantization: value e of a stored row, op for op as kvhal/formats/*.py ----------------------
 
 __device__ __forceinline__ int nibble(const u8* qs, int j) { return (qs[j & 15] >> ((j >> 4) * 4)) & 15; }
+__device__ __forceinline__ float kv_nan() { return kv_u32_as_f32(0x7fc00000u); }
+
+// fp8 (kvhal/formats/fp8.py): sign, EB exponent bits with bias 2^(EB-1) - 1, MB mantissa bits, subnormals at
+// exponent 0; codes above the largest finite value (e4m3: 0x7f; e5m2: exponent 31) decode to NaN as the spec's
+// table does (a store never writes them)
+template <int EB, int MB>
+__device__ __forceinline__ float fp8_decode(u32 c) {
+  const int bias = (1 << (EB - 1)) - 1;
+  const u32 sign = (c >> 7) << 31;
+  const u32 ex = (c & 0x7fu) >> MB, man = c & ((1u << MB) - 1u);
+  if (EB == 4 ? (c & 0x7fu) == 0x7fu : ex == 31u) return kv_nan();
+  if (ex == 0) {  // m * 2^(1 - bias - MB), exact
+    const float mag = kv_fmul_rn((float)man, kv_u32_as_f32((u32)(127 + 1 - bias - MB) << 23));
+    return kv_u32_as_f32(kv_f32_as_u32(mag) | sign);
+  }
+  return kv_u32_as_f32(sign | ((ex - bias + 127) << 23) | (man << (23 - MB)));
+}
+
+// the doubled e2m1 value of a 4-bit code: {0, 1, 2, 3, 4, 6, 8, 12}, codes 8..15 negative (code 8 is +0)
+__device__ __forceinline__ int e2m1x2(int c) {
+  const int m = c & 7;
+  const int v = m < 4 ? m : (2 + (m & 1)) << ((m >> 1) - 1);
+  return (c & 8) ? -v : v;
+}
+// mxfp4's e8m0 scale as ggml_e8m0_to_fp32_half: 2^(e-127) / 2, subnormal bit patterns for e < 2
+__device__ __forceinline__ float e8m0_half(u32 e) {
+  return kv_u32_as_f32(e < 2 ? 0x00200000u << e : (e - 1u) << 23);
+}
+// nvfp4's unsigned e4m3 scale times one half (ggml_ue4m3_to_fp32); codes 0 and 0x7f decode to 0
+__device__ __forceinline__ float ue4m3_half(u32 c) {
+  const u32 ex = (c >> 3) & 15u, man = c & 7u;
+  if (c == 0 || c == 0x7fu) return 0.0f;
+  if (ex == 0) return kv_fmul_rn((float)man, kv_u32_as_f32((u32)(127 - 10) << 23));  // man * 2^-9 / 2
+  return kv_u32_as_f32(((ex + 119u) << 23) | (man << (23 - 3)));  // (1 + man/8) * 2^(ex-7) / 2
+}
 
 template <int F>
 __device__ __forceinline__ float deq(const u8* row, int e) {
@@ -73,9 +120,27 @@ __device__ __forceinline__ float deq(const u8* row, int e) {
     const int q = nibble(b + 6, j) | (int)(((ld32_2(b + 2) >> j) & 1u) << 4);
     return kv_fmul_rn(ldf16(b), (float)(q - 16));
   }
-  // KV_Q5_1
-  const u8* b = row + (e >> 5) * KV_Q5_1_BLOCK_BYTES;
-  const int q = nibble(b + 8, j) | (int)(((ld32_2(b + 4) >> j) & 1u) << 4);
+  if (F == KV_Q5_1) {
+    const u8* b = row + (e >> 5) * KV_Q5_1_BLOCK_BYTES;
+    const int q = nibble(b + 8, j) | (int)(((ld32_2(b + 4) >> j) & 1u) << 4);
+    return kv_fadd_rn(kv_fmul_rn(ldf16(b), (float)q), ldf16(b + 2));
+  }
+  if (F == KV_FP8_E4M3) return fp8_decode<4, 3>(row[e]);
+  if (F == KV_FP8_E5M2) return fp8_decode<5, 2>(row[e]);
+  if (F == KV_MXFP4) {
+    const u8* b = row + (e >> 5) * KV_MXFP4_BLOCK_BYTES;
+    return kv_fmul_rn(e8m0_half(b[0]), (float)e2m1x2(nibble(b + 1, j)));
+  }
+  if (F == KV_NVFP4) {  // sub-block s: value p low, p + 8 high nibble of qs[8s + p]
+    const u8* b = row + (e >> 6) * KV_NVFP4_BLOCK_BYTES;
+    const int s = (e >> 4) & 3, p = e & 15;
+    const int c = (b[4 + 8 * s + (p & 7)] >> ((p >> 3) * 4)) & 15;
+    return kv_fmul_rn(ue4m3_half(b[s]), (float)e2m1x2(c));
+  }
+  if (F == KV_KIVI4) return deq<KV_Q4_1>(row, e);  // kivi4 V rows are q4_1's
+  // KV_KIVI2: value j + 8i of a group in bits 2i..2i+1 of byte j
+  const u8* b = row + (e >> 5) * KV_KIVI2_BLOCK_BYTES;
+  const int q = (b[4 + (j & 7)] >> (2 * (j >> 3))) & 3;
   return kv_fadd_rn(kv_fmul_rn(ldf16(b), (float)q), ldf16(b + 2));
 }
 
@@ -89,7 +154,13 @@ __device__ __forceinline__ float deq(const u8* row, int e) {
     case KV_Q4_0: CALL(KV_Q4_0); \
     case KV_Q4_1: CALL(KV_Q4_1); \
     case KV_Q5_0: CALL(KV_Q5_0); \
-    default: CALL(KV_Q5_1);      \
+    case KV_Q5_1: CALL(KV_Q5_1); \
+    case KV_FP8_E4M3: CALL(KV_FP8_E4M3); \
+    case KV_FP8_E5M2: CALL(KV_FP8_E5M2); \
+    case KV_MXFP4: CALL(KV_MXFP4); \
+    case KV_NVFP4: CALL(KV_NVFP4); \
+    case KV_KIVI4: CALL(KV_KIVI4); \
+    default: CALL(KV_KIVI2);     \
   }
 
 __device__ __forceinline__ float kv_deq(int fmt, const u8* row, int e) {
@@ -186,6 +257,69 @@ __device__ __forceinline__ float kv_round(float x) {
   return copysignf(r, x);
 }
 
+// fp8 (kvhal/formats/fp8.py): round to nearest even, saturating at max_finite, the sign kept on zero. In
+// software on every arch (bit manipulation): older archs need it anyway, and sm_89's native
+// cvt.rn.satfinite is not used until its bytes are checked against the spec on a GPU.
+template <int EB, int MB>
+__device__ __forceinline__ u8 fp8_encode(float x, float max_finite) {
+  const int bias = (1 << (EB - 1)) - 1;
+  const u32 sign = (kv_f32_as_u32(x) >> 31) << 7;
+  const float a = fminf(fabsf(x), max_finite);
+  const u32 u = kv_f32_as_u32(a);
+  u32 code;
+  if ((int)(u >> 23) - 127 >= 1 - bias) {  // normal: RNE of the f32 mantissa to MB bits, carry into the exponent
+    const int shift = 23 - MB;
+    const u32 r = (u + ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u)) >> shift;
+    code = r - ((u32)(127 - bias) << MB);  // max_finite is representable: never rounds past it
+  } else {  // subnormal: a / 2^(1 - bias - MB) is exact, rintf rounds half to even
+    code = (u32)rintf(kv_fmul_rn(a, kv_u32_as_f32((u32)(127 - 1 + bias + MB) << 23)));  // 2^MB: smallest normal
+  }
+  return (u8)(code | sign);
+}
+
+// the nearest doubled e2m1 value to x / d, lowest code on ties, errors |d*v - x| rounded as in f32 (fp4.py)
+__device__ __forceinline__ int e2m1_code(float x, float d) {
+  int best = 0;
+  float err = fabsf(kv_fsub_rn(kv_fmul_rn(d, 0.0f), x));
+  for (int c = 1; c < 16; ++c) {
+    const float ec = fabsf(kv_fsub_rn(kv_fmul_rn(d, (float)e2m1x2(c)), x));
+    if (ec < err) {
+      err = ec;
+      best = c;
+    }
+  }
+  return best;
+}
+
+// ggml_fp32_to_ue4m3 as fp4.py transcribes it: round half up on the first dropped bit, saturating at 0x7e
+__device__ __forceinline__ u32 ue4m3(float v) {
+  const float x = fminf(fmaxf(v, 0.0f), 448.0f);
+  if (!(x > 0.0f)) return 0;
+  const u32 bits = kv_f32_as_u32(x);
+  const int ex = (int)((bits >> 23) & 0xffu) - 127 + 7;
+  if (ex <= 0) {
+    const int sub = (int)kv_fadd_rn(kv_fmul_rn(x, 512.0f), 0.5f);
+    return (u32)min(max(sub, 0), 7);
+  }
+  if (ex >= 15) return 0x7eu;
+  int man = (int)((bits >> (23 - 3)) & 7u) + (int)((bits >> (23 - 4)) & 1u);
+  int exr = ex;
+  if (man > 7) {
+    man = 0;
+    exr = ex + 1;
+  }
+  return exr >= 15 ? 0x7eu : (u32)((exr << 3) | man);
+}
+
+// mxfp4's e8m0 exponent floor(log2(amax)) - 2 + 127, clipped to 0..254. The spec takes log2 in f32
+// (numpy, as ggml's log2f), which rounds up to an integer just below a power of two; the double log2
+// rounded once to f32 reproduces that.
+__device__ __forceinline__ u32 mxfp4_exponent(float amax) {
+  if (!(amax > 0.0f)) return 0;
+  const int e = (int)floorf((float)log2((double)amax)) - 2 + 127;
+  return (u32)min(max(e, 0), 254);
+}
+
 // nibbles: value j in the low half and value j+16 in the high half of byte j; fifth bits in qh
 __device__ __forceinline__ void put_quants(u8* b, int qs_off, int qh_off, int q, int j) {
   const int hi = kv_shfl(q, (j + 16) & 31);
@@ -217,6 +351,7 @@ __device__ __forceinline__ void quant_block(int fmt, float x, int j, u8* b) {
       break;
     }
     case KV_Q4_1:
+    case KV_KIVI4:  // kivi4 V rows are q4_1's
     case KV_Q5_1: {
       const bool five = fmt == KV_Q5_1;
       const float lo = warp_first<1>(x, j);
@@ -230,7 +365,41 @@ __device__ __forceinline__ void quant_block(int fmt, float x, int j, u8* b) {
       }
       break;
     }
+    case KV_KIVI2: {  // q4_1's rule with 2-bit codes; value j + 8i in bits 2i..2i+1 of byte j
+      const float lo = warp_first<1>(x, j);
+      const float d = kv_fdiv_rn(kv_fsub_rn(warp_first<2>(x, j), lo), 3.0f);
+      const float t = truncf(kv_fadd_rn(kv_fmul_rn(kv_fsub_rn(x, lo), kv_inverse(d)), 0.5f));
+      const int q = (int)fminf(t, 3.0f);
+      const int q1 = kv_shfl(q, (j + 8) & 31), q2 = kv_shfl(q, (j + 16) & 31), q3 = kv_shfl(q, (j - 8) & 31);
+      if (j < 8) b[4 + j] = (u8)(q | (q1 << 2) | (q2 << 4) | (q3 << 6));
+      if (j == 0) {
+        st16(b, kv_f32_to_f16(d));
+        st16(b + 2, kv_f32_to_f16(lo));
+      }
+      break;
+    }
+    case KV_MXFP4: {
+      const u32 e = mxfp4_exponent(warp_max(fabsf(x)));
+      const int c = e2m1_code(x, e8m0_half(e));
+      const int hi = kv_shfl(c, (j + 16) & 31);
+      if (j < 16) b[1 + j] = (u8)(c | (hi << 4));
+      if (j == 0) b[0] = (u8)e;
+      break;
+    }
   }
+}
+
+// nvfp4: lane j holds value 32 * half + j of the 64-value block at b, so lanes 0-15 and 16-31 are the
+// sub-blocks s = 2 * half and 2 * half + 1. Every lane must call it.
+__device__ __forceinline__ void quant_nvfp4_half(float x, int j, int half, u8* b) {
+  float amax = fabsf(x);
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, kv_shfl_xor(amax, o));  // within each 16-lane group
+  const u32 sc = ue4m3(kv_fdiv_rn(amax, 6.0f));
+  const int c = e2m1_code(x, ue4m3_half(sc));
+  const int hi = kv_shfl(c, (j + 8) & 31);
+  const int s = 2 * half + (j >> 4), p = j & 15;
+  if (p < 8) b[4 + 8 * s + p] = (u8)(c | (hi << 4));
+  if (p == 0) b[s] = (u8)sc;
 }
 
 __device__ __forceinline__ int block_bytes(int fmt) {
@@ -240,11 +409,16 @@ __device__ __forceinline__ int block_bytes(int fmt) {
     case KV_Q4_1: return KV_Q4_1_BLOCK_BYTES;
     case KV_Q5_0: return KV_Q5_0_BLOCK_BYTES;
     case KV_Q5_1: return KV_Q5_1_BLOCK_BYTES;
+    case KV_MXFP4: return KV_MXFP4_BLOCK_BYTES;
+    case KV_NVFP4: return KV_NVFP4_BLOCK_BYTES;
+    case KV_KIVI4: return KV_KIVI4_BLOCK_BYTES;
+    case KV_KIVI2: return KV_KIVI2_BLOCK_BYTES;
   }
   return 0;
 }
 
-// x [n, H, D] f32 into slots[i] of pool, quantized formats: one warp per 32-value block.
+// x [n, H, D] f32 into slots[i] of pool, quantized formats: one warp per 32 values (a block; for nvfp4 half
+// of one, D being a multiple of its 64-value block).
 extern "C" __global__ void kvhal_store_quant(const float* __restrict__ x, const i64* __restrict__ slots,
                                              u8* __restrict__ pool, int n, int H, int D, int bs, int row_bytes,
                                              int fmt) {
@@ -257,10 +431,14 @@ extern "C" __global__ void kvhal_store_quant(const float* __restrict__ x, const 
   const int h = (int)(th % H);
   const i64 t = th / H;
   const float v = x[(t * H + h) * D + c * 32 + j];
-  quant_block(fmt, v, j, pool + row_offset(slots[t], h, H, bs, row_bytes) + c * block_bytes(fmt));
+  u8* row = pool + row_offset(slots[t], h, H, bs, row_bytes);
+  if (fmt == KV_NVFP4)
+    quant_nvfp4_half(v, j, c & 1, row + (c >> 1) * KV_NVFP4_BLOCK_BYTES);
+  else
+    quant_block(fmt, v, j, row + c * block_bytes(fmt));
 }
 
-// x [n, H, D] f32 into slots[i] of pool, f32/f16/bf16: one thread per value.
+// x [n, H, D] f32 into slots[i] of pool, f32/f16/bf16/fp8: one thread per value.
 extern "C" __global__ void kvhal_store_float(const float* __restrict__ x, const i64* __restrict__ slots,
                                              u8* __restrict__ pool, int n, int H, int D, int bs, int row_bytes,
                                              int fmt) {
@@ -275,6 +453,10 @@ extern "C" __global__ void kvhal_store_float(const float* __restrict__ x, const 
     st32_2(row + KV_F32_BLOCK_BYTES * (i64)e, kv_f32_as_u32(v));
   } else if (fmt == KV_F16) {
     st16(row + KV_F16_BLOCK_BYTES * (i64)e, kv_f32_to_f16(v));
+  } else if (fmt == KV_FP8_E4M3) {
+    row[e] = fp8_encode<4, 3>(v, 448.0f);
+  } else if (fmt == KV_FP8_E5M2) {
+    row[e] = fp8_encode<5, 2>(v, 57344.0f);
   } else {  // bf16: round to nearest even on the upper half (finite inputs, checked by the core)
     const u32 u = kv_f32_as_u32(v);
     st16(row + KV_BF16_BLOCK_BYTES * (i64)e, (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
@@ -311,7 +493,7 @@ extern "C" __global__ void kvhal_copy_scatter(const u8* __restrict__ tmp, const 
 
 // Raw block I/O (kvhal/backend.py): blocks [n, L * (kb + vb)] bytes hold, per block and layer, the K page
 // then the V page; pools[2l] and pools[2l + 1] are the addresses of layer l's K and V pools. One CTA per
-// (block, layer, K|V) page, 16-bit copies (page sizes are even), coalesced on both sides.
+// (block, layer, K|V) page, 16-bit copies when both page sizes are even, else byte copies, coalesced.
 template <bool GATHER>
 __device__ __forceinline__ void copy_pages(const unsigned long long* pools, const i64* ids, u8* blocks, int L, i64 kb,
                                            i64 vb) {
@@ -321,6 +503,15 @@ __device__ __forceinline__ void copy_pages(const unsigned long long* pools, cons
   const i64 bytes = (lv & 1) ? vb : kb;
   u8* page = reinterpret_cast<u8*>(pools[lv]) + ids[b] * bytes;
   u8* raw = blocks + (b * L + (lv >> 1)) * (kb + vb) + ((lv & 1) ? kb : 0);
+  if ((kb | vb) & 1) {  // odd page sizes (fp8 or mxfp4 rows): pages start at odd offsets, copy bytes
+    for (i64 e = threadIdx.x; e < bytes; e += blockDim.x) {
+      if (GATHER)
+        raw[e] = page[e];
+      else
+        page[e] = raw[e];
+    }
+    return;
+  }
   for (i64 e = 2 * (i64)threadIdx.x; e < bytes; e += 2 * (i64)blockDim.x) {
     if (GATHER)
       st16(raw + e, ld16(page + e));

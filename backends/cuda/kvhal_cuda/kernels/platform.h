@@ -45,6 +45,7 @@ __device__ __forceinline__ float kv_f16_to_f32(unsigned short h) {
 }
 __device__ __forceinline__ float kv_u32_as_f32(unsigned int u) { return __builtin_bit_cast(float, u); }
 __device__ __forceinline__ unsigned int kv_f32_as_u32(float f) { return __builtin_bit_cast(unsigned int, f); }
+__device__ __forceinline__ void kv_check_aligned(const void*, unsigned) {}  // the emulator checks
 
 #else  // CUDA (nvcc or NVRTC); no header needed
 #define KV_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
@@ -70,4 +71,5 @@ __device__ __forceinline__ float kv_f16_to_f32(unsigned short h) {
 }
 __device__ __forceinline__ float kv_u32_as_f32(unsigned int u) { return __uint_as_float(u); }
 __device__ __forceinline__ unsigned int kv_f32_as_u32(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ void kv_check_aligned(const void*, unsigned) {}  // the emulator checks
 #endif

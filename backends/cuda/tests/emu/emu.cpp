@@ -44,6 +44,7 @@ static std::vector<char> smem_buf;
 static int cur = -1;
 static std::function<void()> body;
 static std::string error;
+static std::string fault;  // the first misaligned access of a launch (a fault on the GPU)
 constexpr size_t STACK = 64 * 1024;
 
 static void entry() {
@@ -158,6 +159,10 @@ static inline float kv_f16_to_f32(unsigned short u) {
   std::memcpy(&h, &u, 2);
   return (float)h;
 }
+static inline void kv_check_aligned(const void* p, unsigned a) {
+  if (reinterpret_cast<uintptr_t>(p) % a && emu::fault.empty())
+    emu::fault = "misaligned " + std::to_string(a) + "-byte access (thread " + std::to_string(threadIdx.x) + ")";
+}
 using std::max;
 using std::min;
 #define KV_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(emu::smem_buf.data())
@@ -210,12 +215,14 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
   emu::xbuf.assign((size_t)(n + 31) / 32 * 64, 0);
   emu::smem_buf.assign(smem + 16, (char)0xA5);  // garbage-filled, as shared memory starts
   emu::body = [&]() { it->second(args); };
+  emu::fault.clear();
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
         blockIdx = {x, y, z};
-        if (!emu::run_cta(n)) {
-          std::snprintf(err, errlen, "%s block (%u,%u,%u): %s", name, x, y, z, emu::error.c_str());
+        if (!emu::run_cta(n) || !emu::fault.empty()) {
+          const std::string& why = emu::fault.empty() ? emu::error : emu::fault;
+          std::snprintf(err, errlen, "%s block (%u,%u,%u): %s", name, x, y, z, why.c_str());
           return -1;
         }
       }
