@@ -30,7 +30,6 @@ from kvhal.fidelity import (
     run,
 )
 
-
 # -- oracles: one row at a time, plain Python floats -------------------------------------------------------
 
 
