@@ -278,12 +278,20 @@ def log_softmax(scores: np.ndarray) -> np.ndarray:
     return z
 
 
-def kl_rows(logp_ref: np.ndarray, logp: np.ndarray) -> np.ndarray:
-    """``KL(p_ref || p)`` per row, summed over the keys ``p_ref`` gives mass (masked keys count 0)."""
-    p_ref = np.exp(logp_ref)
+def kl_rows(
+    logp_ref: np.ndarray, logp: np.ndarray, neg_entropy: np.ndarray | None = None, p_ref: np.ndarray | None = None
+) -> np.ndarray:
+    """``KL(p_ref || p)`` per row, summed over the keys ``p_ref`` gives mass (masked keys count 0).
+
+    ``neg_entropy`` (``sum(p_ref * logp_ref)`` per row) and ``p_ref`` (``exp(logp_ref)``): when the caller
+    has them (one reference, many ``p``)."""
+    if p_ref is None:
+        p_ref = np.exp(logp_ref)
     seen = p_ref > 0
-    diff = np.where(seen, logp_ref - np.where(seen, logp, 0.0), 0.0)
-    return np.sum(p_ref * diff, axis=-1)
+    if neg_entropy is None:
+        neg_entropy = np.multiply(p_ref, logp_ref, out=np.zeros_like(p_ref), where=seen).sum(axis=-1)
+    cross = np.multiply(p_ref, logp, out=np.zeros_like(p_ref), where=seen).sum(axis=-1)
+    return neg_entropy - cross
 
 
 def nucleus_mask(p: np.ndarray, top_p: float = TOP_P) -> np.ndarray:
@@ -332,6 +340,8 @@ class _Reference:
     """One layer's float64 attention over the f32 K/V."""
 
     logp: np.ndarray
+    p: np.ndarray
+    neg_entropy: np.ndarray  # sum(p * logp) per row
     top1: np.ndarray
     nucleus: np.ndarray
     out: np.ndarray
@@ -340,7 +350,8 @@ class _Reference:
     def of(cls, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, top_p: float) -> _Reference:
         logp = log_softmax(causal_scores(q, k, scale))
         p = np.exp(logp)
-        return cls(logp, logp.argmax(axis=-1), nucleus_mask(p, top_p), attention_output(p, v))
+        neg_entropy = np.multiply(p, logp, out=np.zeros_like(p), where=p > 0).sum(axis=-1)
+        return cls(logp, p, neg_entropy, logp.argmax(axis=-1), nucleus_mask(p, top_p), attention_output(p, v))
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -497,7 +508,7 @@ def run(
         logp = log_softmax(causal_scores(q, kd, cap.scale))
         p = np.exp(logp)
         figures = {
-            "kl": float(kl_rows(ref.logp, logp).mean()),
+            "kl": float(kl_rows(ref.logp, logp, ref.neg_entropy, ref.p).mean()),
             "top1": float((logp.argmax(axis=-1) == ref.top1).mean()),
             "nucleus": float(nucleus_agreement(p, ref.nucleus, top_p).mean()),
             "out_rel_err": rel_err(out, ref.out),
