@@ -42,7 +42,8 @@ DEFAULT_TOKENS = 1024
 
 # the default list: every format family, plus the CacheSpec options (scale, rotation, tail) where this build has them
 DEFAULT_FORMATS = (
-    "f16,q8_0,q8_0/q4_0,q5_0,q4_0,fp8_e4m3,fp8_e4m3:scale,fp8_e5m2,mxfp4,nvfp4,kivi4,kivi2,q4_0:rot,q4_0:tail64"
+    "f16,q8_0,q8_0/q4_0,q5_0,q4_0,fp8_e4m3,fp8_e4m3:scale,fp8_e5m2,mxfp4,nvfp4,kivi4,kivi2,q8_0/kivi4,q8_0/kivi2,"
+    "q4_0:rot,q4_0:tail64"
 )
 
 # descriptor modifiers: name -> CacheSpec keyword arguments
@@ -547,11 +548,12 @@ def table(r: EvalResult) -> str:
     ]
     if r.note:
         head.append(f"  {r.note}")
-    head.append(
+    head += [
         f"  against float64 attention over the f32 K/V; every query attends causally over the cache after all "
-        f"{r.tokens} tokens; KL(p_f32 || p_fmt) and agreements are means over {r.layers * r.n_heads * r.tokens} "
-        f"query rows; out rel err is the backend's output, mean over layers"
-    )
+        f"{r.tokens} tokens",
+        f"  KL(p_f32 || p_fmt), top-1 and top-p set agreement: means over {r.layers * r.n_heads * r.tokens} query "
+        "rows; out rel err: the backend's output, mean over layers",
+    ]
     cols = [
         "format",
         "backend",

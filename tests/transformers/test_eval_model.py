@@ -35,8 +35,9 @@ def test_reduced_eval_on_smollm2(model_installed, tmp_path, capsys):
     saved = str(tmp_path / "capture.npz")
     assert main([*REDUCED, "--save-capture", saved]) == 0
     data = json.loads(capsys.readouterr().out)
-    print(json.dumps({r["format"]: {k: r[k] for k in ("backend", "bits", "kl", "top1", "nucleus", "out_rel_err")}
-                      for r in data["rows"]}, indent=1))  # fmt: skip
+    with capsys.disabled():  # the figures in the log (pytest -s)
+        print(json.dumps({r["format"]: {k: r[k] for k in ("backend", "bits", "kl", "top1", "nucleus", "out_rel_err")}
+                          for r in data["rows"]}))  # fmt: skip
     assert "SmolLM2-135M-Instruct" in data["model"] and "post-RoPE" in data["note"]
     assert (data["tokens"], data["layers"], data["n_heads"], data["n_kv_heads"], data["head_dim"]) == (256, 2, 9, 3, 64)
     assert data["causal_encoder"] is False
