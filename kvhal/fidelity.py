@@ -32,13 +32,13 @@ import numpy as np
 
 from . import formats
 from .cache import KVCache, _is_int
-from .errors import BackendUnavailableError, FormatError, ShapeError, SpecError, UnsupportedError
+from .errors import BackendUnavailableError, FormatError, NonFiniteError, ShapeError, SpecError, UnsupportedError
 from .interop import to_numpy
 from .progress import progress
 from .spec import CacheSpec
 
 TOP_P = 0.9
-DEFAULT_TOKENS = 1024
+DEFAULT_TOKENS = 512
 
 # the default list: every format family, plus the CacheSpec options (scale, rotation, tail) where this build has them
 DEFAULT_FORMATS = (
@@ -503,7 +503,7 @@ def run(
             cache.store(seq, layer, k, v)
             out = to_numpy(cache.attention(layer, q, [seq], causal=True, scale=cap.scale))
             kd, vd = (to_numpy(x) for x in cache.load(seq, layer))
-        except UnsupportedError as e:
+        except (UnsupportedError, NonFiniteError) as e:  # the backend, or the format's range, refuses this layer
             row.status, row.reason = "unsupported", f"layer {layer}: {e}"
             continue
         logp = log_softmax(causal_scores(q, kd, cap.scale))
