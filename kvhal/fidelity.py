@@ -398,10 +398,13 @@ class EvalResult:
         return asdict(self)
 
 
-def _bits(spec: CacheSpec, tokens: int) -> tuple[float, float, float]:
+def _bits(spec: CacheSpec, tokens: int, tail: int | None = None) -> tuple[float, float, float]:
+    """K, V and mean bits per value over ``tokens``, of which ``tail`` (default: ``spec.tail``) are held in f16."""
     k, v = float(spec.k_bits_per_element), float(spec.v_fmt.bits_per_element)
-    tail = min(int(getattr(spec, "tail", 0) or 0), tokens)
-    if tail:  # the last ``tail`` tokens of the sequence are held in f16
+    if tail is None:
+        tail = int(getattr(spec, "tail", 0) or 0)
+    tail = min(tail, tokens)
+    if tail:  # the sequence's last ``tail`` tokens are held in f16
         k = ((tokens - tail) * k + tail * 16) / tokens
         v = ((tokens - tail) * v + tail * 16) / tokens
     return k, v, (k + v) / 2
@@ -517,6 +520,11 @@ def run(
         }
         for key, value in figures.items():
             row.per_layer.setdefault(key, []).append(value)
+    for row, cache, _ in live:
+        # the f16 tail as the cache holds it (whole pages move out of it: up to tail + block_size - 1 tokens)
+        held = getattr(cache.stats(), "tail_tokens", None)
+        if row.status == "ok" and held is not None:
+            row.k_bits, row.v_bits, row.bits = _bits(cache.spec, n, int(held))
     for row in rows:
         if row.status == "ok":
             for key, values in row.per_layer.items():
