@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import registry
+from . import formats, registry, transforms
 from .backend import Backend
 from .blocks import BlockAllocator
 from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
@@ -68,6 +68,8 @@ class CacheStats:
     evictions: int = 0  # evict() calls and full-cache evictions that dropped tokens
     evicted_tokens_called: int = 0  # tokens dropped by evict()
     evicted_tokens_on_full: int = 0  # tokens dropped because a store found no free block
+    tail_tokens: int = 0  # tokens held in the f16 tails (host memory, every layer), longest layer per sequence
+    tail_bytes: int = 0  # host bytes of those tails, K and V, all layers
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +92,14 @@ class _Seq:
     host_n: int = 0
     mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # spec.uses_tail: per layer, tokens in the quantized pages (whole blocks); the rest sit in the f16 tail
+    paged: list[int] | None = None
+    tail_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # layer -> f16 [t, H, D], stored form
+    tail_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def pages(self) -> list[int]:
+        """Tokens per layer held in the pools (all of them unless the cache keeps an f16 tail)."""
+        return self.lens if self.paged is None else self.paged
 
     def keep_mass(self, columns: np.ndarray) -> None:
         """Positions moved (removed, compacted): the observed mass follows its keys (ascending old positions)."""
@@ -150,10 +160,14 @@ class KVCache:
         self.spec = spec
         self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
         self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
-        if spec.k_paged:
+        # per-head scales, None while "calibrate" waits for the first store
+        self._scales: dict[str, np.ndarray | None] = {
+            w: _resolve_scale(getattr(spec, f"{w}_scale"), spec) for w in "kv"
+        }
+        if spec.uses_tail and isinstance(on_full, EvictOnFull):
             raise UnsupportedError(
-                f"k_format={spec.k_format!r} quantizes K per channel over whole pages, which needs the cache's f16 "
-                "page tail (not in this build); use it as v_format, or a per-token K format"
+                "on_full=EvictOnFull with an f16 tail (tail > 0 or a per-channel K format) is not supported yet: "
+                "eviction moves rows between pages and the tail; use on_full='prefix_lru' or 'raise'"
             )
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
         if not _is_int(stream_arena_tokens) or stream_arena_tokens < 0:
@@ -189,7 +203,60 @@ class KVCache:
     def new_seq(self, extra: dict[str, Any] | None = None) -> int:
         """A new empty sequence. ``extra`` keys (LoRA id, cache salt) enter its block hashes, so
         sequences with different extra keys never share cached blocks."""
-        return self._add_seq(_Seq([], [0] * self.spec.n_layers, extra=extra_digest(extra)))
+        return self._add_seq(self._new(_Seq([], [0] * self.spec.n_layers, extra=extra_digest(extra))))
+
+    def _new(self, s: _Seq) -> _Seq:
+        if self.spec.uses_tail and s.paged is None:
+            s.paged = list(s.lens)
+        return s
+
+    # -- transforms (scales, rotation) ---------------------------------------------------------------
+
+    @property
+    def resolved_spec(self) -> CacheSpec:
+        """The spec with calibrated scales filled in (once the first store fixed them): what names this
+        cache's bytes in fingerprints, block hashes and snapshots."""
+        import dataclasses
+
+        spec, out = self.spec, dict[str, Any]()
+        for w in "kv":
+            sc = self._scales[w]
+            if getattr(spec, f"{w}_scale") == "calibrate" and sc is not None:
+                out[f"{w}_scale"] = tuple(float(x) for x in sc)
+        return dataclasses.replace(spec, **out) if out else spec
+
+    def scales(self) -> dict[str, tuple[float, ...] | None]:
+        """The per-KV-head ``k``/``v`` scales in use (None: "calibrate" before the first store)."""
+        return {w: None if x is None else tuple(float(y) for y in x) for w, x in self._scales.items()}
+
+    def _calibrate(self, which: str, x: np.ndarray) -> np.ndarray:
+        """Per-head scale mapping the first store's rotated |x| max to the format's calibration_max."""
+        fmt = self.spec.k_fmt if which == "k" else self.spec.v_fmt
+        if fmt.calibration_max is None:
+            return np.ones(self.spec.n_kv_heads)
+        if getattr(self.spec, f"{which}_rotation") is not None:
+            x = transforms.rotate(x)
+        amax = np.abs(np.asarray(x, np.float64)).max(axis=(0, 2))
+        return np.where(amax > 0, amax / fmt.calibration_max, 1.0)
+
+    def _forward(self, which: str, x: np.ndarray, sc: np.ndarray) -> np.ndarray:
+        """What is stored for values ``x [n, H, D]``: ``R (x / scale)``, f32."""
+        y = np.asarray(x, np.float64) / sc[None, :, None]
+        if getattr(self.spec, f"{which}_rotation") is not None:
+            y = transforms.rotate(y)
+        return y.astype(np.float32)
+
+    def _backward(self, which: str, y: np.ndarray) -> np.ndarray:
+        """Values from stored form ``y [n, H, D]``: ``scale * R^T y``, f32."""
+        sc = self._scales[which]
+        assert sc is not None
+        x = np.asarray(y, np.float64)
+        if getattr(self.spec, f"{which}_rotation") is not None:
+            x = transforms.unrotate(x)
+        return (x * sc[None, :, None]).astype(np.float32)
+
+    def _set_root(self) -> None:
+        self.root_hash = self.fingerprint.digest(self.resolved_spec)
 
     def _add_seq(self, s: _Seq) -> int:
         sid = self._next_id
@@ -223,6 +290,8 @@ class KVCache:
         ex = extra_digest(extra)
         bs = self.spec.block_size
         usable = max(len(ids) - 1, 0) // bs
+        if self.spec.uses_tail:  # as a prefill of all of ids would: its last `tail` tokens stay f16
+            usable = min(usable, max(len(ids) - self.spec.tail, 0) // bs)
         chain = hash_chain(self.root_hash, ids[: usable * bs], bs, ex)
         blocks = self._blocks.lookup(chain)
         for b in blocks:
@@ -238,7 +307,7 @@ class KVCache:
         c.miss_blocks += len(ids) // bs - len(blocks)
         c.recomputed_tokens += len(ids) - n
         t = _Seq(list(blocks), [n] * self.spec.n_layers, tokens=ids[:n], hashes=chain[: len(blocks)], extra=ex)
-        return self._add_seq(t), n
+        return self._add_seq(self._new(t)), n
 
     # -- tiers ---------------------------------------------------------------------------------------
 
@@ -311,7 +380,7 @@ class KVCache:
     def _seal(self, s: _Seq) -> None:
         """Hash every newly complete block of ``s`` (token ids known, every layer stored)."""
         bs = self.spec.block_size
-        n_full = min(len(s.tokens), min(s.lens)) // bs
+        n_full = min(len(s.tokens), min(s.pages())) // bs
         if s.sealable is not None:
             n_full = min(n_full, s.sealable)
         sealed: list[tuple[int, bytes]] = []
@@ -356,6 +425,9 @@ class KVCache:
         """
         s = self._resident(seq, "seq_rm")
         lo, hi = self._range(p0, p1)
+        if self.spec.uses_tail:
+            self._tail_rm(s, lo, hi)
+            return
         bs = self.spec.block_size
         old_n = max(s.lens, default=0)
         new_lens = [L - max(0, min(hi, L) - min(lo, L)) for L in s.lens]
@@ -387,6 +459,8 @@ class KVCache:
         """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
         s = self._resident(seq, "seq_cp")
         lo, hi = self._range(p0, p1)
+        if self.spec.uses_tail:
+            return self._tail_cp(s, lo, hi)
         bs = self.spec.block_size
         lens = [max(0, min(hi, L) - min(lo, L)) for L in s.lens]
         n_blocks = math.ceil(max(lens, default=0) / bs)
@@ -409,6 +483,43 @@ class KVCache:
         self._seal(t)
         return self._add_seq(t)
 
+    def _tail_rm(self, s: _Seq, lo: int, hi: int) -> None:
+        """seq_rm with an f16 tail: a suffix that lies in the tail only (its rows are dropped there)."""
+        paged = max(s.pages(), default=0)
+        n = max(s.lens, default=0)
+        if lo >= n:
+            return
+        if hi < n or lo < paged:
+            raise UnsupportedError(
+                f"seq_rm [{lo}, {hi}) with an f16 tail: only a suffix within the tail (positions >= {paged}, to the "
+                f"end {n}) can be removed yet, since quantized blocks do not go back to f16; free the sequence and "
+                "store it again instead"
+            )
+        for layer, L in enumerate(s.lens):
+            if L > lo:
+                keep = lo - s.pages()[layer]
+                s.tail_k[layer], s.tail_v[layer] = s.tail_k[layer][:keep], s.tail_v[layer][:keep]
+                s.lens[layer] = lo
+        del s.tokens[lo:]
+        s.keep_mass(np.arange(lo))
+
+    def _tail_cp(self, s: _Seq, lo: int, hi: int) -> int:
+        """seq_cp with an f16 tail: a whole sequence (its quantized blocks shared, its tail copied)."""
+        n = max(s.lens, default=0)
+        if lo != 0 or hi < n:
+            raise UnsupportedError(
+                f"seq_cp [{lo}, {hi}) with an f16 tail: only a copy of the whole sequence (p0=0, p1=-1) is supported "
+                "yet; a part would need quantized blocks back in f16"
+            )
+        for b in s.blocks:
+            self._blocks.acquire(b)
+        t = _Seq(list(s.blocks), list(s.lens), tokens=list(s.tokens), hashes=list(s.hashes), extra=s.extra)
+        t.paged, t.sealable = list(s.pages()), s.sealable
+        t.tail_k, t.tail_v = dict(s.tail_k), dict(s.tail_v)  # tails are replaced, never written in place
+        t.mass = {layer: m.copy() for layer, m in s.mass.items()}
+        t.window_mass = {layer: m.copy() for layer, m in s.window_mass.items()}
+        return self._add_seq(t)
+
     # -- data ----------------------------------------------------------------------------------------
 
     def store(self, seq: int, layer: int, k: Any, v: Any) -> None:
@@ -429,17 +540,48 @@ class KVCache:
         n = int(k.shape[0])
         if n == 0:
             return
-        self.backend.check_values(self.spec.k_fmt, k)
-        self.backend.check_values(self.spec.v_fmt, v)
+        spec = self.spec
+        pending: dict[str, np.ndarray] = {}  # scales calibrated by this store, kept only if it succeeds
+        if spec.transformed or spec.uses_tail:
+            f32 = formats.get("f32")
+            xs = {}
+            for w, x in (("k", k), ("v", v)):
+                x = np.asarray(self.backend.to_numpy(x), np.float32)
+                f32.check_values(x)  # NaN/inf never reach a calibration
+                sc = self._scales[w]
+                if sc is None:
+                    sc = pending[w] = self._calibrate(w, x)
+                xs[w] = self._forward(w, x, sc) if spec.transformed else x
+            if spec.uses_tail:
+                self._store_tail(s, layer, xs["k"], xs["v"], pending)
+                return
+            k, v = self.backend.asarray(xs["k"], "k"), self.backend.asarray(xs["v"], "v")
+        self.backend.check_values(spec.k_fmt, k)
+        self.backend.check_values(spec.v_fmt, v)
+        p0 = s.lens[layer] - s.base  # positions in the resident pages
+        p1 = self._write(s, layer, k, v, p0, p0 + n)
+        self._commit_scales(pending)
+        s.lens[layer] = p1 + s.base
+        if len(s.tokens) > len(s.hashes) * self.spec.block_size:
+            self._seal(s)
+
+    def _commit_scales(self, pending: dict[str, np.ndarray]) -> None:
+        if pending:
+            self._scales.update(pending)
+            self._set_root()
+
+    def _write(self, s: _Seq, layer: int, k: Any, v: Any, p0: int, p1: int) -> int:
+        """Store rows for resident positions ``[p0, p1)``: reserve (evicting with EvictOnFull), own, allocate,
+        write; a failure gives the blocks back."""
         bs = self.spec.block_size
         while True:  # with on_full=EvictOnFull, evict and retry until it fits or nothing more can go
-            p0 = s.lens[layer] - s.base  # positions in the resident pages
-            p1 = p0 + n
             touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
             n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
             needed = n_new + sum(self._ref[s.blocks[i]] > 1 for i in touched)
             if needed <= self._blocks.n_usable or not self._make_room(needed, s):
                 break
+            p0 = s.lens[layer] - s.base  # eviction compacted this sequence: it may have moved
+            p1 = p0 + len(k)
         self._reserve(needed)
         self._own(s, touched)
         added = self._blocks.alloc(n_new)
@@ -454,9 +596,32 @@ class KVCache:
                 del s.blocks[len(s.blocks) - len(added) :]
                 s.changed()
             raise
-        s.lens[layer] = p1 + s.base
-        if len(s.tokens) > len(s.hashes) * bs:
-            self._seal(s)
+        return p1
+
+    def _store_tail(self, s: _Seq, layer: int, k: np.ndarray, v: np.ndarray, pending: dict[str, np.ndarray]) -> None:
+        """Append stored-form rows to the f16 tail; whole blocks that leave it (all but the last ``tail``
+        tokens, a block at a time) are quantized into the pages from their f16 values."""
+        spec, bs = self.spec, self.spec.block_size
+        f16 = formats.get("f16")
+        for fmt, x in ((spec.k_fmt, k), (spec.v_fmt, v)):
+            f16.check_values(x)
+            fmt.check_values(x)
+        assert s.paged is not None
+        empty = np.zeros((0, spec.n_kv_heads, spec.head_dim), np.float16)
+        ck = np.concatenate([s.tail_k.get(layer, empty), k.astype(np.float16)])
+        cv = np.concatenate([s.tail_v.get(layer, empty), v.astype(np.float16)])
+        total = s.lens[layer] + len(k)
+        p0 = s.paged[layer]
+        flush = max(0, total - spec.tail - p0) // bs * bs
+        if flush:
+            kq = self.backend.asarray(ck[:flush].astype(np.float32), "k")
+            vq = self.backend.asarray(cv[:flush].astype(np.float32), "v")
+            self._write(s, layer, kq, vq, p0, p0 + flush)
+        self._commit_scales(pending)
+        s.tail_k[layer], s.tail_v[layer] = ck[flush:].copy(), cv[flush:].copy()
+        s.paged[layer] = p0 + flush
+        s.lens[layer] = total
+        self._seal(s)
 
     def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
         """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
@@ -471,11 +636,31 @@ class KVCache:
                 f"load range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}"
             )
         bs = self.spec.block_size
-        first = p0 // bs
-        blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
-        k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
-        skip = p0 - first * bs
-        return k[skip:], v[skip:]
+        if not (self.spec.uses_tail or self.spec.transformed):
+            first = p0 // bs
+            blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
+            k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
+            skip = p0 - first * bs
+            return k[skip:], v[skip:]
+        paged = s.pages()[layer]
+        ks: list[np.ndarray] = []
+        vs: list[np.ndarray] = []
+        if p0 < min(hi, paged):
+            first, end = p0 // bs, min(hi, paged)
+            blocks = np.asarray(s.blocks[first : math.ceil(end / bs)], np.int64)
+            k, v = self.backend.load(self.pools, layer, blocks, end - first * bs)
+            skip = p0 - first * bs
+            ks.append(np.asarray(self.backend.to_numpy(k), np.float32)[skip:])
+            vs.append(np.asarray(self.backend.to_numpy(v), np.float32)[skip:])
+        if hi > paged:
+            lo = max(p0, paged) - paged
+            ks.append(s.tail_k[layer][lo : hi - paged].astype(np.float32))
+            vs.append(s.tail_v[layer][lo : hi - paged].astype(np.float32))
+        empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float32)
+        k, v = np.concatenate([empty, *ks]), np.concatenate([empty, *vs])
+        if self.spec.transformed and len(k):
+            k, v = self._backward("k", k), self._backward("v", v)
+        return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
 
     def attention(
         self,
@@ -551,6 +736,8 @@ class KVCache:
             raise ShapeError(f"scale must be a finite real number or None, got {scale!r}")
         bs = self.spec.block_size
         n_pages = [-(-n // bs) for n in lens]
+        if self.spec.uses_tail:  # the tail path builds its own tables over the quantized pages
+            n_pages = [0] * len(seq_objs)
         if len(seq_objs) == 1:  # a view of the cached page list, no copy
             table = seq_objs[0].table()[None, : n_pages[0]]
         else:
@@ -561,6 +748,28 @@ class KVCache:
         if not isinstance(observe, (bool, np.bool_)):
             raise ShapeError(f"observe must be a bool, got {observe!r}")
         win = None if window is None else int(window)
+        if self.spec.transformed or self.spec.uses_tail:
+            if observe and self.spec.uses_tail:
+                raise UnsupportedError(
+                    "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
+                    "yet; pass observe=False"
+                )
+            tq = self._q_forward(q) if self.spec.transformed else q
+            if self.spec.uses_tail:
+                res = self._tail_attention(layer, tq, seq_objs, qls, float(scale), bool(causal), win)
+            elif any(s.base for s in seq_objs):
+                if window is not None or observe:
+                    raise UnsupportedError(
+                        "attention over an offloaded sequence takes neither window nor observe; pass window=None, "
+                        "observe=False (or keep the sequence resident)"
+                    )
+                res = self._streamed_attention(layer, tq, seq_objs, qls, float(scale), bool(causal))
+            else:
+                args = (tq, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
+                res = self.backend.attention(*args)
+                if observe:
+                    self._observe(seq_objs, layer, args)
+            return self._out_backward(res) if self.spec.transformed else self.backend.asarray(res, "out")
         if any(s.base for s in seq_objs):
             if window is not None or observe:
                 raise UnsupportedError(
@@ -571,11 +780,92 @@ class KVCache:
         args = (q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
         out = self.backend.attention(*args)
         if observe:
-            for s, (total, tail) in zip(seq_objs, self.backend.attention_mass(*args, self.observe_window)):
-                old = s.mass.get(layer)
-                if old is not None:
-                    total[:, : old.shape[1]] += old[:, : total.shape[1]]
-                s.mass[layer], s.window_mass[layer] = total, tail
+            self._observe(seq_objs, layer, args)
+        return out
+
+    def _observe(self, seq_objs: list[_Seq], layer: int, args: tuple[Any, ...]) -> None:
+        mass = self.backend.attention_mass(*args, self.observe_window)  # type: ignore[call-arg]
+        for s, (total, tail) in zip(seq_objs, mass):
+            old = s.mass.get(layer)
+            if old is not None:
+                total[:, : old.shape[1]] += old[:, : total.shape[1]]
+            s.mass[layer], s.window_mass[layer] = total, tail
+
+    def _kv_head_of(self, n_heads: int) -> np.ndarray:
+        return np.arange(n_heads) // (n_heads // self.spec.n_kv_heads)
+
+    def _q_forward(self, q: Any) -> Any:
+        """Queries against stored K ``R (k / s)``: ``s * R q`` per KV head, so scores are unchanged."""
+        x = np.asarray(self.backend.to_numpy(q), np.float64)
+        if self.spec.k_rotation is not None:
+            x = transforms.rotate(x)
+        sc = self._scales["k"]
+        assert sc is not None  # queries are stored tokens: the first store calibrated
+        x = x * sc[self._kv_head_of(x.shape[1])][None, :, None]
+        return self.backend.asarray(x.astype(np.float32), "q")
+
+    def _out_backward(self, out: Any) -> Any:
+        """Attention over stored V ``R (v / s)`` back to values: ``s * R^T out`` per KV head (exact)."""
+        x = np.asarray(self.backend.to_numpy(out), np.float64)
+        if self.spec.v_rotation is not None:
+            x = transforms.unrotate(x)
+        sc = self._scales["v"]
+        assert sc is not None
+        x = x * sc[self._kv_head_of(x.shape[1])][None, :, None]
+        return self.backend.asarray(x.astype(np.float32), "out")
+
+    def _tail_attention(
+        self, layer: int, q: Any, seq_objs: list[_Seq], qls: list[int], scale: float, causal: bool, window: int | None
+    ) -> np.ndarray:
+        """Attention over the quantized pages (the backend's kernel) merged by log-sum-exp with attention
+        over the f16 tail (float64 here): exact, since the two key sets are disjoint."""
+        from .backend_util import _softmax, merge_lse
+
+        bs, pools = self.spec.block_size, self.pools
+        qh = np.asarray(self.backend.to_numpy(q), np.float32)
+        group = qh.shape[1] // self.spec.n_kv_heads
+        out = np.empty(qh.shape, np.float32)
+        start = 0
+        for s, n_q in zip(seq_objs, qls):
+            rows = qh[start : start + n_q]
+            L, P = s.lens[layer], s.pages()[layer]
+            pos = np.arange(L - n_q, L)
+            a = max(0, P - (L - n_q))  # queries that sit in the paged region
+            parts = []
+            if P:
+                o = np.zeros(rows.shape, np.float32)
+                lse = np.full(rows.shape[:2], -np.inf)
+                table = s.table()[None, : P // bs]
+
+                def run(
+                    r: np.ndarray, causal_: bool, win: int | None, n_kv: int = P, table: np.ndarray = table
+                ) -> tuple[np.ndarray, np.ndarray]:
+                    lens, ql = np.array([n_kv], np.int32), np.array([len(r)], np.int32)
+                    return self.backend.attention_lse(r, pools, layer, table, lens, ql, scale, causal_, win)
+
+                if a:  # the last `a` positions of the pages: the kernel's own masking
+                    o[:a], lse[:a] = run(rows[:a], causal, window)
+                if a < n_q and window is None:  # every page key precedes these queries
+                    o[a:], lse[a:] = run(rows[a:], False, None)
+                elif a < n_q:  # window: as the last query of the pages with a window shortened to match
+                    assert window is not None
+                    for i in range(a, n_q):
+                        w = P - int(pos[i]) + window - 1
+                        if w >= 1:
+                            o[i : i + 1], lse[i : i + 1] = run(rows[i : i + 1], False, w)
+                parts.append((o, lse))
+            if L > P:
+                kt = np.repeat(s.tail_k[layer].astype(np.float64), group, axis=1)  # [T, Hq, D]
+                vt = np.repeat(s.tail_v[layer].astype(np.float64), group, axis=1)
+                scores = np.einsum("qhd,khd->hqk", rows.astype(np.float64), kt) * scale
+                j = np.arange(P, L)[None, :]
+                lo = pos[:, None] - window + 1 if window is not None else np.full((n_q, 1), P)
+                hi = pos[:, None] + 1 if causal else np.full((n_q, 1), L)
+                scores = np.where(((j >= lo) & (j < hi))[None], scores, -np.inf)
+                p, lse_t = _softmax(scores)
+                parts.append((np.einsum("hqk,khd->qhd", p, vt).astype(np.float32), lse_t.T))
+            out[start : start + n_q] = merge_lse(parts)
+            start += n_q
         return out
 
     # -- block streaming -----------------------------------------------------------------------------
@@ -586,6 +876,8 @@ class KVCache:
         sequence keeps growing with ``store``; ``attention`` streams the host part through the arena
         (``stream_arena_tokens``) and merges the pieces by log-sum-exp. Other calls on it raise."""
         s = self._seq(seq)
+        if self.spec.uses_tail:
+            raise UnsupportedError("offload with an f16 tail (tail > 0 or a per-channel K format) is not supported yet")
         if not self._arena:
             raise SpecError("offload needs a streaming arena: create the cache with stream_arena_tokens > 0")
         if not _is_int(keep_tokens) or keep_tokens < 0:
@@ -654,6 +946,11 @@ class KVCache:
         moved byte for byte to positions 0.. (no re-quantization), whole blocks are freed, and
         blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
         s = self._resident(seq, "evict")
+        if self.spec.uses_tail:
+            raise UnsupportedError(
+                "evict with an f16 tail (tail > 0 or a per-channel K format) is not supported yet: it would move rows "
+                "between quantized pages and the tail"
+            )
         if not isinstance(policy, Policy):
             raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {policy!r}")
         if not _is_int(keep_tokens) or keep_tokens < 0:
@@ -780,6 +1077,8 @@ class KVCache:
             evictions=self._evicted["n"],
             evicted_tokens_called=self._evicted["evict"],
             evicted_tokens_on_full=self._evicted["on_full"],
+            tail_tokens=sum(max(L - p for L, p in zip(x.lens, x.pages())) for x in self._seqs.values()),
+            tail_bytes=sum(a.nbytes for x in self._seqs.values() for d in (x.tail_k, x.tail_v) for a in d.values()),
         )
 
     # -- internals -----------------------------------------------------------------------------------
@@ -851,6 +1150,17 @@ class KVCache:
 
     def _release(self, blocks: list[int]) -> None:
         self._blocks.release(blocks)
+
+
+def _resolve_scale(value: Any, spec: CacheSpec) -> np.ndarray | None:
+    """A spec scale as per-head float64 scales; None for "calibrate" (fixed by the first store)."""
+    if value == "calibrate":
+        return None
+    if value is None:
+        return np.ones(spec.n_kv_heads)
+    if isinstance(value, tuple):
+        return np.asarray(value, np.float64)
+    return np.full(spec.n_kv_heads, float(value))
 
 
 def _token_ids(token_ids: Any) -> list[int]:

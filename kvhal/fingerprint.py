@@ -25,6 +25,7 @@ from .spec import CacheSpec
 FORMAT_VERSION = 1
 _BLOCK_DOMAIN = b"kvhal-block-v1\0"
 NO_EXTRA = bytes(32)
+_TRANSFORMS = ("k_scale", "v_scale", "k_rotation", "v_rotation")
 
 
 def _check_json(value: Any, where: str) -> None:
@@ -83,7 +84,11 @@ class Fingerprint:
     def as_dict(self, spec: CacheSpec | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"format_version": FORMAT_VERSION, "model": self.model, "extra": dict(self.extra)}
         if spec is not None:
-            out["spec"] = dataclasses.asdict(spec)
+            d = dataclasses.asdict(spec)
+            # transforms at their identity are left out, so caches without them keep their digests
+            out["spec"] = {
+                k: list(v) if isinstance(v, tuple) else v for k, v in d.items() if not (k in _TRANSFORMS and v is None)
+            }
         return out
 
     def digest(self, spec: CacheSpec | None = None) -> bytes:

@@ -7,8 +7,11 @@ File layout (safetensors; every tensor little-endian):
   stay shared), in the backend-independent pool layout;
 * ``seq{i}.blocks`` — I32, sequence ``i``'s page list as indices into those blocks;
 * ``seq{i}.tokens`` — I32, its recorded token ids;
+* ``seq{i}.tail.l{L}.k`` / ``.v`` — F16 ``[tokens, n_kv_heads, head_dim]``: for a cache with an f16 tail,
+  sequence ``i``'s tail rows of layer ``L`` (stored form: scaled and rotated); its metadata then holds
+  ``paged``, the tokens per layer in the quantized pages;
 * ``__metadata__`` ``{"kvhal": JSON}`` with the format version, the fingerprint (model, extra, digest),
-  the spec, each sequence's per-layer lengths, extra-key digest and block hash chain, and a CRC-32 of
+  the spec (calibrated scales filled in), each sequence's per-layer lengths, extra-key digest and block hash chain, and a CRC-32 of
   every tensor's bytes.
 
 Writing goes to a temp file in the same directory, fsynced, ``os.replace``d over the target, then
@@ -107,19 +110,24 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     for i, s in enumerate(objs):
         tensors[f"seq{i}.blocks"] = np.array([order[b] for b in s.blocks], np.int32)
         tensors[f"seq{i}.tokens"] = np.array(s.tokens, np.int32)
-        seq_meta.append(
-            {
-                "lens": list(s.lens),
-                "extra": s.extra.hex(),
-                "hashes": [h.hex() for h in s.hashes],
-                "sealable": s.sealable,
-            }
-        )
+        m: dict[str, Any] = {
+            "lens": list(s.lens),
+            "extra": s.extra.hex(),
+            "hashes": [h.hex() for h in s.hashes],
+            "sealable": s.sealable,
+        }
+        if spec.uses_tail:
+            m["paged"] = list(s.pages())
+            empty = np.zeros((0, spec.n_kv_heads, spec.head_dim), np.float16)
+            for layer in range(spec.n_layers):
+                tensors[f"seq{i}.tail.l{layer}.k"] = np.ascontiguousarray(s.tail_k.get(layer, empty))
+                tensors[f"seq{i}.tail.l{layer}.v"] = np.ascontiguousarray(s.tail_v.get(layer, empty))
+        seq_meta.append(m)
     meta = {
         "snapshot_version": SNAPSHOT_VERSION,
         "format_version": FORMAT_VERSION,
         "fingerprint": {**cache.fingerprint.as_dict(), "digest": cache.root_hash.hex()},
-        "spec": cache.fingerprint.as_dict(spec)["spec"],
+        "spec": cache.fingerprint.as_dict(cache.resolved_spec)["spec"],
         "n_blocks": len(order),
         "seqs": seq_meta,
         "checksum": "crc32",
@@ -283,12 +291,14 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
     r.check_version()
     meta, spec = r.meta, cache.spec
     fp = meta.get("fingerprint", {})
-    if meta.get("spec") != cache.fingerprint.as_dict(spec)["spec"]:
+    mine = cache.fingerprint.as_dict(cache.resolved_spec)["spec"]
+    adopt, root = _adopt_scales(cache, meta.get("spec"))
+    if meta.get("spec") != mine and not adopt:
         raise FingerprintMismatchError(
-            f"{str(r.path)!r} holds a cache of spec {meta.get('spec')}, this cache is {cache.fingerprint.as_dict(spec)['spec']}; "
-            "restore it into a cache created with the same spec"
+            f"{str(r.path)!r} holds a cache of spec {meta.get('spec')}, this cache is {mine}; "
+            "restore it into a cache created with the same spec (and, with calibrated scales, the same scales)"
         )
-    if fp.get("digest") != cache.root_hash.hex():
+    if fp.get("digest") != root.hex():
         raise FingerprintMismatchError(
             f"{str(r.path)!r} was saved for model {fp.get('model')!r} (extra {fp.get('extra')}), this cache is for "
             f"{cache.fingerprint.model!r} (extra {dict(cache.fingerprint.extra)}); K/V of another model are never "
@@ -317,19 +327,35 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
             raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s metadata is malformed") from None
         blocks = r.tensor(f"seq{i}.blocks", np.int32)
         tokens = r.tensor(f"seq{i}.tokens", np.int32).tolist()
-        need = math.ceil(max(lens, default=0) / bs)
+        paged = lens
+        tails: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
+        if spec.uses_tail:
+            try:
+                paged = [int(x) for x in m["paged"]]
+            except (KeyError, TypeError, ValueError):
+                raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i} lacks its f16 tail's metadata") from None
+            if len(paged) != len(lens) or any(p % bs or not 0 <= p <= n for p, n in zip(paged, lens)):
+                raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s paged and total lengths disagree")
+            for layer, (p, n) in enumerate(zip(paged, lens)):
+                for w, d in zip("kv", tails):
+                    shape = (n - p, spec.n_kv_heads, spec.head_dim)
+                    d[layer] = np.array(r.tensor(f"seq{i}.tail.l{layer}.{w}", np.float16, shape))
+        need = math.ceil(max(paged, default=0) / bs)
         if len(lens) != spec.n_layers or min(lens, default=0) < 0 or blocks.shape != (need,) or len(extra) != 32:
             raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s lengths and page list disagree")
         if need and (blocks.min() < 0 or blocks.max() >= n_blocks):
             raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i} points outside the saved blocks")
-        sealed = min(len(tokens), min(lens)) // bs
+        sealed = min(len(tokens), min(paged)) // bs
         sealed = sealed if sealable is None else min(sealed, sealable)
-        if hashes != hash_chain(cache.root_hash, tokens[: sealed * bs], bs, extra):
+        if hashes != hash_chain(root, tokens[: sealed * bs], bs, extra):
             raise SnapshotCorruptError(
                 f"{str(r.path)!r}: sequence {i}'s block hash chain does not match its token ids; the file is corrupt"
             )
         np.add.at(uses, blocks, 1)
-        staged.append(_Seq(blocks.tolist(), lens, tokens=tokens, hashes=hashes, extra=extra, sealable=sealable))
+        t = _Seq(blocks.tolist(), lens, tokens=tokens, hashes=hashes, extra=extra, sealable=sealable)
+        if spec.uses_tail:
+            t.paged, (t.tail_k, t.tail_v) = paged, tails
+        staged.append(t)
     if n_blocks > cache._blocks.n_usable:
         raise CapacityError(
             f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {cache._blocks.n_usable} of {cache.n_blocks} "
@@ -354,6 +380,9 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
             cache._blocks.acquire(b)
         if n == 0:
             cache._blocks.release([b])
+    if adopt:  # a "calibrate" cache that had not stored yet takes the snapshot's scales
+        cache._scales.update(adopt)
+        cache._set_root()
     out = []
     for s in staged:
         s.blocks = [ids[j] for j in s.blocks]
@@ -361,6 +390,31 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
             cache._blocks.register(b, h)
         out.append(cache._add_seq(s))
     return out
+
+
+def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, np.ndarray], bytes]:
+    """Scales a "calibrate" cache that has not calibrated yet would take from a snapshot's spec (with the
+    root hash they give), when that makes the specs equal; else nothing and the cache's own root."""
+    import dataclasses
+
+    from .errors import KVHalError
+
+    spec = cache.spec
+    fields = {
+        f"{w}_scale": saved.get(f"{w}_scale")
+        for w in "kv"
+        if isinstance(saved, dict) and getattr(spec, f"{w}_scale") == "calibrate" and cache._scales[w] is None
+    }
+    if not fields or not all(isinstance(x, list) for x in fields.values()):
+        return {}, cache.root_hash
+    try:
+        scales: dict[str, Any] = {k: tuple(v) for k, v in fields.items() if isinstance(v, list)}
+        cand = dataclasses.replace(cache.resolved_spec, **scales)
+    except (KVHalError, TypeError):
+        return {}, cache.root_hash
+    if cache.fingerprint.as_dict(cand)["spec"] != saved:
+        return {}, cache.root_hash
+    return {k[0]: np.asarray(v, np.float64) for k, v in fields.items()}, cache.fingerprint.digest(cand)
 
 
 def inspect(path: Any) -> dict[str, Any]:

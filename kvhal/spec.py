@@ -2,19 +2,48 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import formats
 from .errors import FormatError, SpecError
+
+# a cache scale: None (1.0), a positive finite float, one per KV head, or "calibrate"
+Scale = float | tuple[float, ...] | str | None
+
+
+def _check_scale(name: str, value: object, n_kv_heads: int) -> None:
+    def ok(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+    if value is None or (isinstance(value, str) and value == "calibrate"):
+        return
+    if isinstance(value, tuple):
+        if len(value) != n_kv_heads or not all(ok(x) for x in value):
+            raise SpecError(
+                f"CacheSpec.{name}={value!r}: a per-head scale is a tuple of {n_kv_heads} positive finite floats "
+                "(one per KV head)"
+            )
+        return
+    if not ok(value):
+        raise SpecError(
+            f"CacheSpec.{name}={value!r}: a scale is None (1.0), a positive finite float, a tuple of one per KV "
+            'head, or "calibrate"'
+        )
 
 
 @dataclass(frozen=True)
 class CacheSpec:
     """Shape and storage formats of a paged KV cache.
 
-    ``block_size`` is tokens per page. K and V may use different formats. ``tail`` (the last N
-    tokens of each sequence kept in f16) is part of the contract but not implemented yet: only
-    ``tail=0`` is accepted.
+    ``block_size`` is tokens per page. K and V may use different formats.
+
+    Transforms (applied by the cache, so every backend has them; see ``kvhal.transforms``):
+    ``k_scale``/``v_scale`` (vLLM's meaning: ``stored = x / scale``): None (1.0), a float, a tuple of one
+    float per KV head, or ``"calibrate"`` (per-head ``amax / format.calibration_max`` of the first store,
+    then fixed). ``k_rotation``/``v_rotation``: None or ``"hadamard"`` (head_dim a power of two).
+    ``tail``: at least the last ``tail`` tokens of each sequence (at most ``tail + block_size - 1``) stay
+    in f16; the quantized pages only ever hold whole blocks.
     """
 
     n_layers: int
@@ -24,14 +53,39 @@ class CacheSpec:
     v_format: str = "f16"
     block_size: int = 16
     tail: int = 0
+    k_scale: Scale = None
+    v_scale: Scale = None
+    k_rotation: str | None = None
+    v_rotation: str | None = None
 
     def __post_init__(self) -> None:
+        from .transforms import ROTATIONS, check_dim
+
         for name in ("n_layers", "n_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"CacheSpec.{name} must be a positive int, got {value!r}")
-        if self.tail != 0:
-            raise SpecError(f"CacheSpec.tail={self.tail!r}: the f16 precision tail is not implemented yet; pass tail=0")
+        if not isinstance(self.tail, int) or isinstance(self.tail, bool) or self.tail < 0:
+            raise SpecError(f"CacheSpec.tail must be an int >= 0 (tokens kept in f16), got {self.tail!r}")
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if isinstance(value, list):  # a list would make the spec unhashable: take it as the tuple it means
+                object.__setattr__(self, name, tuple(value))
+            _check_scale(name, getattr(self, name), self.n_kv_heads)
+            value = getattr(self, name)
+            if isinstance(value, tuple):  # 2 and 2.0 are one scale: one fingerprint
+                object.__setattr__(self, name, tuple(float(x) for x in value))
+            elif isinstance(value, int):
+                object.__setattr__(self, name, float(value))
+        for name in ("k_rotation", "v_rotation"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value not in ROTATIONS):
+                raise SpecError(f"CacheSpec.{name}={value!r}: pass None or one of {ROTATIONS}")
+            if value is not None:
+                try:
+                    check_dim(self.head_dim)
+                except SpecError as e:
+                    raise SpecError(f"CacheSpec.{name}={value!r}: {e}") from None
         for name in ("k_format", "v_format"):
             fmt = formats.get(getattr(self, name))  # raises FormatError for unknown names
             try:
@@ -92,3 +146,14 @@ class CacheSpec:
         """
         rb = self.k_row_bytes if which == "k" else self.v_row_bytes
         return (n_blocks, self.n_kv_heads, self.block_size, rb)
+
+    @property
+    def uses_tail(self) -> bool:
+        """Tokens pass through a per-sequence f16 tail before they are quantized, a whole block at a time
+        (``tail > 0``, or a per-channel K format, whose pages are quantized only when full)."""
+        return self.tail > 0 or self.k_paged
+
+    @property
+    def transformed(self) -> bool:
+        """Any scale or rotation other than the identity."""
+        return any(x is not None for x in (self.k_scale, self.v_scale, self.k_rotation, self.v_rotation))

@@ -40,12 +40,52 @@ def kv(rng: np.random.Generator, n: int, heads: int = 2, dim: int = 64) -> tuple
     return k, v
 
 
-# K per channel over whole pages (KIVI): a KVCache takes them once its f16 page tail holds the open page
+# K per channel over whole pages (KIVI): the cache keeps each sequence's open page in its f16 tail, and
+# sequence operations that move rows between pages (evict, seq_rm of a middle range, offload) refuse
 PAGED_K = [f for f in ALL_FORMATS if formats.get(f).k_page is not None]
 
 
 def claimed(info: kvhal.BackendInfo) -> list[str]:
+    """The formats the backend claims that every cache operation takes (the per-channel K formats aside)."""
     return [f for f in ALL_FORMATS if f in info.formats and f not in PAGED_K]
+
+
+def claimed_all(info: kvhal.BackendInfo) -> list[str]:
+    return [f for f in ALL_FORMATS if f in info.formats]
+
+
+def oracle_kv(fk: str, fv: str, k: np.ndarray, v: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V as a cache of K format ``fk`` and V format ``fv`` returns them (the oracle for ``load``)."""
+    paged = formats.get(fk).k_page is not None
+    n_full = len(k) // bs * bs if paged else len(k)
+
+    def rows(fmt: str, x: np.ndarray) -> np.ndarray:
+        f = formats.get(fmt)
+        if not paged:
+            return f.dequantize(f.quantize(x))
+        x16 = x.astype(np.float16).astype(np.float32)  # through the f16 tail, quantized from f16 values
+        return np.concatenate([f.dequantize(f.quantize(x16[:n_full])), x16[n_full:]])
+
+    ok = rows(fv, v)
+    if not paged or n_full == 0:
+        return rows(fk, k) if not paged else k.astype(np.float16).astype(np.float32), ok
+    codec = formats.get(fk).k_page
+    assert codec is not None
+    x16 = k.astype(np.float16).astype(np.float32)
+    pages = x16[:n_full].reshape(n_full // bs, bs, *k.shape[1:]).transpose(0, 2, 1, 3)  # [p, H, bs, D]
+    p, h = pages.shape[:2]
+    dq = codec.dequantize_page(codec.quantize_page(pages.reshape(p * h, bs, k.shape[2])), bs).reshape(p, h, bs, -1)
+    full = dq.transpose(0, 2, 1, 3).reshape(n_full, *k.shape[1:])
+    return np.concatenate([full, x16[n_full:]]), ok
+
+
+def refused(info: kvhal.BackendInfo, fmt: str) -> bool:
+    """True, having checked the typed refusal, when ``fmt`` is not one ``info`` runs in a KVCache."""
+    if fmt in claimed_all(info):
+        return False
+    with pytest.raises(kvhal.UnsupportedError):
+        make_cache(info.name, fmt)
+    return True
 
 
 @pytest.fixture()
@@ -59,11 +99,7 @@ def test_claims_at_least_f16(backend_info: kvhal.BackendInfo) -> None:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_store_load_bytes_match_reference(backend_info, fmt, rng):
-    if fmt in PAGED_K:
-        with pytest.raises(kvhal.UnsupportedError, match="page tail"):
-            make_cache(backend_info.name, fmt)
-        return
-    if fmt not in claimed(backend_info):
+    if fmt not in claimed_all(backend_info):
         with pytest.raises(kvhal.UnsupportedError):
             make_cache(backend_info.name, fmt)
         return
@@ -76,10 +112,10 @@ def test_store_load_bytes_match_reference(backend_info, fmt, rng):
     got, want = pool_bytes(caches[0]), pool_bytes(caches[1])
     np.testing.assert_array_equal(got[0], want[0], err_msg="K pool bytes differ from the reference")
     np.testing.assert_array_equal(got[1], want[1], err_msg="V pool bytes differ from the reference")
-    f = formats.get(fmt)
     k2, v2 = (kvhal.to_numpy(x) for x in caches[0].load(0, 0))
-    np.testing.assert_allclose(k2, f.dequantize(f.quantize(k)), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(v2, f.dequantize(f.quantize(v)), rtol=1e-6, atol=1e-6)
+    want_k, want_v = oracle_kv(fmt, fmt, k, v, 16)
+    np.testing.assert_allclose(k2, want_k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(v2, want_v, rtol=1e-6, atol=1e-6)
     k3, _ = (kvhal.to_numpy(x) for x in caches[0].load(0, 0, 5, 21))
     np.testing.assert_allclose(k3, k2[5:21], rtol=0, atol=0)
 
@@ -105,8 +141,8 @@ def adversarial_rows(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_adversarial_bytes_match_reference(backend_info, fmt, rng):
-    if fmt not in claimed(backend_info):
-        pytest.skip(f"{backend_info.name} does not claim {fmt}")
+    if refused(backend_info, fmt):
+        return
     x = adversarial_rows(rng)
     caches = [make_cache(backend_info.name, fmt), make_cache("reference", fmt)]
     for c in caches:
@@ -116,15 +152,19 @@ def test_adversarial_bytes_match_reference(backend_info, fmt, rng):
         assert bad.size == 0, f"{which} pool differs from the reference at [block, head, slot, byte] {bad[:5].tolist()}"
 
 
-def test_mixed_k_v_formats(backend_info, rng):
-    fmts = claimed(backend_info)
-    fk, fv = fmts[-1], fmts[0]
+@pytest.mark.parametrize("last", [1, 2])
+def test_mixed_k_v_formats(backend_info, rng, last):
+    fmts = claimed_all(backend_info)
+    fk, fv = fmts[-last], fmts[0]
     k, v = kv(rng, 20)
     a, b = make_cache(backend_info.name, fk, fv), make_cache("reference", fk, fv)
     for c in (a, b):
         c.store(c.new_seq(), 0, k, v)
     for x, y in zip(pool_bytes(a), pool_bytes(b)):
         np.testing.assert_array_equal(x, y)
+    got = [kvhal.to_numpy(x) for x in a.load(0, 0)]
+    for g, w in zip(got, oracle_kv(fk, fv, k, v, 16)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
 CASES = {
@@ -142,19 +182,19 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_attention_matches_float64(backend_info, fmt, case, rng):
-    if fmt not in claimed(backend_info):
-        pytest.skip(f"{backend_info.name} does not claim {fmt}")
+    if refused(backend_info, fmt):
+        return
     n_heads, n_kv, dim, lens, q_lens, causal, window = CASES[case]
     cache = make_cache(backend_info.name, fmt, heads=n_kv, dim=dim, cap=sum(lens) + 64)
-    f = formats.get(fmt)
     seqs, ks, vs = [], [], []
     for n in lens:
         k, v = kv(rng, n, n_kv, dim)
         s = cache.new_seq()
         cache.store(s, 0, k, v)
         seqs.append(s)
-        ks.append(f.dequantize(f.quantize(k)))
-        vs.append(f.dequantize(f.quantize(v)))
+        want_k, want_v = oracle_kv(fmt, fmt, k, v, 16)
+        ks.append(want_k)
+        vs.append(want_v)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     out = kvhal.to_numpy(cache.attention(0, q, seqs, q_lens, causal=causal, window=window))
     want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
@@ -529,3 +569,32 @@ def test_streamed_attention_equals_resident(backend_info, rng):
     got = kvhal.to_numpy(small.attention(0, q, [s], [3]))
     want = kvhal.to_numpy(big.attention(0, q, [r], [3]))
     assert float(np.abs(got - want).max()) <= 2 * big.backend.attention_tolerance
+
+
+@pytest.mark.parametrize("tail", [0, 5])
+def test_transforms_match_reference(backend_info, rng, tail):
+    """Scales, rotations and the f16 tail live in the cache: on this backend they give the reference's
+    pool bytes, loads and (within tolerance) attention."""
+    fmt = "q8_0" if "q8_0" in claimed(backend_info) else "f16"
+    kw = dict(k_scale=(0.5, 2.0), v_scale="calibrate", k_rotation="hadamard", v_rotation="hadamard", tail=tail)
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=16, **kw)
+    caches = [kvhal.KVCache(spec, 256, backend=name) for name in (backend_info.name, "reference")]
+    k, v = kv(rng, 70)
+    seqs = []
+    for c in caches:
+        s = c.new_seq()
+        for a, b in ((0, 1), (1, 40), (40, 41), (41, 70)):
+            for layer in (0, 1):
+                c.store(s, layer, k[a:b], v[a:b])
+        seqs.append(s)
+    for layer in (0, 1):
+        for got, want in zip(pool_bytes(caches[0], layer), pool_bytes(caches[1], layer)):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(caches[0].load(seqs[0], layer), caches[1].load(seqs[1], layer)):
+            np.testing.assert_array_equal(kvhal.to_numpy(got), kvhal.to_numpy(want))
+    assert caches[0].scales() == caches[1].scales() and caches[0].root_hash == caches[1].root_hash
+    tol = caches[0].backend.attention_tolerance + caches[1].backend.attention_tolerance
+    for n_q, window in ((1, None), (30, None), (3, 9)):
+        q = rng.standard_normal((n_q, 4, 64), dtype=np.float32)
+        outs = [kvhal.to_numpy(c.attention(1, q, [s], window=window)) for c, s in zip(caches, seqs)]
+        assert float(np.abs(outs[0] - outs[1]).max()) <= tol

@@ -46,7 +46,7 @@ def test_spec_validation():
     with pytest.raises(kvhal.FormatError, match="known formats"):
         kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="q9")
     with pytest.raises(kvhal.SpecError, match="tail"):
-        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, tail=4)
+        kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, tail=-4)
     with pytest.raises(kvhal.SpecError, match="capacity_tokens"):
         kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 0, backend="reference")
 

@@ -17,7 +17,7 @@ cuda_emulator = pytest.importorskip("cuda_emulator")
 if cuda_emulator.compiler() is None:
     pytest.skip("no C++ compiler for the kernel emulator", allow_module_level=True)
 
-FMTS = formats.names()
+FMTS = sorted(cuda_emulator.EmulatedCudaBackend.formats, key=formats.names().index)  # what its kernels implement
 
 
 def make(fmt_k, fmt_v=None, *, heads=2, dim=64, bs=16, cap=512, n_sm=4, layers=1):
