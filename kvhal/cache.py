@@ -26,6 +26,7 @@ from .errors import PositionError, SequenceError, ShapeError, SpecError, Unsuppo
 from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
 from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .spec import CacheSpec
+from .streaming import HostBlocks
 
 
 def _is_int(x: Any) -> bool:
@@ -86,10 +87,9 @@ class _Seq:
     # from an offset): they are not what a prefill of their tokens stores, so they never get a hash
     sealable: int | None = None
     # attention mass per layer (observe=True): [n_kv_heads, positions] float64, all queries / last window
-    # block streaming: the first ``base`` positions (whole blocks) live in host memory, raw block layout
+    # block streaming: the first ``base`` positions (whole blocks) live in host memory (streaming.py)
     base: int = 0
-    host: np.ndarray | None = field(default=None, repr=False)  # rows [0, host_n) hold blocks; room to grow
-    host_n: int = 0
+    host: HostBlocks | None = field(default=None, repr=False)
     mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     # spec.uses_tail: per layer, tokens in the quantized pages (whole blocks); the rest sit in the f16 tail
@@ -874,7 +874,8 @@ class KVCache:
         """Move ``seq``'s leading whole blocks to host memory, keeping at least its last ``keep_tokens``
         (and every block not yet stored at all layers) in the pools; returns the tokens moved. The
         sequence keeps growing with ``store``; ``attention`` streams the host part through the arena
-        (``stream_arena_tokens``) and merges the pieces by log-sum-exp. Other calls on it raise."""
+        (``stream_arena_tokens``; in place where the pools are host memory) and merges the pieces by
+        log-sum-exp. Other calls on it raise."""
         s = self._seq(seq)
         if self.spec.uses_tail:
             raise UnsupportedError("offload with an f16 tail (tail > 0 or a per-channel K format) is not supported yet")
@@ -888,13 +889,9 @@ class KVCache:
             return 0
         moved = s.blocks[:n_move]
         data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
-        if s.host is None or s.host_n + n_move > len(s.host):  # grow by doubling: appends stay linear
-            grown = np.empty((max(2 * s.host_n, s.host_n + n_move), self.spec.block_nbytes), np.uint8)
-            if s.host is not None:
-                grown[: s.host_n] = s.host[: s.host_n]
-            s.host = grown
-        s.host[s.host_n : s.host_n + n_move] = data
-        s.host_n += n_move
+        if s.host is None:
+            s.host = HostBlocks.for_pools(self.backend, self.pools, len(self._arena))
+        s.host.append(data)
         del s.blocks[:n_move]
         s.changed()
         s.base += n_move * bs
@@ -918,14 +915,8 @@ class KVCache:
                 table = s.table()[None, : -(-tail // bs)]
                 lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
                 parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, causal, None))
-            held = s.host_n
-            for c0 in range(0, held, len(arena)):  # every host key precedes every query: no mask
-                m = min(len(arena), held - c0)
-                assert s.host is not None
-                self.backend.write_blocks(self.pools, arena[:m].astype(np.int64), s.host[c0 : c0 + m])
-                lens, ql = np.array([m * bs], np.int32), np.array([n_q], np.int32)
-                table = arena[None, :m]
-                parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, False, None))
+            if s.host is not None:
+                parts += s.host.attention_parts(self.pools, arena, rows, layer, n_q, scale)
             out[start : start + n_q] = merge_lse(parts)
             start += n_q
         return out

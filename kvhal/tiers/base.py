@@ -60,8 +60,9 @@ class Tier(ABC):
         ks = self._open_keys(keys)
         return self._contains(ks) if ks else 0
 
-    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
-        """Each key's payload, or None for a miss. A bad blob is a miss and is deleted."""
+    def get(self, keys: Sequence[BlockKey]) -> list[bytes | memoryview | None]:
+        """Each key's payload, or None for a miss. A bad blob is a miss and is deleted. A payload is ``bytes``, or
+        (RedisTier) a read-only ``memoryview`` of the value as the server sent it, so it is not copied again."""
         ks = self._open_keys(keys)
         out = self._get(ks) if ks else []
         hits = sum(p is not None for p in out)
@@ -131,7 +132,7 @@ class Tier(ABC):
     def _contains(self, keys: list[BlockKey]) -> int: ...
 
     @abstractmethod
-    def _get(self, keys: list[BlockKey]) -> list[bytes | None]: ...
+    def _get(self, keys: list[BlockKey]) -> list[bytes | memoryview | None]: ...
 
     @abstractmethod
     def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]: ...

@@ -4,8 +4,9 @@ Ceilings move the same payload bytes in the same batches with nothing of kvhal i
 disk: one file written sequentially with an fsync after every batch (``dd conv=fsync`` per put call), then read
 back sequentially, both from the device (the page cache is dropped for the file, as for the tier's files, before
 every read); redis: pipelined SET / GET of values of the block size through the same client library and server.
-Disk rows also show the tier's own file pattern in plain I/O ("files": one file per block, temp + fsync + rename,
-the same number of threads, a directory fsync per call; no header, checksum or index): what kvhal adds on top of
+Disk rows also show the tier's own file pattern in plain I/O ("files": one file per block, temp files made durable
+by one syncfs per call then renamed, a directory fsync per call, reads after readahead is advised on every file of
+the call, the same number of threads; no header, checksum or index): what kvhal adds on top of
 the one-file-per-block layout. The host tier has no ceiling.
 Figures are medians of ``repeats`` runs after one warm-up run. Within a run the tier and its references take turns
 batch by batch, so other work on the machine slows them alike and the ratios stay comparable.
@@ -33,7 +34,7 @@ from typing import Any
 from ..errors import KVHalError
 from ..progress import progress
 from .base import Tier
-from .disk import WORKERS, DiskTier, _fsync_dir
+from .disk import WORKERS, DiskTier, _fsync_dir, _syncfs, _syncfs_fn
 from .host import HostTier
 from .keys import BlockKey
 from .redis_tier import RedisTier
@@ -113,7 +114,7 @@ class TierArm(Arm):
     def __init__(self, w: Workload, tier: Tier, files: Path | None = None) -> None:
         super().__init__(w)
         self.tier, self.files = tier, files
-        self.got: list[bytes | None] = []
+        self.got: list[bytes | memoryview | None] = []
         ns = os.urandom(32)  # fresh keys every run: nothing is already there
         self.keys = [BlockKey(ns, hashlib.sha256(i.to_bytes(8, "little")).digest()) for i in range(w.n)]
 
@@ -164,36 +165,48 @@ class DiskCeiling(Arm):
 
 
 class DiskFiles(Arm):
-    """The tier's pattern in plain I/O: a file per block (temp, fsync, rename) by as many threads, a directory
-    fsync per batch; no header, checksum or index."""
+    """The tier's pattern in plain I/O: a file per block by as many threads, written to temp files made durable
+    together (one syncfs, else an fsync each), renamed, a directory fsync per batch; read after opening every file
+    of the batch with readahead advised. No header, checksum or index."""
 
     def __init__(self, w: Workload, root: Path, pool: ThreadPoolExecutor) -> None:
         super().__init__(w)
         self.root, self.dir, self.pool = root, root / "files", pool
         self.dir.mkdir()
         self.paths = [str(self.dir / f"{i}.blk") for i in range(w.n)]
+        self.sync_each = _syncfs_fn() is None
 
     def _write(self, i: int) -> None:
         fd = os.open(self.paths[i] + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(fd, self.w.payloads[i])
-        os.fsync(fd)
+        if self.sync_each:
+            os.fsync(fd)
         os.close(fd)
-        os.replace(self.paths[i] + ".tmp", self.paths[i])
 
-    def _read(self, i: int) -> None:
-        fd = os.open(self.paths[i], os.O_RDONLY)
+    def _read(self, fd: int) -> None:
         os.read(fd, self.w.block)
         os.close(fd)
 
     def put(self, b: range) -> None:
         list(self.pool.map(self._write, b))
+        if not self.sync_each:
+            fd = os.open(str(self.dir), os.O_RDONLY)
+            try:
+                _syncfs(fd)
+            finally:
+                os.close(fd)
+        for i in b:
+            os.replace(self.paths[i] + ".tmp", self.paths[i])
         _fsync_dir(str(self.dir))
 
     def before_get(self) -> None:
         _drop_page_cache(self.paths)
 
     def get(self, b: range) -> None:
-        list(self.pool.map(self._read, b))
+        fds = [os.open(self.paths[i], os.O_RDONLY) for i in b]
+        for fd in fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        list(self.pool.map(self._read, fds))
 
     def finish(self) -> None:
         shutil.rmtree(self.dir)

@@ -1,8 +1,10 @@
 """DiskTier: one file per block under a directory, written crash-safe, least recently used dropped first.
 
-Layout: ``<root>/<namespace hex[:16]>/<block hash hex>.kvb``, each file one blob (blob.py). A write goes to a
-temp file in the same directory, is fsynced, renamed over the final name and the directory fsynced, so a reader
-(or a restart after kill -9) sees a whole blob or none. The LRU order lives in memory and is rebuilt from file
+Layout: ``<root>/<namespace hex[:16]>/<block hash hex>.kvb``, each file one blob (blob.py). A ``put`` writes
+each blob to a temp file in the same directory, makes them all durable at once (one syncfs on Linux, else an
+fsync each), renames them over their final names and fsyncs the directory, so a reader (or a restart after
+kill -9 or a power cut) sees a whole blob or none. A ``get`` opens a call's files and starts readahead on all
+of them before worker threads read and checksum them. The LRU order lives in memory and is rebuilt from file
 mtimes at start (a hit refreshes a file's mtime once it is a minute old), so a restart keeps every block, in
 the order of use to the minute.
 One writing process per directory: temp files of a live writer are left alone, those of a dead one removed.
@@ -10,10 +12,14 @@ One writing process per directory: temp files of a live writer are left alone, t
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 import secrets
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +59,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _read(path: str, key: BlockKey) -> tuple[int, Any]:
-    """(state, payload or exception); header and payload are read apart so the payload is not copied again."""
+def _open(path: str) -> tuple[int, Any]:
+    """(state, fd or exception), asking the kernel to start reading the whole file now (readahead): a call's
+    files are all opened and advised before any is read, so the device sees every request of the call at once."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return _MISSING, None
     except OSError as e:
         return _ERROR, e
+    if _FADVISE:
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # a hint only: the read below still reads the file
+    return _OK, fd
+
+
+def _read(fd: int, key: BlockKey) -> tuple[int, Any]:
+    """(state, payload or exception) from an open blob file, which it closes; header and payload are read
+    apart so the payload lands in its own bytes object, copied once (kernel to bytes)."""
     try:
         st = os.fstat(fd)
         header = os.read(fd, HEADER_SIZE)
@@ -81,8 +99,38 @@ def _read(path: str, key: BlockKey) -> tuple[int, Any]:
     return _OK, payload
 
 
-def _write(path: str, key: BlockKey, payload: bytes | memoryview) -> BaseException | None:
-    """Write one blob crash-safe (temp, fsync, rename); the caller fsyncs the directory once per call."""
+def _syncfs_call() -> Callable[[int], int] | None:
+    """Linux's syncfs(2) (write back and flush one filesystem, waiting for it) from the C library, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_FADVISE = hasattr(os, "posix_fadvise")
+
+
+@functools.cache
+def _syncfs_fn() -> Callable[[int], int] | None:
+    return _syncfs_call()
+
+
+def _syncfs(fd: int) -> None:
+    fn = _syncfs_fn()
+    assert fn is not None
+    if fn(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
+
+
+def _write(path: str, key: BlockKey, payload: bytes | memoryview, sync_each: bool) -> tuple[str, BaseException | None]:
+    """Write one blob to a temp file next to ``path``; (temp path, error). The caller makes the bytes durable
+    (``sync_each``: fsync here) before renaming the temp file over ``path``."""
     header = blob_header(key, payload)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name[:-4]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -93,17 +141,21 @@ def _write(path: str, key: BlockKey, payload: bytes | memoryview) -> BaseExcepti
             rest = memoryview(header + payload)[done:] if done < len(header) + len(payload) else b""
             while rest:
                 rest = rest[os.write(fd, rest) :]
-            os.fsync(fd)
+            if sync_each:
+                os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return e
-    return None
+        _unlink_quiet(tmp)
+        return tmp, e
+    return tmp, None
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class DiskTier(Tier):
@@ -184,11 +236,15 @@ class DiskTier(Tier):
                 return n
         return len(keys)
 
-    def _get(self, keys: list[BlockKey]) -> list[bytes | None]:
+    def _get(self, keys: list[BlockKey]) -> list[bytes | memoryview | None]:
         rels = [_rel(k) for k in keys]
-        out: list[bytes | None] = []
-        results = self._map(_read, [(self._abs(r), k) for r, k in zip(rels, keys)])
-        for rel, (state, value) in zip(rels, results):
+        out: list[bytes | memoryview | None] = []
+        opened = [_open(self._abs(r)) for r in rels]  # every file's readahead starts before the first read
+        reads = self._map(_read, [(fd, k) for (state, fd), k in zip(opened, keys) if state == _OK])
+        results = iter(reads)
+        for rel, (state, value) in zip(rels, opened):
+            if state == _OK:
+                state, value = next(results)
             out.append(value if state == _OK else None)
             if state == _OK:
                 if rel in self._lru:
@@ -235,6 +291,12 @@ class DiskTier(Tier):
         return [rel in self._lru for rel in rels]
 
     def _write_pending(self, pending: dict[str, tuple[BlockKey, bytes | memoryview]]) -> None:
+        """Write the blocks crash-safe with one durability point for the whole call: every temp file written,
+        then one syncfs (their bytes durable), then the renames, then one fsync per directory touched (the
+        names durable). A file appears under its final name only once its bytes are on the device. Without
+        syncfs (not Linux) each temp file is fsynced by its writer thread instead."""
+        if not pending:
+            return
         dirs = {rel.split("/", 1)[0] for rel in pending}
         created = False
         for d in dirs:
@@ -243,8 +305,34 @@ class DiskTier(Tier):
                 os.makedirs(self._abs(d), exist_ok=True)
             except OSError as e:
                 self._error(e)
-        args = [(self._abs(rel), k, p) for rel, (k, p) in pending.items()]
-        for rel, err in zip(pending, self._map(_write, args)):
+        sync_each = _syncfs_fn() is None
+        try:
+            # opened before the writes: syncfs reports writeback errors seen since this descriptor was opened
+            root_fd = os.open(self._root, os.O_RDONLY)
+        except OSError as e:
+            for rel in pending:
+                self._lru.remove(rel)
+            self._error(e)
+            return
+        try:
+            args = [(self._abs(rel), k, p, sync_each) for rel, (k, p) in pending.items()]
+            written = list(zip(pending, self._map(_write, args)))
+            if not sync_each and any(err is None for _, (_, err) in written):
+                try:
+                    _syncfs(root_fd)
+                except OSError as e:  # nothing of this call is known durable: none of it is published
+                    written = [(rel, (tmp, err or e)) for rel, (tmp, err) in written]
+                    for _, (tmp, _) in written:
+                        _unlink_quiet(tmp)
+        finally:
+            os.close(root_fd)
+        for rel, (tmp, err) in written:
+            if err is None:
+                try:
+                    os.replace(tmp, self._abs(rel))
+                except OSError as e:
+                    _unlink_quiet(tmp)
+                    err = e
             if err is None:
                 self._stats.puts += 1
             else:

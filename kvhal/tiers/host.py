@@ -20,8 +20,8 @@ class HostTier(Tier):
             n += 1
         return n
 
-    def _get(self, keys: list[BlockKey]) -> list[bytes | None]:
-        out = []
+    def _get(self, keys: list[BlockKey]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = []
         for k in keys:
             data = self._data.get(k)
             if data is not None:

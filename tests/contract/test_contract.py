@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvhal
+import kvhal.streaming
 from kvhal import formats
 from tests.oracle import attention_f64
 
@@ -553,8 +554,12 @@ def test_block_io_rejects_bad_ids(backend_info):
         c.backend.write_blocks(c.pools, np.array([0]), data)  # 1 id, 2 blocks of data
 
 
-def test_streamed_attention_equals_resident(backend_info, rng):
-    """A sequence offloaded to host memory and streamed through the arena attends like a resident one."""
+@pytest.mark.parametrize("through_arena", [False, True], ids=["natural", "arena"])
+def test_streamed_attention_equals_resident(backend_info, rng, monkeypatch, through_arena):
+    """A sequence offloaded to host memory and streamed through the arena (or, where the pools are host memory,
+    attended in place) attends like a resident one; ``arena`` forces the copy path on every backend."""
+    if through_arena:
+        monkeypatch.setattr(kvhal.streaming, "pools_in_host_memory", lambda pools: False)
     fmt = claimed(backend_info)[-1]
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8)
     small = kvhal.KVCache(spec, 32, backend=backend_info.name, stream_arena_tokens=24)

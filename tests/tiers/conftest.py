@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,12 @@ def payload(i: int, size: int = 4096) -> bytes:
     """Deterministic bytes for block i (a subprocess can rebuild them)."""
     seed = hashlib.sha256(b"payload" + i.to_bytes(8, "little")).digest()
     return (seed * (size // 32 + 1))[:size]
+
+
+def version1_blob(k: BlockKey, data: bytes) -> bytes:
+    """A blob of format 1 as it was written: a 112-byte header ending in the payload's sha256."""
+    header = b"KVHB" + struct.pack("<HH", 1, 0) + k.namespace + k.block_hash + struct.pack("<Q", len(data))
+    return header + hashlib.sha256(data).digest() + data
 
 
 def unavailable(why: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import struct
 
@@ -10,20 +11,22 @@ import pytest
 
 import kvhal
 from kvhal.tiers import HEADER_SIZE, BlockKey, decode_blob, encode_blob
+from kvhal.tiers.blob import payload_view
 
-from .conftest import NS, NS_B, key, payload
+from .conftest import NS, NS_B, key, payload, version1_blob
 
 
-def documented_blob(ns: bytes, block_hash: bytes, data: bytes, version: int = 1) -> bytes:
-    # magic "KVHB", u16 version, u16 reserved 0, namespace[32], block_hash[32], u64 length, sha256(payload)[32]
+def documented_blob(ns: bytes, block_hash: bytes, data: bytes, version: int = 2) -> bytes:
+    # magic "KVHB", u16 version, u16 reserved 0, namespace[32], block_hash[32], u64 length, u32 crc32(payload),
+    # u32 reserved 0
     header = b"KVHB" + struct.pack("<HH", version, 0) + ns + block_hash + struct.pack("<Q", len(data))
-    return header + hashlib.sha256(data).digest() + data
+    return header + struct.pack("<II", binascii.crc32(data), 0) + data
 
 
 def test_layout_matches_the_documented_one():
     k, data = key(1), payload(1, 1000)
     assert encode_blob(k, data) == documented_blob(k.namespace, k.block_hash, data)
-    assert HEADER_SIZE == 112
+    assert HEADER_SIZE == 88
     assert decode_blob(k, documented_blob(k.namespace, k.block_hash, data)) == data
 
 
@@ -43,13 +46,16 @@ def test_every_mismatch_is_none():
     blob = encode_blob(k, data)
     assert decode_blob(key(4), blob) is None  # other block
     assert decode_blob(BlockKey(NS_B, k.block_hash), blob) is None  # other model
-    assert decode_blob(k, documented_blob(NS, k.block_hash, data, version=2)) is None
+    assert decode_blob(k, documented_blob(NS, k.block_hash, data, version=3)) is None
+    assert decode_blob(k, version1_blob(k, data)) is None  # format 1 (sha256): a miss
+    assert decode_blob(k, documented_blob(NS, k.block_hash, data, version=1)) is None
     assert decode_blob(k, b"XXXX" + blob[4:]) is None
     assert decode_blob(k, blob[:6] + b"\x01\x00" + blob[8:]) is None  # reserved field
+    assert decode_blob(k, blob[:84] + b"\x01\x00\x00\x00" + blob[88:]) is None  # second reserved field
     for cut in (0, 50, HEADER_SIZE, len(blob) - 1):
         assert decode_blob(k, blob[:cut]) is None, cut
     assert decode_blob(k, blob + b"\x00") is None
-    for pos in (HEADER_SIZE - 1, HEADER_SIZE, len(blob) - 1):  # checksum byte, payload bytes
+    for pos in (80, 83, HEADER_SIZE, len(blob) - 1):  # checksum bytes, payload bytes
         flipped = bytearray(blob)
         flipped[pos] ^= 0x40
         assert decode_blob(k, flipped) is None, pos
@@ -79,3 +85,13 @@ def test_block_key_validation():
         BlockKey(NS, bytearray(h))  # type: ignore[arg-type]
     assert isinstance(kvhal.TierError("x"), kvhal.KVHalError)
     assert BlockKey(NS, h) == BlockKey(bytes(NS), bytes(h)) and len({BlockKey(NS, h), BlockKey(NS, h)}) == 1
+
+
+def test_payload_view_is_the_payload_in_place():
+    k, data = key(5), payload(5, 3000)
+    blob = bytearray(encode_blob(k, data))
+    view = payload_view(k, blob)
+    assert view is not None and view == data and view.readonly and view.nbytes == 3000
+    blob[HEADER_SIZE] ^= 0xFF  # the view reads the blob's own bytes: nothing was copied
+    assert view[0] == blob[HEADER_SIZE] != data[0]
+    assert payload_view(k, bytes(blob)) is None and payload_view(key(6), encode_blob(k, data)) is None

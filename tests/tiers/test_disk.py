@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvhal.tiers import BlockKey, DiskTier, blob_size, encode_blob
 
-from .conftest import NS_B, key, keys, payload
+from .conftest import NS_B, key, keys, payload, version1_blob
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,6 +135,40 @@ def test_corrupt_truncated_foreign_and_missing_files_are_misses_and_deleted(tmp_
     t.close()
     with DiskTier(tmp_path, 1 << 20) as t2:
         assert t2.stats().corrupt_dropped == 1 and t2.contains(ks[:2]) == 0 and t2.contains(ks[1:2]) == 1
+
+
+def test_a_format_1_blob_is_a_miss_and_deleted(tmp_path: Path):
+    ks, data = keys(2), [payload(0, 5000), payload(1, 5000)]
+    with DiskTier(tmp_path, 1 << 20) as t:
+        assert t.put(ks, data) == [True, True]
+        old = block_files_of(tmp_path, ks[:1])[0]
+        old.write_bytes(version1_blob(ks[0], data[0]))  # the sha256 format a previous release wrote
+    with DiskTier(tmp_path, 1 << 20) as t:  # indexed at start like any block file
+        assert t.contains(ks) == 2
+        assert t.get(ks) == [None, data[1]]
+        assert not old.exists() and t.stats().corrupt_dropped == 1 and t.stats().errors == 0
+        assert t.put(ks[:1], data[:1]) == [True] and t.get(ks[:1]) == data[:1]  # written afresh, in format 2
+        assert old.read_bytes()[4:6] == b"\x02\x00"
+
+
+@pytest.mark.parametrize("one_sync", [True, False])
+def test_both_durability_paths_publish_whole_blobs_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_sync: bool):
+    """One syncfs per put (Linux), or an fsync per file where the C library has no syncfs: either way every
+    block is under its final name afterwards, readable by a fresh tier, and no temp file is left."""
+    import kvhal.tiers.disk as disk
+
+    if one_sync and disk._syncfs_fn() is None:
+        pytest.skip("no syncfs(2) here: the per-file path is the one this platform runs")
+    if not one_sync:
+        monkeypatch.setattr(disk, "_syncfs_fn", lambda: None)
+    ks, data = keys(40), [payload(i, 9000) for i in range(40)]
+    with DiskTier(tmp_path, 1 << 20, workers=4) as t:
+        assert t.put(ks[:25], data[:25]) == [True] * 25 and t.put(ks[25:], data[25:]) == [True] * 15
+        assert t.stats().puts == 40 and t.stats().errors == 0
+    assert block_files(tmp_path) == sorted(block_files_of(tmp_path, ks))
+    assert not list(tmp_path.glob("*/.*.tmp"))
+    with DiskTier(tmp_path, 1 << 20) as t:
+        assert t.get(ks) == data
 
 
 def test_only_a_dead_writers_temp_files_are_removed(tmp_path: Path):

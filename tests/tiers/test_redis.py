@@ -16,7 +16,7 @@ from kvhal.tiers import RedisTier, encode_blob
 from kvhal.tiers.redis_tier import redis_key
 from kvhal.tiers.server import RedisServer, free_port
 
-from .conftest import NS_B, key, keys, payload, require_redis, unavailable
+from .conftest import NS_B, key, keys, payload, require_redis, unavailable, version1_blob
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,9 +89,12 @@ def test_corrupt_and_foreign_values_are_misses_and_deleted(redis_server: RedisSe
     raw.set(redis_key(ks[0]), bytes(blob))
     raw.set(redis_key(ks[1]), encode_blob(key(1, NS_B), payload(1)))  # another model's block
     raw.set(redis_key(ks[2]), b"garbage")
-    assert t.get(ks) == [None, None, None, payload(3)]
-    assert [raw.exists(redis_key(k)) for k in ks] == [0, 0, 0, 1]
-    assert t.stats().corrupt_dropped == 3 and t.stats().errors == 0
+    raw.set(redis_key(ks[3]), version1_blob(ks[3], payload(3)))  # format 1 (sha256), a previous release's
+    ks.append(key(4))
+    assert t.put(ks[4:], [payload(4)]) == [True]
+    assert t.get(ks) == [None, None, None, None, payload(4)]
+    assert [raw.exists(redis_key(k)) for k in ks] == [0, 0, 0, 0, 1]
+    assert t.stats().corrupt_dropped == 4 and t.stats().errors == 0
     raw.close()
     t.close()
 
@@ -197,7 +200,7 @@ def test_cluster_round_trip_one_slot_per_model(redis_cluster: str):
     a, b = keys(8), keys(8, ns=NS_B)
     data_a = [payload(i, 20000) for i in range(8)]
     data_b = [payload(100 + i, 20000) for i in range(8)]
-    assert t.put(a + b, data_a + data_b) == [True] * 16
+    assert t.put(a + b, data_a + data_b) == [True] * 16, t.stats().last_error
     mixed = [a[0], b[0], a[1], b[1], key(50)]
     got = t.get(mixed)
     assert got == [data_a[0], data_b[0], data_a[1], data_b[1], None], t.stats().last_error

@@ -6,12 +6,18 @@ import numpy as np
 import pytest
 
 import kvhal
+import kvhal.streaming
 from tests.oracle import attention_f64
 
 SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="q8_0", v_format="q4_0", block_size=8)
 
 
-def test_a_sequence_longer_than_the_pools_attends_like_a_resident_one():
+@pytest.mark.parametrize("through_arena", [False, True], ids=["in_place", "arena"])
+def test_a_sequence_longer_than_the_pools_attends_like_a_resident_one(monkeypatch, through_arena):
+    """The reference backend's pools are numpy arrays: its host blocks are attended in place; ``arena`` forces
+    the copy through the arena that device backends take."""
+    if through_arena:
+        monkeypatch.setattr(kvhal.streaming, "pools_in_host_memory", lambda pools: False)
     rng = np.random.default_rng(0)
     n = 1000
     k = rng.standard_normal((n, 2, 32), dtype=np.float32)
@@ -28,6 +34,10 @@ def test_a_sequence_longer_than_the_pools_attends_like_a_resident_one():
         moved += small.offload(s, keep_tokens=16)
     st = small.stats()
     assert small.seq_len(s) == n and st.offloaded_tokens == moved >= n - 16 - 40 - 8
+    host = small._seqs[s].host
+    assert host is not None and host.in_place is not through_arena and host.n * 8 == moved
+    if not through_arena:  # arena-sized host pools, the last one partly filled
+        assert len(host.segments) == -(-host.n // 6) and all(p.n_blocks == 6 for p in host.segments)
     assert small.pools.nbytes == nbytes == (64 + 48) * SPEC.bytes_per_token  # device memory never grew
     assert st.capacity_tokens == 64 and st.stream_arena_blocks == 6
     f_k, f_v = SPEC.k_fmt, SPEC.v_fmt
