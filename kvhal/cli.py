@@ -1,4 +1,4 @@
-"""The kvhal command: ``info``, ``bench``, ``stress``, ``plan``, ``snapshot`` and ``tiers`` (``--json`` on each)."""
+"""The kvhal command: ``info``, ``bench``, ``stress``, ``plan``, ``eval``, ``snapshot`` and ``tiers`` (``--json`` on each)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from . import formats, plan
+from . import fidelity, formats, plan
 from .backend import OPS
 from .errors import KVHalError, SpecError
 from .registry import backends
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     pst.add_argument("--block-size", type=_positive, default=8)
     pst.add_argument("--json", action="store_true", help="print JSON instead of text")
     plan.add_parser(sub)
+    fidelity.add_parser(sub)
     ps = sub.add_parser("snapshot", help="snapshot files: inspect FILE")
     ps_sub = ps.add_subparsers(dest="snapshot_cmd", required=True)
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             return tiers_bench.main(args)
         if args.cmd == "plan":
             return plan.cli(args)
+        if args.cmd == "eval":
+            return fidelity.cli(args)
         if args.cmd == "stress":
             from . import stress
 

