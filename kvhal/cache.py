@@ -160,8 +160,8 @@ class KVCache:
         self.spec = spec
         self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
         self.root_hash = self.fingerprint.digest(spec)  # parent of every chain's first block
-        # per-head scales, None while "calibrate" waits for the first store
-        self._scales: dict[str, np.ndarray | None] = {
+        # per layer, per-head scales; None while "calibrate" waits for that layer's first store
+        self._scales: dict[str, list[np.ndarray | None]] = {
             w: _resolve_scale(getattr(spec, f"{w}_scale"), spec) for w in "kv"
         }
         if spec.uses_tail and isinstance(on_full, EvictOnFull):
@@ -220,14 +220,30 @@ class KVCache:
 
         spec, out = self.spec, dict[str, Any]()
         for w in "kv":
-            sc = self._scales[w]
-            if getattr(spec, f"{w}_scale") == "calibrate" and sc is not None:
-                out[f"{w}_scale"] = tuple(float(x) for x in sc)
+            per_layer = self._scales[w]
+            if getattr(spec, f"{w}_scale") == "calibrate" and all(sc is not None for sc in per_layer):
+                out[f"{w}_scale"] = tuple(tuple(float(x) for x in sc) for sc in per_layer if sc is not None)
         return dataclasses.replace(spec, **out) if out else spec
 
-    def scales(self) -> dict[str, tuple[float, ...] | None]:
-        """The per-KV-head ``k``/``v`` scales in use (None: "calibrate" before the first store)."""
-        return {w: None if x is None else tuple(float(y) for y in x) for w, x in self._scales.items()}
+    def calibrating(self) -> bool:
+        """True while a "calibrate" scale is fixed for some layers but not yet for all of them."""
+        return any(
+            any(sc is None for sc in per_layer) and any(sc is not None for sc in per_layer)
+            for per_layer in self._scales.values()
+        )
+
+    def scales(self) -> dict[str, tuple[tuple[float, ...] | None, ...]]:
+        """The ``k``/``v`` scales in use: per layer, one per KV head (None: a "calibrate" layer before its
+        first store)."""
+        return {
+            w: tuple(None if sc is None else tuple(float(y) for y in sc) for sc in per_layer)
+            for w, per_layer in self._scales.items()
+        }
+
+    def _scale(self, which: str, layer: int) -> np.ndarray:
+        """Layer ``layer``'s per-head scales (1.0 for a "calibrate" layer that holds nothing yet)."""
+        sc = self._scales[which][layer]
+        return np.ones(self.spec.n_kv_heads) if sc is None else sc
 
     def _calibrate(self, which: str, x: np.ndarray) -> np.ndarray:
         """Per-head scale mapping the first store's rotated |x| max to the format's calibration_max."""
@@ -246,10 +262,9 @@ class KVCache:
             y = transforms.rotate(y)
         return y.astype(np.float32)
 
-    def _backward(self, which: str, y: np.ndarray) -> np.ndarray:
+    def _backward(self, which: str, layer: int, y: np.ndarray) -> np.ndarray:
         """Values from stored form ``y [n, H, D]``: ``scale * R^T y``, f32."""
-        sc = self._scales[which]
-        assert sc is not None
+        sc = self._scale(which, layer)
         x = np.asarray(y, np.float64)
         if getattr(self.spec, f"{which}_rotation") is not None:
             x = transforms.unrotate(x)
@@ -541,16 +556,16 @@ class KVCache:
         if n == 0:
             return
         spec = self.spec
-        pending: dict[str, np.ndarray] = {}  # scales calibrated by this store, kept only if it succeeds
+        pending: dict[tuple[str, int], np.ndarray] = {}  # scales calibrated by this store, kept if it succeeds
         if spec.transformed or spec.uses_tail:
             f32 = formats.get("f32")
             xs = {}
             for w, x in (("k", k), ("v", v)):
                 x = np.asarray(self.backend.to_numpy(x), np.float32)
                 f32.check_values(x)  # NaN/inf never reach a calibration
-                sc = self._scales[w]
+                sc = self._scales[w][layer]
                 if sc is None:
-                    sc = pending[w] = self._calibrate(w, x)
+                    sc = pending[(w, layer)] = self._calibrate(w, x)
                 xs[w] = self._forward(w, x, sc) if spec.transformed else x
             if spec.uses_tail:
                 self._store_tail(s, layer, xs["k"], xs["v"], pending)
@@ -565,9 +580,10 @@ class KVCache:
         if len(s.tokens) > len(s.hashes) * self.spec.block_size:
             self._seal(s)
 
-    def _commit_scales(self, pending: dict[str, np.ndarray]) -> None:
+    def _commit_scales(self, pending: dict[tuple[str, int], np.ndarray]) -> None:
         if pending:
-            self._scales.update(pending)
+            for (w, layer), sc in pending.items():
+                self._scales[w][layer] = sc
             self._set_root()
 
     def _write(self, s: _Seq, layer: int, k: Any, v: Any, p0: int, p1: int) -> int:
@@ -598,7 +614,9 @@ class KVCache:
             raise
         return p1
 
-    def _store_tail(self, s: _Seq, layer: int, k: np.ndarray, v: np.ndarray, pending: dict[str, np.ndarray]) -> None:
+    def _store_tail(
+        self, s: _Seq, layer: int, k: np.ndarray, v: np.ndarray, pending: dict[tuple[str, int], np.ndarray]
+    ) -> None:
         """Append stored-form rows to the f16 tail; whole blocks that leave it (all but the last ``tail``
         tokens, a block at a time) are quantized into the pages from their f16 values."""
         spec, bs = self.spec, self.spec.block_size
@@ -659,7 +677,7 @@ class KVCache:
         empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float32)
         k, v = np.concatenate([empty, *ks]), np.concatenate([empty, *vs])
         if self.spec.transformed and len(k):
-            k, v = self._backward("k", k), self._backward("v", v)
+            k, v = self._backward("k", layer, k), self._backward("v", layer, v)
         return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
 
     def attention(
@@ -754,7 +772,7 @@ class KVCache:
                     "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
                     "yet; pass observe=False"
                 )
-            tq = self._q_forward(q) if self.spec.transformed else q
+            tq = self._q_forward(layer, q) if self.spec.transformed else q
             if self.spec.uses_tail:
                 res = self._tail_attention(layer, tq, seq_objs, qls, float(scale), bool(causal), win)
             elif any(s.base for s in seq_objs):
@@ -769,7 +787,7 @@ class KVCache:
                 res = self.backend.attention(*args)
                 if observe:
                     self._observe(seq_objs, layer, args)
-            return self._out_backward(res) if self.spec.transformed else self.backend.asarray(res, "out")
+            return self._out_backward(layer, res) if self.spec.transformed else self.backend.asarray(res, "out")
         if any(s.base for s in seq_objs):
             if window is not None or observe:
                 raise UnsupportedError(
@@ -794,23 +812,21 @@ class KVCache:
     def _kv_head_of(self, n_heads: int) -> np.ndarray:
         return np.arange(n_heads) // (n_heads // self.spec.n_kv_heads)
 
-    def _q_forward(self, q: Any) -> Any:
+    def _q_forward(self, layer: int, q: Any) -> Any:
         """Queries against stored K ``R (k / s)``: ``s * R q`` per KV head, so scores are unchanged."""
         x = np.asarray(self.backend.to_numpy(q), np.float64)
         if self.spec.k_rotation is not None:
             x = transforms.rotate(x)
-        sc = self._scales["k"]
-        assert sc is not None  # queries are stored tokens: the first store calibrated
+        sc = self._scale("k", layer)
         x = x * sc[self._kv_head_of(x.shape[1])][None, :, None]
         return self.backend.asarray(x.astype(np.float32), "q")
 
-    def _out_backward(self, out: Any) -> Any:
+    def _out_backward(self, layer: int, out: Any) -> Any:
         """Attention over stored V ``R (v / s)`` back to values: ``s * R^T out`` per KV head (exact)."""
         x = np.asarray(self.backend.to_numpy(out), np.float64)
         if self.spec.v_rotation is not None:
             x = transforms.unrotate(x)
-        sc = self._scales["v"]
-        assert sc is not None
+        sc = self._scale("v", layer)
         x = x * sc[self._kv_head_of(x.shape[1])][None, :, None]
         return self.backend.asarray(x.astype(np.float32), "out")
 
@@ -1143,15 +1159,20 @@ class KVCache:
         self._blocks.release(blocks)
 
 
-def _resolve_scale(value: Any, spec: CacheSpec) -> np.ndarray | None:
-    """A spec scale as per-head float64 scales; None for "calibrate" (fixed by the first store)."""
+def _resolve_scale(value: Any, spec: CacheSpec) -> list[np.ndarray | None]:
+    """A spec scale as per-layer, per-head float64 scales; None for a "calibrate" layer (fixed by its first
+    store)."""
     if value == "calibrate":
-        return None
+        return [None] * spec.n_layers
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return [np.asarray(x, np.float64) for x in value]
     if value is None:
-        return np.ones(spec.n_kv_heads)
-    if isinstance(value, tuple):
-        return np.asarray(value, np.float64)
-    return np.full(spec.n_kv_heads, float(value))
+        per_head = np.ones(spec.n_kv_heads)
+    elif isinstance(value, tuple):
+        per_head = np.asarray(value, np.float64)
+    else:
+        per_head = np.full(spec.n_kv_heads, float(value))
+    return [per_head.copy() for _ in range(spec.n_layers)]
 
 
 def _token_ids(token_ids: Any) -> list[int]:

@@ -28,6 +28,11 @@ NO_EXTRA = bytes(32)
 _TRANSFORMS = ("k_scale", "v_scale", "k_rotation", "v_rotation")
 
 
+def _lists(value: Any) -> Any:
+    """Tuples (per-head and per-layer scales) as the lists JSON gives back, nested ones too."""
+    return [_lists(x) for x in value] if isinstance(value, (tuple, list)) else value
+
+
 def _check_json(value: Any, where: str) -> None:
     if value is None or isinstance(value, (bool, int, str)):
         return
@@ -87,7 +92,7 @@ class Fingerprint:
             d = dataclasses.asdict(spec)
             # transforms at their identity are left out, so caches without them keep their digests
             out["spec"] = {
-                k: list(v) if isinstance(v, tuple) else v for k, v in d.items() if not (k in _TRANSFORMS and v is None)
+                k: _lists(v) for k, v in d.items() if not (k in _TRANSFORMS and v is None)
             }
         return out
 

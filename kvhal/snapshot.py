@@ -44,6 +44,7 @@ from .errors import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotVersionError,
+    UnsupportedError,
 )
 from .fingerprint import FORMAT_VERSION, hash_chain
 
@@ -90,6 +91,11 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     objs = [cache._resident(s, "save") for s in ids]
     if not target.parent.is_dir():
         raise SnapshotError(f"directory {str(target.parent)!r} does not exist; create it first")
+    if cache.calibrating():
+        raise UnsupportedError(
+            'a snapshot of a cache whose "calibrate" scales are fixed for some layers only would not name its '
+            "bytes: store to every layer first (or give the scales in the spec)"
+        )
     spec = cache.spec
     order: dict[int, int] = {}  # block id -> index in the file
     for s in objs:
@@ -392,7 +398,7 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
     return out
 
 
-def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, np.ndarray], bytes]:
+def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:
     """Scales a "calibrate" cache that has not calibrated yet would take from a snapshot's spec (with the
     root hash they give), when that makes the specs equal; else nothing and the cache's own root."""
     import dataclasses
@@ -403,18 +409,23 @@ def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, np.ndarray], by
     fields = {
         f"{w}_scale": saved.get(f"{w}_scale")
         for w in "kv"
-        if isinstance(saved, dict) and getattr(spec, f"{w}_scale") == "calibrate" and cache._scales[w] is None
+        if isinstance(saved, dict)
+        and getattr(spec, f"{w}_scale") == "calibrate"
+        and all(sc is None for sc in cache._scales[w])
     }
-    if not fields or not all(isinstance(x, list) for x in fields.values()):
+    if not fields or not all(isinstance(x, list) and all(isinstance(r, list) for r in x) for x in fields.values()):
         return {}, cache.root_hash
     try:
-        scales: dict[str, Any] = {k: tuple(v) for k, v in fields.items() if isinstance(v, list)}
+        scales: dict[str, Any] = {k: tuple(tuple(r) for r in v) for k, v in fields.items() if isinstance(v, list)}
         cand = dataclasses.replace(cache.resolved_spec, **scales)
     except (KVHalError, TypeError):
         return {}, cache.root_hash
     if cache.fingerprint.as_dict(cand)["spec"] != saved:
         return {}, cache.root_hash
-    return {k[0]: np.asarray(v, np.float64) for k, v in fields.items()}, cache.fingerprint.digest(cand)
+    per_layer: dict[str, list[np.ndarray | None]] = {
+        k[0]: [np.asarray(r, np.float64) for r in v] for k, v in scales.items()
+    }
+    return per_layer, cache.fingerprint.digest(cand)
 
 
 def inspect(path: Any) -> dict[str, Any]:

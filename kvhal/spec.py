@@ -8,15 +8,25 @@ from dataclasses import dataclass
 from . import formats
 from .errors import FormatError, SpecError
 
-# a cache scale: None (1.0), a positive finite float, one per KV head, or "calibrate"
-Scale = float | tuple[float, ...] | str | None
+# a cache scale: None (1.0), a positive finite float, one per KV head, one per KV head for each layer,
+# or "calibrate"
+Scale = float | tuple[float, ...] | tuple[tuple[float, ...], ...] | str | None
 
 
-def _check_scale(name: str, value: object, n_kv_heads: int) -> None:
+def _check_scale(name: str, value: object, n_layers: int, n_kv_heads: int) -> None:
     def ok(x: object) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
     if value is None or (isinstance(value, str) and value == "calibrate"):
+        return
+    if isinstance(value, tuple) and value and isinstance(value[0], (tuple, list)):
+        if len(value) != n_layers or not all(
+            isinstance(row, (tuple, list)) and len(row) == n_kv_heads and all(ok(x) for x in row) for row in value
+        ):
+            raise SpecError(
+                f"CacheSpec.{name}={value!r}: a per-layer scale is a tuple of {n_layers} tuples (one per layer) of "
+                f"{n_kv_heads} positive finite floats (one per KV head)"
+            )
         return
     if isinstance(value, tuple):
         if len(value) != n_kv_heads or not all(ok(x) for x in value):
@@ -28,7 +38,7 @@ def _check_scale(name: str, value: object, n_kv_heads: int) -> None:
     if not ok(value):
         raise SpecError(
             f"CacheSpec.{name}={value!r}: a scale is None (1.0), a positive finite float, a tuple of one per KV "
-            'head, or "calibrate"'
+            'head, one such tuple per layer, or "calibrate"'
         )
 
 
@@ -40,8 +50,8 @@ class CacheSpec:
 
     Transforms (applied by the cache, so every backend has them; see ``kvhal.transforms``):
     ``k_scale``/``v_scale`` (vLLM's meaning: ``stored = x / scale``): None (1.0), a float, a tuple of one
-    float per KV head, or ``"calibrate"`` (per-head ``amax / format.calibration_max`` of the first store,
-    then fixed). ``k_rotation``/``v_rotation``: None or ``"hadamard"`` (head_dim a power of two).
+    float per KV head, a tuple of such tuples (one per layer), or ``"calibrate"`` (per layer and head,
+    ``amax / format.calibration_max`` of that layer's first store, then fixed). ``k_rotation``/``v_rotation``: None or ``"hadamard"`` (head_dim a power of two).
     ``tail``: at least the last ``tail`` tokens of each sequence (at most ``tail + block_size - 1``) stay
     in f16; the quantized pages only ever hold whole blocks.
     """
@@ -71,9 +81,11 @@ class CacheSpec:
             value = getattr(self, name)
             if isinstance(value, list):  # a list would make the spec unhashable: take it as the tuple it means
                 object.__setattr__(self, name, tuple(value))
-            _check_scale(name, getattr(self, name), self.n_kv_heads)
+            _check_scale(name, getattr(self, name), self.n_layers, self.n_kv_heads)
             value = getattr(self, name)
-            if isinstance(value, tuple):  # 2 and 2.0 are one scale: one fingerprint
+            if isinstance(value, tuple) and isinstance(value[0], (tuple, list)):  # 2 and 2.0: one fingerprint
+                object.__setattr__(self, name, tuple(tuple(float(x) for x in row) for row in value))
+            elif isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(float(x) for x in value))
             elif isinstance(value, int):
                 object.__setattr__(self, name, float(value))

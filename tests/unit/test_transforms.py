@@ -119,14 +119,14 @@ def test_per_head_and_calibrated_scales(rng):
     spec = kvhal.CacheSpec(1, 2, 64, "fp8_e4m3", "nvfp4", BS, k_scale="calibrate", v_scale=(0.5, 0.25))
     c = kvhal.KVCache(spec, 64, backend="reference")
     root = c.root_hash
-    assert c.scales()["k"] is None
+    assert c.scales()["k"] == (None,)
     s = c.new_seq()
     c.store(s, 0, k[:10], v[:10])
     want = np.abs(k[:10]).max(axis=(0, 2)).astype(np.float64) / 448.0
-    np.testing.assert_allclose(c.scales()["k"], want)
+    np.testing.assert_allclose(c.scales()["k"][0], want)
     assert c.root_hash != root  # calibrated scales name the cache's bytes
     c.store(s, 0, k[10:], v[10:])  # fixed after the first store
-    np.testing.assert_allclose(c.scales()["k"], want)
+    np.testing.assert_allclose(c.scales()["k"][0], want)
     kp, vp = pools(c)
     sk = want[None, :, None]
     sv = np.array([0.5, 0.25])[None, :, None]
@@ -142,6 +142,44 @@ def test_per_head_and_calibrated_scales(rng):
     np.testing.assert_allclose(v2, vs[3:20], rtol=1e-6, atol=1e-7)
 
 
+def test_calibration_is_per_layer(rng, tmp_path):
+    """Each layer's first store fixes that layer's scales: a later layer with larger keys does not saturate."""
+    small = rng.standard_normal((20, 2, 64)).astype(np.float32)
+    big = small * np.float32(100.0)
+    spec = kvhal.CacheSpec(2, 2, 64, "fp8_e4m3", "f16", BS, k_scale="calibrate")
+    c = kvhal.KVCache(spec, 64, backend="reference")
+    s = c.new_seq()
+    c.store(s, 0, small, small)
+    assert c.calibrating() and c.scales()["k"][1] is None
+    with pytest.raises(kvhal.UnsupportedError, match="every layer"):
+        c.save(tmp_path / "partial.kvs")
+    c.store(s, 1, big, big)
+    assert not c.calibrating()
+    for layer, x in ((0, small), (1, big)):
+        want = np.abs(x).max(axis=(0, 2)).astype(np.float64) / 448.0
+        np.testing.assert_allclose(c.scales()["k"][layer], want)
+        sk = want[None, :, None]
+        kp, _ = pools(c, layer)
+        np.testing.assert_array_equal(rows(kp, c._seqs[s].blocks, 20), formats.get("fp8_e4m3").quantize(x / sk))
+    resolved = c.resolved_spec.k_scale
+    assert isinstance(resolved, tuple) and len(resolved) == 2 and resolved[1] == c.scales()["k"][1]
+    # the same bytes from a spec that names the per-layer scales
+    given = kvhal.KVCache(kvhal.CacheSpec(2, 2, 64, "fp8_e4m3", "f16", BS, k_scale=resolved), 64, backend="reference")
+    s2 = given.new_seq()
+    given.store(s2, 0, small, small)
+    given.store(s2, 1, big, big)
+    for layer in (0, 1):
+        np.testing.assert_array_equal(pools(given, layer)[0], pools(c, layer)[0])
+
+
+@pytest.mark.parametrize(
+    "bad", [((1.0, 1.0),), ((1.0, 1.0), (1.0,)), ((1.0, 1.0), (1.0, 0.0)), ((1.0, 1.0), (1.0, True))]
+)
+def test_per_layer_scale_is_validated(bad):
+    with pytest.raises(kvhal.SpecError, match="per-layer scale"):
+        kvhal.CacheSpec(2, 2, 64, "fp8_e4m3", k_scale=bad)
+
+
 def test_calibration_failure_changes_nothing(rng):
     spec = kvhal.CacheSpec(1, 2, 64, "fp8_e4m3", k_scale="calibrate", v_scale="calibrate")
     c = kvhal.KVCache(spec, 16, backend="reference")
@@ -149,12 +187,12 @@ def test_calibration_failure_changes_nothing(rng):
     k = rng.standard_normal((40, 2, 64)).astype(np.float32)
     with pytest.raises(kvhal.CapacityError):
         c.store(s, 0, k, k)
-    assert c.scales() == {"k": None, "v": None} and c.seq_len(s) == 0
+    assert c.scales() == {"k": (None,), "v": (None,)} and c.seq_len(s) == 0
     bad = k[:4].copy()
     bad[0, 0, 0] = np.nan
     with pytest.raises(kvhal.NonFiniteError):
         c.store(s, 0, bad, k[:4])
-    assert c.scales() == {"k": None, "v": None}
+    assert c.scales() == {"k": (None,), "v": (None,)}
 
 
 @pytest.mark.parametrize("rot", [("hadamard", None), (None, "hadamard"), ("hadamard", "hadamard")])
