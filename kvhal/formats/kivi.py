@@ -30,16 +30,16 @@ def _codes(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     """[rows, 32k] codes -> [rows, 4k*bits] bytes; per 32-group, value j + (32/per)*i in field i of byte j."""
     per = 8 // bits  # values per byte
-    g = q.reshape(q.shape[0], -1, per, 32 // per)  # [rows, groups, field, byte]
+    g = q.reshape(q.shape[0], q.shape[1] // 32, per, 32 // per)  # [rows, groups, field, byte]; no -1: 0 rows
     shifts = (np.arange(per, dtype=np.uint8) * bits)[None, None, :, None]
-    return np.bitwise_or.reduce(g << shifts, axis=2).reshape(q.shape[0], -1).astype(np.uint8)
+    return np.bitwise_or.reduce(g << shifts, axis=2).reshape(q.shape[0], q.shape[1] // per).astype(np.uint8)
 
 
 def _unpack(b: np.ndarray, bits: int) -> np.ndarray:
     per = 8 // bits
-    g = b.reshape(b.shape[0], -1, 1, 32 // per)
+    g = b.reshape(b.shape[0], b.shape[1] * per // 32, 1, 32 // per)  # explicit: -1 fails on 0 rows
     shifts = (np.arange(per, dtype=np.uint8) * bits)[None, None, :, None]
-    return ((g >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], -1)
+    return ((g >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], b.shape[1] * per)
 
 
 def _kivi2_q(b: np.ndarray) -> np.ndarray:

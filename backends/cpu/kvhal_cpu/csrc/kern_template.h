@@ -143,7 +143,10 @@ static void FN(q5_1_block)(const float *x, uint8_t *y) {
     FN(pack_nibbles)(q, y + 8);
 }
 
+#include "kern_v2.h" /* fp8, mxfp4, nvfp4, kivi rows */
+
 static void FN(quantize)(int fmt, const float *x, uint8_t *dst, int d) {
+    if (FN(v2_quantize)(fmt, x, dst, d)) return;
     switch (fmt) {
     case KV_F32:
         memcpy(dst, x, (size_t)d * 4);
@@ -182,6 +185,7 @@ KV_INLINE float FN(get_f16)(const uint8_t *p) {
 }
 
 static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
+    if (FN(v2_dequantize)(fmt, src, dst, d)) return;
 #ifdef DEQUANT_ROW_OVERRIDE
     if (DEQUANT_ROW_OVERRIDE(fmt, src, dst, d)) return;
 #endif
