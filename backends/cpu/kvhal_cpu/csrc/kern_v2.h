@@ -47,13 +47,13 @@ static inline float kv_fp8_decode(uint8_t b, int man, int bias) {
 /* ggml_e8m0_to_fp32_half */
 static inline float kv_e8m0_half(uint8_t e) { return kv_bits_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
-/* the e4m3 scale code -> its value times one half (0 and 0x7F read 0) */
+/* the e4m3 scale code -> its value times one half (0 and 0x7F read 0): fp4.py's _ue4m3_half, built from
+ * bits (every value is exact: 4 significant bits, exponent -10..7) */
 static inline float kv_ue4m3_half(uint8_t c) {
-    const int exp = (c >> 3) & 0xf;
-    const float man = (float)(c & 7);
-    if (c == 0 || c == 0x7f) return 0.0f;
-    const float raw = exp == 0 ? man * 0x1p-9f : (1.0f + man / 8.0f) * ldexpf(1.0f, exp - 7);
-    return raw * 0.5f;
+    const uint32_t exp = (c >> 3) & 0xfu, man = c & 7u;
+    const float sub = (float)man * 0x1p-10f;                              /* man * 2^-9 / 2 */
+    const float nrm = kv_bits_f32(((exp + 126u - 7u) << 23) | (man << 20)); /* (1 + man/8) 2^(exp-7) / 2 */
+    return (c == 0 || c == 0x7f) ? 0.0f : exp == 0 ? sub : nrm;
 }
 
 /* ggml_fp32_to_ue4m3 of a non-negative float, as fp4.py's _ue4m3 */
@@ -282,4 +282,300 @@ static int FN(v2_dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
         return 1;
     }
 }
+
+#ifdef KV_V2_VEC
+/* ---- AVX-512 decode path for the v2 formats ------------------------------------------------------
+ * One query position per item, head_dim 64..256 (a multiple of 32), K and V each a v2 or float format.
+ * The f32 path dequantizes a whole tile into L1 and reduces every (row, token) dot product on its own;
+ * here each 16-value chunk of a K row is decoded into a register and meets every query row of its KV
+ * head, the 16 tokens' partial sums are reduced together (a 4-level shuffle tree: 2 ops per dot, not
+ * ~8), and V is decoded once per token into a small buffer the query rows' accumulators stream over. */
+
+/* chunks 2*c2 and 2*c2 + 1 (values 32*c2 .. 32*c2 + 31) of a stored row as f32; fmt is a constant once
+ * inlined. fp8 goes through f16: e5m2 is an f16's high byte; e4m3 moves its exponent/mantissa one bit
+ * down, which times 2^8 is its value (subnormals included); the inf/NaN codes (never stored) read NaN. */
+KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m512 *b) {
+    const __m512 tab = _mm512_load_ps(kv_e2m1x2);
+    switch (fmt) {
+    case KV_F32:
+        *a = _mm512_loadu_ps((const float *)(const void *)row + 32 * c2);
+        *b = _mm512_loadu_ps((const float *)(const void *)row + 32 * c2 + 16);
+        return;
+    case KV_F16:
+        *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 64 * c2)));
+        *b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 64 * c2 + 32)));
+        return;
+    case KV_BF16:
+        *a = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(row + 64 * c2))), 16));
+        *b = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(row + 64 * c2 + 32))), 16));
+        return;
+    case KV_FP8_E4M3:
+    case KV_FP8_E5M2: {
+        __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * c2))), 8);
+        __m512 sc = _mm512_set1_ps(1.0f);
+        if (fmt == KV_FP8_E4M3) {
+            w = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16((short)0xbfff)); /* sign kept, its copy cleared */
+            const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x3f80));
+            w = _mm512_mask_mov_epi16(w, nan, _mm512_set1_epi16(0x7e00));
+            sc = _mm512_set1_ps(256.0f);
+        } else { /* e5m2 inf codes read NaN, as the spec's table */
+            const __mmask32 inf = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x7c00));
+            w = _mm512_mask_mov_epi16(w, inf, _mm512_set1_epi16(0x7e00));
+        }
+        *a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w)), sc);
+        *b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)), sc);
+        return;
+    }
+    case KV_MXFP4: { /* VPERMPS reads the low 4 index bits: the low nibbles need no mask */
+        const uint8_t *y = row + KV_MXFP4_BYTES * c2;
+        const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 1)));
+        const __m512 d = _mm512_set1_ps(kv_e8m0_half(y[0]));
+        *a = _mm512_mul_ps(d, _mm512_permutexvar_ps(n, tab));
+        *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4), tab));
+        return;
+    }
+    case KV_NVFP4: { /* sub-blocks 2*(c2&1) and +1: 8 bytes each, values j (low nibble) and j + 8 (high) */
+        const uint8_t *y = row + KV_NVFP4_BYTES * (c2 >> 1);
+        const int sb = 2 * (c2 & 1);
+        const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+        const __m128i b0 = _mm_loadl_epi64((const __m128i *)(const void *)(y + 4 + 8 * sb));
+        const __m128i b1 = _mm_loadl_epi64((const __m128i *)(const void *)(y + 12 + 8 * sb));
+        const __m512i n0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b0, b0)), sh);
+        const __m512i n1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b1, b1)), sh);
+        *a = _mm512_mul_ps(_mm512_set1_ps(kv_ue4m3_half(y[sb])), _mm512_permutexvar_ps(n0, tab));
+        *b = _mm512_mul_ps(_mm512_set1_ps(kv_ue4m3_half(y[sb + 1])), _mm512_permutexvar_ps(n1, tab));
+        return;
+    }
+    case KV_KIVI4: {
+        const uint8_t *y = row + KV_KIVI4_BYTES * c2;
+        const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 4)));
+        const __m512 d = _mm512_set1_ps(FN(v2_f16)(y)), m = _mm512_set1_ps(FN(v2_f16)(y + 2));
+        *a = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(n, _mm512_set1_epi32(15)))), m);
+        *b = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(n, 4))), m);
+        return;
+    }
+    default: { /* kivi2: lane k of the 8 bytes twice is byte k % 8; field k / 8 (+2 for the second chunk) */
+        const uint8_t *y = row + KV_KIVI2_BYTES * c2;
+        const __m128i b8 = _mm_loadl_epi64((const __m128i *)(const void *)(y + 4));
+        const __m512i n = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8)), three = _mm512_set1_epi32(3);
+        const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        const __m512 d = _mm512_set1_ps(FN(v2_f16)(y)), m = _mm512_set1_ps(FN(v2_f16)(y + 2));
+        *a = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(n, sh), three))), m);
+        *b = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_srli_epi32(n, 4), sh), three))), m);
+        return;
+    }
+    }
+}
+
+static inline int kv_v2_dec_fmt(int fmt) { return fmt <= KV_BF16 || kv_is_v2(fmt); }
+
+/* sum of each of 16 vectors s[t*16 ..] into lane t */
+static inline __m512 kv_v2_reduce16(const float *s) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 a = _mm512_load_ps(s + 16 * i), b = _mm512_load_ps(s + 16 * (i + 8));
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    }
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), _mm512_shuffle_f32x4(x[i], x[i + 4], 0xdd));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[i], y[i + 2], 0x44), _mm512_shuffle_ps(y[i], y[i + 2], 0xee));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xdd));
+    /* w holds tokens 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15: the same permutation puts them in order */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), w);
+}
+
+/* scores of G query rows (qf, [G][D]) against 16 K rows into S [G][16 tokens][16 partials] */
+KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S) {
+    for (int t = 0; t < 16; t++) {
+        __m512 kv[16];
+        for (int ch = 0; ch < NC; ch += 2) FN(v2_pair)(kfmt, kr[t], ch / 2, &kv[ch], &kv[ch + 1]);
+        for (int r = 0; r < G; r++) {
+            const float *q = qf + (size_t)r * NC * 16;
+            __m512 a0 = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q)), a1 = _mm512_mul_ps(kv[1], _mm512_loadu_ps(q + 16));
+            for (int ch = 2; ch < NC; ch += 2) {
+                a0 = _mm512_fmadd_ps(kv[ch], _mm512_loadu_ps(q + 16 * ch), a0);
+                a1 = _mm512_fmadd_ps(kv[ch + 1], _mm512_loadu_ps(q + 16 * ch + 16), a1);
+            }
+            _mm512_store_ps(S + (size_t)(r * 16 + t) * 16, _mm512_add_ps(a0, a1));
+        }
+    }
+}
+
+KV_INLINE void FN(v2_v16)(int vfmt, int NC, const uint8_t *const *vr, float *VB) {
+    for (int t = 0; t < 16; t++)
+        for (int ch = 0; ch < NC; ch += 2) {
+            __m512 a, b;
+            FN(v2_pair)(vfmt, vr[t], ch / 2, &a, &b);
+            _mm512_store_ps(VB + (size_t)(t * NC + ch) * 16, a);
+            _mm512_store_ps(VB + (size_t)(t * NC + ch + 1) * 16, b);
+        }
+}
+
+#define KV_V2_FMT_CASES(X, NC)                                                                                   \
+    X(KV_F32, NC) X(KV_F16, NC) X(KV_BF16, NC) X(KV_FP8_E4M3, NC) X(KV_FP8_E5M2, NC) X(KV_MXFP4, NC) X(KV_NVFP4, NC) \
+    X(KV_KIVI4, NC) X(KV_KIVI2, NC)
+#define KV_V2_K_CASE(F, NC)                                                                                      \
+    case F:                                                                                                      \
+        FN(v2_k16)(F, NC, qf, G, kr, S);                                                                         \
+        break;
+#define KV_V2_V_CASE(F, NC)                                                                                      \
+    case F:                                                                                                      \
+        FN(v2_v16)(F, NC, vr, VB);                                                                               \
+        break;
+
+static void FN(v2_k16_any)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S) {
+    if (NC == 8) {
+        switch (kfmt) { KV_V2_FMT_CASES(KV_V2_K_CASE, 8) }
+    } else {
+        switch (kfmt) { KV_V2_FMT_CASES(KV_V2_K_CASE, NC) }
+    }
+}
+static void FN(v2_v16_any)(int vfmt, int NC, const uint8_t *const *vr, float *VB) {
+    if (NC == 8) {
+        switch (vfmt) { KV_V2_FMT_CASES(KV_V2_V_CASE, 8) }
+    } else {
+        switch (vfmt) { KV_V2_FMT_CASES(KV_V2_V_CASE, NC) }
+    }
+}
+
+/* software prefetch (L2) of the K and V rows of tokens [t0, t0 + n) of head h */
+static void FN(v2_prefetch)(const kv_call *c, int s, int h, int t0, int n) {
+    for (int t = 0; t < n;) {
+        int j = t0 + t, run = c->block_size - j % c->block_size;
+        if (run > n - t) run = n - t;
+        const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j), *vp = kv_row(c, c->vpool, c->vrow, s, h, j);
+        for (int64_t o = 0; o < run * c->krow; o += 64) __builtin_prefetch(kp + o, 0, 1);
+        for (int64_t o = 0; o < run * c->vrow; o += 64) __builtin_prefetch(vp + o, 0, 1);
+        t += run;
+    }
+}
+
+/* o[0..D) += sum_t p[t] VB[t], four 16-value chunks (two at the end) of o in registers at a time */
+static void FN(v2_pv)(float *o, const float *p, const float *VB, int nt, int NC) {
+    int ch = 0;
+    for (; ch + 4 <= NC; ch += 4) {
+        __m512 a0 = _mm512_loadu_ps(o + 16 * ch), a1 = _mm512_loadu_ps(o + 16 * ch + 16);
+        __m512 a2 = _mm512_loadu_ps(o + 16 * ch + 32), a3 = _mm512_loadu_ps(o + 16 * ch + 48);
+        for (int t = 0; t < nt; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const float *v = VB + (size_t)(t * NC + ch) * 16;
+            a0 = _mm512_fmadd_ps(pt, _mm512_load_ps(v), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_load_ps(v + 16), a1);
+            a2 = _mm512_fmadd_ps(pt, _mm512_load_ps(v + 32), a2);
+            a3 = _mm512_fmadd_ps(pt, _mm512_load_ps(v + 48), a3);
+        }
+        _mm512_storeu_ps(o + 16 * ch, a0);
+        _mm512_storeu_ps(o + 16 * ch + 16, a1);
+        _mm512_storeu_ps(o + 16 * ch + 32, a2);
+        _mm512_storeu_ps(o + 16 * ch + 48, a3);
+    }
+    for (; ch < NC; ch += 2) {
+        __m512 a0 = _mm512_loadu_ps(o + 16 * ch), a1 = _mm512_loadu_ps(o + 16 * ch + 16);
+        for (int t = 0; t < nt; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const float *v = VB + (size_t)(t * NC + ch) * 16;
+            a0 = _mm512_fmadd_ps(pt, _mm512_load_ps(v), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_load_ps(v + 16), a1);
+        }
+        _mm512_storeu_ps(o + 16 * ch, a0);
+        _mm512_storeu_ps(o + 16 * ch + 16, a1);
+    }
+}
+
+static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
+    const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, NC = D / 16;
+    if (it->npos != 1 || !(kv_is_v2(c->kfmt) || kv_is_v2(c->vfmt)) || !kv_v2_dec_fmt(c->kfmt) ||
+        !kv_v2_dec_fmt(c->vfmt) || D % 32 || D > 256)
+        return 0;
+    if ((size_t)(G * 256 + 16 * D) * sizeof(float) + 64 > ws->extra_bytes) return 0;
+    float *S = (float *)(void *)(((uintptr_t)ws->extra + 63) & ~(uintptr_t)63), *VB = S + (size_t)G * 256;
+    const int s = it->seq, n_kv = c->seq_lens[s], n_q = c->q_lens[s];
+    const int64_t qrow = c->q_start[s] + it->pos0;
+    int lo, hi;
+    kv_visible(c, n_kv, n_kv - n_q + it->pos0, &lo, &hi);
+    if (lo < it->lo) lo = it->lo;
+    if (hi > it->hi) hi = it->hi;
+    const int RT = G * it->nheads;
+    const __m512 sc = _mm512_set1_ps(c->scale2);
+    for (int hh = 0; hh < it->nheads; hh++) {
+        const float *src = c->q + (qrow * c->n_heads + (int64_t)(it->head0 + hh) * G) * D;
+        float *dst = ws->qf + (size_t)hh * G * D;
+        for (int j = 0; j < G * D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), sc));
+    }
+    for (int r = 0; r < RT; r++) {
+        ws->m[r] = -INFINITY;
+        ws->l[r] = 0.0f;
+    }
+    memset(ws->o, 0, (size_t)RT * D * sizeof(float));
+    const uint8_t *kr[16], *vr[16];
+    for (int t0 = lo; t0 <= hi; t0 += 16) {
+        const int nt = hi - t0 + 1 < 16 ? hi - t0 + 1 : 16;
+        const __mmask16 valid = (__mmask16)((1u << nt) - 1u);
+        for (int hh = 0; hh < it->nheads; hh++) {
+            const int h = it->head0 + hh;
+            for (int t = 0; t < nt;) { /* rows by page: one block-table lookup per page */
+                int j = t0 + t, run = c->block_size - j % c->block_size;
+                if (run > nt - t) run = nt - t;
+                const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j), *vp = kv_row(c, c->vpool, c->vrow, s, h, j);
+                for (int u = 0; u < run; u++, t++) {
+                    kr[t] = kp + (int64_t)u * c->krow;
+                    vr[t] = vp + (int64_t)u * c->vrow;
+                }
+            }
+            for (int t = nt; t < 16; t++) { /* padding repeats a real row; its weight is 0 */
+                kr[t] = kr[0];
+                vr[t] = vr[0];
+            }
+            if (c->prefetch) { /* the rows two steps ahead (next heads of this chunk, then the next chunk), into L2 */
+                int ph = hh + 2, pt = t0;
+                if (ph >= it->nheads) {
+                    ph -= it->nheads;
+                    pt += 16;
+                }
+                if (ph < it->nheads && pt <= hi) FN(v2_prefetch)(c, s, it->head0 + ph, pt, hi - pt + 1 < 16 ? hi - pt + 1 : 16);
+            }
+            const float *qf = ws->qf + (size_t)hh * G * D;
+            FN(v2_k16_any)(c->kfmt, NC, qf, G, kr, S);
+            float *P = ws->s;
+            for (int g = 0; g < G; g++) {
+                const int r = hh * G + g;
+                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, kv_v2_reduce16(S + (size_t)g * 256));
+                const float mt = _mm512_reduce_max_ps(sv);
+                if (mt > ws->m[r]) {
+                    const float corr = ws->m[r] == -INFINITY ? 0.0f : exp2f(ws->m[r] - mt);
+                    ws->l[r] *= corr;
+                    float *o = ws->o + (size_t)r * D;
+                    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), _mm512_set1_ps(corr)));
+                    ws->m[r] = mt;
+                }
+                const __m512 p = kv_exp2_512(_mm512_sub_ps(sv, _mm512_set1_ps(ws->m[r]))); /* masked: exp2(-inf) = 0 */
+                ws->l[r] += _mm512_reduce_add_ps(p);
+                _mm512_storeu_ps(P + 16 * g, p);
+            }
+            FN(v2_v16_any)(c->vfmt, NC, vr, VB);
+            for (int g = 0; g < G; g++) FN(v2_pv)(ws->o + (size_t)(hh * G + g) * D, P + 16 * g, VB, nt, NC);
+        }
+    }
+    for (int r = 0; r < RT; r++) {
+        const float *o = ws->o + (size_t)r * D;
+        float *dst, inv;
+        if (it->part < 0) {
+            const int head = it->head0 * G + r;
+            dst = c->out + (qrow * c->n_heads + head) * D;
+            inv = kv_row_done(c, qrow, head, ws->m[r], ws->l[r]);
+        } else {
+            dst = po + (size_t)r * D;
+            pm[r] = ws->m[r];
+            pl[r] = ws->l[r];
+            inv = 1.0f;
+        }
+        for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), _mm512_set1_ps(inv)));
+    }
+    return 1;
+}
+#define V2_DECODE_ITEM(c, it, ws, pm, pl, po) FN(v2_decode_item)(c, it, ws, pm, pl, po)
+#endif
 #undef KV_V2_VEC
