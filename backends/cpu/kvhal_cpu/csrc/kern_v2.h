@@ -47,14 +47,27 @@ static inline float kv_fp8_decode(uint8_t b, int man, int bias) {
 /* ggml_e8m0_to_fp32_half */
 static inline float kv_e8m0_half(uint8_t e) { return kv_bits_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
-/* the e4m3 scale code -> its value times one half (0 and 0x7F read 0): fp4.py's _ue4m3_half, built from
- * bits (every value is exact: 4 significant bits, exponent -10..7) */
-static inline float kv_ue4m3_half(uint8_t c) {
-    const uint32_t exp = (c >> 3) & 0xfu, man = c & 7u;
-    const float sub = (float)man * 0x1p-10f;                              /* man * 2^-9 / 2 */
-    const float nrm = kv_bits_f32(((exp + 126u - 7u) << 23) | (man << 20)); /* (1 + man/8) 2^(exp-7) / 2 */
-    return (c == 0 || c == 0x7f) ? 0.0f : exp == 0 ? sub : nrm;
-}
+/* the e4m3 scale code -> its value times one half (0 and 0x7F read 0): fp4.py's _ue4m3_half of every
+ * byte, generated from it (exact: 4 significant bits, exponents -10..7) */
+static const float kv_ue4m3_half_tab[256] = {
+    0.0f, 0x1p-10f, 0x1p-9f, 0x1.8p-9f, 0x1p-8f, 0x1.4p-8f, 0x1.8p-8f, 0x1.cp-8f, 0x1p-7f, 0x1.2p-7f, 0x1.4p-7f, 0x1.6p-7f, 0x1.8p-7f, 0x1.ap-7f, 0x1.cp-7f, 0x1.ep-7f,
+    0x1p-6f, 0x1.2p-6f, 0x1.4p-6f, 0x1.6p-6f, 0x1.8p-6f, 0x1.ap-6f, 0x1.cp-6f, 0x1.ep-6f, 0x1p-5f, 0x1.2p-5f, 0x1.4p-5f, 0x1.6p-5f, 0x1.8p-5f, 0x1.ap-5f, 0x1.cp-5f, 0x1.ep-5f,
+    0x1p-4f, 0x1.2p-4f, 0x1.4p-4f, 0x1.6p-4f, 0x1.8p-4f, 0x1.ap-4f, 0x1.cp-4f, 0x1.ep-4f, 0x1p-3f, 0x1.2p-3f, 0x1.4p-3f, 0x1.6p-3f, 0x1.8p-3f, 0x1.ap-3f, 0x1.cp-3f, 0x1.ep-3f,
+    0x1p-2f, 0x1.2p-2f, 0x1.4p-2f, 0x1.6p-2f, 0x1.8p-2f, 0x1.ap-2f, 0x1.cp-2f, 0x1.ep-2f, 0x1p-1f, 0x1.2p-1f, 0x1.4p-1f, 0x1.6p-1f, 0x1.8p-1f, 0x1.ap-1f, 0x1.cp-1f, 0x1.ep-1f,
+    0x1p+0f, 0x1.2p+0f, 0x1.4p+0f, 0x1.6p+0f, 0x1.8p+0f, 0x1.ap+0f, 0x1.cp+0f, 0x1.ep+0f, 0x1p+1f, 0x1.2p+1f, 0x1.4p+1f, 0x1.6p+1f, 0x1.8p+1f, 0x1.ap+1f, 0x1.cp+1f, 0x1.ep+1f,
+    0x1p+2f, 0x1.2p+2f, 0x1.4p+2f, 0x1.6p+2f, 0x1.8p+2f, 0x1.ap+2f, 0x1.cp+2f, 0x1.ep+2f, 0x1p+3f, 0x1.2p+3f, 0x1.4p+3f, 0x1.6p+3f, 0x1.8p+3f, 0x1.ap+3f, 0x1.cp+3f, 0x1.ep+3f,
+    0x1p+4f, 0x1.2p+4f, 0x1.4p+4f, 0x1.6p+4f, 0x1.8p+4f, 0x1.ap+4f, 0x1.cp+4f, 0x1.ep+4f, 0x1p+5f, 0x1.2p+5f, 0x1.4p+5f, 0x1.6p+5f, 0x1.8p+5f, 0x1.ap+5f, 0x1.cp+5f, 0x1.ep+5f,
+    0x1p+6f, 0x1.2p+6f, 0x1.4p+6f, 0x1.6p+6f, 0x1.8p+6f, 0x1.ap+6f, 0x1.cp+6f, 0x1.ep+6f, 0x1p+7f, 0x1.2p+7f, 0x1.4p+7f, 0x1.6p+7f, 0x1.8p+7f, 0x1.ap+7f, 0x1.cp+7f, 0.0f,
+    0.0f, 0x1p-10f, 0x1p-9f, 0x1.8p-9f, 0x1p-8f, 0x1.4p-8f, 0x1.8p-8f, 0x1.cp-8f, 0x1p-7f, 0x1.2p-7f, 0x1.4p-7f, 0x1.6p-7f, 0x1.8p-7f, 0x1.ap-7f, 0x1.cp-7f, 0x1.ep-7f,
+    0x1p-6f, 0x1.2p-6f, 0x1.4p-6f, 0x1.6p-6f, 0x1.8p-6f, 0x1.ap-6f, 0x1.cp-6f, 0x1.ep-6f, 0x1p-5f, 0x1.2p-5f, 0x1.4p-5f, 0x1.6p-5f, 0x1.8p-5f, 0x1.ap-5f, 0x1.cp-5f, 0x1.ep-5f,
+    0x1p-4f, 0x1.2p-4f, 0x1.4p-4f, 0x1.6p-4f, 0x1.8p-4f, 0x1.ap-4f, 0x1.cp-4f, 0x1.ep-4f, 0x1p-3f, 0x1.2p-3f, 0x1.4p-3f, 0x1.6p-3f, 0x1.8p-3f, 0x1.ap-3f, 0x1.cp-3f, 0x1.ep-3f,
+    0x1p-2f, 0x1.2p-2f, 0x1.4p-2f, 0x1.6p-2f, 0x1.8p-2f, 0x1.ap-2f, 0x1.cp-2f, 0x1.ep-2f, 0x1p-1f, 0x1.2p-1f, 0x1.4p-1f, 0x1.6p-1f, 0x1.8p-1f, 0x1.ap-1f, 0x1.cp-1f, 0x1.ep-1f,
+    0x1p+0f, 0x1.2p+0f, 0x1.4p+0f, 0x1.6p+0f, 0x1.8p+0f, 0x1.ap+0f, 0x1.cp+0f, 0x1.ep+0f, 0x1p+1f, 0x1.2p+1f, 0x1.4p+1f, 0x1.6p+1f, 0x1.8p+1f, 0x1.ap+1f, 0x1.cp+1f, 0x1.ep+1f,
+    0x1p+2f, 0x1.2p+2f, 0x1.4p+2f, 0x1.6p+2f, 0x1.8p+2f, 0x1.ap+2f, 0x1.cp+2f, 0x1.ep+2f, 0x1p+3f, 0x1.2p+3f, 0x1.4p+3f, 0x1.6p+3f, 0x1.8p+3f, 0x1.ap+3f, 0x1.cp+3f, 0x1.ep+3f,
+    0x1p+4f, 0x1.2p+4f, 0x1.4p+4f, 0x1.6p+4f, 0x1.8p+4f, 0x1.ap+4f, 0x1.cp+4f, 0x1.ep+4f, 0x1p+5f, 0x1.2p+5f, 0x1.4p+5f, 0x1.6p+5f, 0x1.8p+5f, 0x1.ap+5f, 0x1.cp+5f, 0x1.ep+5f,
+    0x1p+6f, 0x1.2p+6f, 0x1.4p+6f, 0x1.6p+6f, 0x1.8p+6f, 0x1.ap+6f, 0x1.cp+6f, 0x1.ep+6f, 0x1p+7f, 0x1.2p+7f, 0x1.4p+7f, 0x1.6p+7f, 0x1.8p+7f, 0x1.ap+7f, 0x1.cp+7f, 0x1.ep+7f,
+};
+static inline float kv_ue4m3_half(uint8_t c) { return kv_ue4m3_half_tab[c]; }
 
 /* ggml_fp32_to_ue4m3 of a non-negative float, as fp4.py's _ue4m3 */
 static inline uint8_t kv_ue4m3(float x) {
@@ -336,16 +349,15 @@ KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m51
         *b = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4), tab));
         return;
     }
-    case KV_NVFP4: { /* sub-blocks 2*(c2&1) and +1: 8 bytes each, values j (low nibble) and j + 8 (high) */
+    case KV_NVFP4: { /* sub-blocks sb, sb + 1 (sb = 2*(c2&1)): 8 bytes each, values j (low nibble) and j + 8 (high) */
         const uint8_t *y = row + KV_NVFP4_BYTES * (c2 >> 1);
         const int sb = 2 * (c2 & 1);
-        const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
-        const __m128i b0 = _mm_loadl_epi64((const __m128i *)(const void *)(y + 4 + 8 * sb));
-        const __m128i b1 = _mm_loadl_epi64((const __m128i *)(const void *)(y + 12 + 8 * sb));
-        const __m512i n0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b0, b0)), sh);
-        const __m512i n1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b1, b1)), sh);
-        *a = _mm512_mul_ps(_mm512_set1_ps(kv_ue4m3_half(y[sb])), _mm512_permutexvar_ps(n0, tab));
-        *b = _mm512_mul_ps(_mm512_set1_ps(kv_ue4m3_half(y[sb + 1])), _mm512_permutexvar_ps(n1, tab));
+        const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(y + 4 + 8 * sb)));
+        const __m512 lo = _mm512_permutexvar_ps(n, tab), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4), tab);
+        const __m512i ia = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        const __m512i ib = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        *a = _mm512_mul_ps(_mm512_set1_ps(kv_ue4m3_half_tab[y[sb]]), _mm512_permutex2var_ps(lo, ia, hi));
+        *b = _mm512_mul_ps(_mm512_set1_ps(kv_ue4m3_half_tab[y[sb + 1]]), _mm512_permutex2var_ps(lo, ib, hi));
         return;
     }
     case KV_KIVI4: {
@@ -389,6 +401,32 @@ static inline __m512 kv_v2_reduce16(const float *s) {
 
 /* scores of G query rows (qf, [G][D]) against 16 K rows into S [G][16 tokens][16 partials] */
 KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S) {
+    if (NC <= 8) { /* two tokens at a time: four independent FMA chains per query row */
+        for (int t = 0; t < 16; t += 2) {
+            __m512 k0[8], k1[8];
+            for (int ch = 0; ch < NC; ch += 2) {
+                FN(v2_pair)(kfmt, kr[t], ch / 2, &k0[ch], &k0[ch + 1]);
+                FN(v2_pair)(kfmt, kr[t + 1], ch / 2, &k1[ch], &k1[ch + 1]);
+            }
+            for (int r = 0; r < G; r++) {
+                const float *q = qf + (size_t)r * NC * 16;
+                __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+                __m512 a0 = _mm512_mul_ps(k0[0], q0), a1 = _mm512_mul_ps(k0[1], q1);
+                __m512 b0 = _mm512_mul_ps(k1[0], q0), b1 = _mm512_mul_ps(k1[1], q1);
+                for (int ch = 2; ch < NC; ch += 2) {
+                    q0 = _mm512_loadu_ps(q + 16 * ch);
+                    q1 = _mm512_loadu_ps(q + 16 * ch + 16);
+                    a0 = _mm512_fmadd_ps(k0[ch], q0, a0);
+                    a1 = _mm512_fmadd_ps(k0[ch + 1], q1, a1);
+                    b0 = _mm512_fmadd_ps(k1[ch], q0, b0);
+                    b1 = _mm512_fmadd_ps(k1[ch + 1], q1, b1);
+                }
+                _mm512_store_ps(S + (size_t)(r * 16 + t) * 16, _mm512_add_ps(a0, a1));
+                _mm512_store_ps(S + (size_t)(r * 16 + t + 1) * 16, _mm512_add_ps(b0, b1));
+            }
+        }
+        return;
+    }
     for (int t = 0; t < 16; t++) {
         __m512 kv[16];
         for (int ch = 0; ch < NC; ch += 2) FN(v2_pair)(kfmt, kr[t], ch / 2, &kv[ch], &kv[ch + 1]);
