@@ -452,6 +452,27 @@ KV_INLINE void FN(v2_v16)(int vfmt, int NC, const uint8_t *const *vr, float *VB)
         }
 }
 
+/* G = 4 query rows: V chunks decoded straight into the FMAs, four chunks of the four rows' outputs (16
+ * registers) at a time, so no V buffer is written and read back */
+KV_INLINE void FN(v2_pv4)(int vfmt, int NC, const uint8_t *const *vr, const float *P, float *o, int D, int nt) {
+    for (int ch = 0; ch < NC; ch += 4) {
+        __m512 a[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int k = 0; k < 4; k++) a[r][k] = _mm512_loadu_ps(o + (size_t)r * D + 16 * (ch + k));
+        for (int t = 0; t < nt; t++) {
+            __m512 v[4];
+            FN(v2_pair)(vfmt, vr[t], ch / 2, &v[0], &v[1]);
+            FN(v2_pair)(vfmt, vr[t], ch / 2 + 1, &v[2], &v[3]);
+            for (int r = 0; r < 4; r++) {
+                const __m512 pt = _mm512_set1_ps(P[16 * r + t]);
+                for (int k = 0; k < 4; k++) a[r][k] = _mm512_fmadd_ps(pt, v[k], a[r][k]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + (size_t)r * D + 16 * (ch + k), a[r][k]);
+    }
+}
+
 #define KV_V2_FMT_CASES(X, NC)                                                                                   \
     X(KV_F32, NC) X(KV_F16, NC) X(KV_BF16, NC) X(KV_FP8_E4M3, NC) X(KV_FP8_E5M2, NC) X(KV_MXFP4, NC) X(KV_NVFP4, NC) \
     X(KV_KIVI4, NC) X(KV_KIVI2, NC)
@@ -469,6 +490,17 @@ static void FN(v2_k16_any)(int kfmt, int NC, const float *qf, int G, const uint8
         switch (kfmt) { KV_V2_FMT_CASES(KV_V2_K_CASE, 8) }
     } else {
         switch (kfmt) { KV_V2_FMT_CASES(KV_V2_K_CASE, NC) }
+    }
+}
+#define KV_V2_PV4_CASE(F, NC)                                                                                    \
+    case F:                                                                                                      \
+        FN(v2_pv4)(F, NC, vr, P, o, D, nt);                                                                      \
+        break;
+static void FN(v2_pv4_any)(int vfmt, int NC, const uint8_t *const *vr, const float *P, float *o, int D, int nt) {
+    if (NC == 8) {
+        switch (vfmt) { KV_V2_FMT_CASES(KV_V2_PV4_CASE, 8) }
+    } else {
+        switch (vfmt) { KV_V2_FMT_CASES(KV_V2_PV4_CASE, NC) }
     }
 }
 static void FN(v2_v16_any)(int vfmt, int NC, const uint8_t *const *vr, float *VB) {
@@ -592,6 +624,10 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
                 const __m512 p = kv_exp2_512(_mm512_sub_ps(sv, _mm512_set1_ps(ws->m[r]))); /* masked: exp2(-inf) = 0 */
                 ws->l[r] += _mm512_reduce_add_ps(p);
                 _mm512_storeu_ps(P + 16 * g, p);
+            }
+            if (G == 4 && NC % 4 == 0) {
+                FN(v2_pv4_any)(c->vfmt, NC, vr, P, ws->o + (size_t)hh * G * D, D, nt);
+                continue;
             }
             FN(v2_v16_any)(c->vfmt, NC, vr, VB);
             for (int g = 0; g < G; g++) FN(v2_pv)(ws->o + (size_t)(hh * G + g) * D, P + 16 * g, VB, nt, NC);
