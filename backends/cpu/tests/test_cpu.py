@@ -616,3 +616,35 @@ def test_paged_k_is_refused_with_the_reason(fmt):
     why = CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, fmt, fmt), "store")
     assert why is not None and "per channel over whole pages" in why and "v_format" in why
     assert CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, "f16", fmt), "attention") is None
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference on inf scales
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", V2_FORMATS)
+def test_v2_every_byte_loads_and_attends_as_the_reference(isa, fmt):
+    """Pool bytes written directly (every byte value, the never-stored fp8 inf/NaN codes and any scale byte
+    included): load equals the numpy dequantization, NaN where it gives NaN, and decode attention over
+    the finite rows (the others' bytes masked finite) matches float64 attention on them."""
+    f = formats.get(fmt)
+    c = cache("f16", CpuBackend(isa=isa), heads=1, dim=128, bs=16, cap=64, vfmt=fmt)
+    s = c.new_seq()
+    c.store(s, 0, np.zeros((32, 1, 128), np.float32), np.zeros((32, 1, 128), np.float32))
+    v = pools(c)[1]
+    rows = np.random.default_rng(9).integers(0, 256, (32, f.row_bytes(128)), dtype=np.uint8)
+    rows.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
+    v.reshape(-1, f.row_bytes(128))[:32] = rows  # pages 0 and 1 of the cache's single head, in token order
+    want = f.dequantize(rows)
+    got = c.load(0, s)[1].reshape(32, 128)
+    np.testing.assert_array_equal(got, want)
+    # attention over the rows whose values are finite and sum in f32 (NaN attends as NaN; mxfp4's
+    # largest scales overflow any f32 sum); the others' bytes masked to 0x3f (small exponents, finite)
+    bad = ~np.isfinite(want).all(axis=1) | (np.abs(np.nan_to_num(want)).max(axis=1) > 1e30)
+    rows[bad] &= 0x3F
+    v.reshape(-1, f.row_bytes(128))[:32] = rows
+    want = f.dequantize(rows)
+    q = np.random.default_rng(10).standard_normal((1, 4, 128), dtype=np.float32)
+    out = c.attention(0, q, [s], [1])
+    ks = [np.zeros((32, 1, 128), np.float32)]
+    err = np.abs(out - attention_f64(q, ks, [want.reshape(32, 1, 128)], [1])).max()
+    assert err <= path_tolerance(isa, "f16", fmt) * max(1.0, float(np.abs(want).max()))

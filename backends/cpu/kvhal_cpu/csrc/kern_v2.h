@@ -198,6 +198,24 @@ static inline void FN(v2_e2m1_32)(const uint8_t *p, __m512 d, __m512 *lo, __m512
     *hi = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4), tab));
 }
 #define KV_V2_VEC 1
+#elif VL == 8 && (defined(__x86_64__) || defined(_M_X64))
+/* AVX2 + F16C: 16 fp8 bytes through f16 (as the AVX-512 decode path: e5m2 is an f16's high byte, e4m3
+ * moves one bit down and is scaled by 2^8, the inf/NaN codes read NaN) */
+static inline void FN(v2_fp8_16_avx2)(const uint8_t *p, float *dst, int e4m3) {
+    __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p)), 8);
+    __m256i bad;
+    if (e4m3) {
+        w = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xbfff));
+        bad = _mm256_cmpeq_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
+    } else {
+        bad = _mm256_cmpeq_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
+    }
+    w = _mm256_blendv_epi8(w, _mm256_set1_epi16(0x7e00), bad);
+    const __m256 sc = _mm256_set1_ps(e4m3 ? 256.0f : 1.0f);
+    _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(w)), sc));
+    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(w, 1)), sc));
+}
+#define KV_V2_AVX2 1
 #endif
 
 static int FN(v2_dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
@@ -209,6 +227,8 @@ static int FN(v2_dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
         int i = 0;
 #ifdef KV_V2_VEC
         for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + i, FN(v2_fp8_16)(src + i, man, bias));
+#elif defined(KV_V2_AVX2)
+        for (; i + 16 <= d; i += 16) FN(v2_fp8_16_avx2)(src + i, dst + i, fmt == KV_FP8_E4M3);
 #endif
         for (; i < d; i++) dst[i] = kv_fp8_decode(src[i], man, bias);
         return 1;
@@ -653,3 +673,4 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
 #define V2_DECODE_ITEM(c, it, ws, pm, pl, po) FN(v2_decode_item)(c, it, ws, pm, pl, po)
 #endif
 #undef KV_V2_VEC
+#undef KV_V2_AVX2
