@@ -91,9 +91,7 @@ class Fingerprint:
         if spec is not None:
             d = dataclasses.asdict(spec)
             # transforms at their identity are left out, so caches without them keep their digests
-            out["spec"] = {
-                k: _lists(v) for k, v in d.items() if not (k in _TRANSFORMS and v is None)
-            }
+            out["spec"] = {k: _lists(v) for k, v in d.items() if not (k in _TRANSFORMS and v is None)}
         return out
 
     def digest(self, spec: CacheSpec | None = None) -> bytes:

@@ -135,7 +135,9 @@ def _ptr(a: np.ndarray) -> int:
 
 class CpuBackend(HostPoolsBackend):
     name = "cpu"
-    formats = frozenset(formats.GGML_CLASSIC)  # what its kernels implement; supports() also refuses any a built library lacks
+    # what its kernels implement; supports() also refuses any a built library lacks, and K stored per
+    # channel over whole pages (kivi4/kivi2 as k_format): the kernels run those formats' per-token rows (V)
+    formats = frozenset(formats.names())
     # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits) measure <= 1.65e-4 on the contract
     # cases; the f32 paths (scalar, AVX2, NEON, and the float formats everywhere) stay near 1e-6.
     # An instance declares the figure of the kernels its ISA runs.
@@ -165,6 +167,11 @@ class CpuBackend(HostPoolsBackend):
 
     def supports(self, spec: CacheSpec, op: Op) -> str | None:
         why = super().supports(spec, op)
+        if why is None and spec.k_paged:
+            why = (
+                f"k_format={spec.k_format!r} stores K per channel over whole pages, which its kernels do not run "
+                f"(they run {spec.k_format} per-token rows, as v_format); use it as v_format, or a per-token K format"
+            )
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"

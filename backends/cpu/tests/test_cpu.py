@@ -33,6 +33,13 @@ PATHS = [(isa, 0) for isa in ISAS if isa != "avx512"] + ([("avx512", 64), ("avx5
 PATH_IDS = [f"{isa}-tile{tile}" if tile else isa for isa, tile in PATHS]
 FORMATS = sorted(CpuBackend.formats, key=formats.names().index)  # what the kernels implement
 F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and use FMA
+INT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # the AVX-512 integer kernels' formats
+
+
+def k_of(fmt: str) -> str:
+    """The K format a test pairs with ``fmt`` as V: itself, or f16 where ``fmt`` stores K per channel
+    over whole pages (kivi), which the kernels do not run (test_paged_k_is_refused)."""
+    return "f16" if formats.get(fmt).k_page is not None else fmt
 
 
 def awkward(rng: np.random.Generator, n: int, heads: int, dim: int) -> np.ndarray:
@@ -71,7 +78,7 @@ def pools(c: kvhal.KVCache) -> tuple[np.ndarray, np.ndarray]:
 
 def path_tolerance(isa: str, kf: str, vf: str) -> float:
     """The integer kernels run on AVX-512 when K or V is quantized; every other path computes in f32."""
-    quantized = formats.get(kf).block_len > 1 or formats.get(vf).block_len > 1
+    quantized = kf in INT_FORMATS or vf in INT_FORMATS
     return CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
 
 
@@ -80,16 +87,17 @@ def path_tolerance(isa: str, kf: str, vf: str) -> float:
 def test_store_load_bytes_identical_per_isa(isa, fmt):
     rng = np.random.default_rng(7)
     k, v = awkward(rng, 41, 2, 64), awkward(rng, 41, 2, 64)[::-1].copy()
-    ours, ref = cache(fmt, CpuBackend(isa=isa)), cache(fmt, "reference")
+    kf = k_of(fmt)
+    ours, ref = cache(kf, CpuBackend(isa=isa), vfmt=fmt), cache(kf, "reference", vfmt=fmt)
     for c in (ours, ref):
         s = c.new_seq()
         c.store(s, 0, k[:1], v[:1])
         c.store(s, 0, k[1:], v[1:])
     for got, want in zip(pools(ours), pools(ref), strict=True):
         np.testing.assert_array_equal(got, want)
-    f = formats.get(fmt)
+    f, fk = formats.get(fmt), formats.get(kf)
     k2, v2 = ours.load(0, 0)
-    np.testing.assert_array_equal(k2, f.dequantize(f.quantize(k)))
+    np.testing.assert_array_equal(k2, fk.dequantize(fk.quantize(k)))
     np.testing.assert_array_equal(v2, f.dequantize(f.quantize(v)))
 
 
@@ -132,16 +140,17 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_attention_per_isa(isa, tile, fmt, shape):
     n_heads, n_kv, dim, lens, q_lens, causal, window, bs = SHAPES[shape]
-    if dim % 32 and fmt.startswith("q"):
-        pytest.skip("quantized formats need head_dim % 32 == 0")
+    if dim % formats.get(fmt).block_len:
+        pytest.skip(f"{fmt} needs head_dim % {formats.get(fmt).block_len} == 0")
     rng = np.random.default_rng(11)
+    kf = k_of(fmt)
     be = CpuBackend(isa=isa, kv_split=64, tile=tile)  # small splits: the merge runs in every shape
-    c = cache(fmt, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens))
-    seqs, ks, vs = make_kv(rng, fmt, lens, n_kv, dim, c)
+    c = cache(kf, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens), vfmt=fmt)
+    seqs, ks, vs = make_kv(rng, kf, lens, n_kv, dim, c, vfmt=fmt)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
     want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
-    assert float(np.abs(out - want).max()) <= path_tolerance(isa, fmt, fmt)
+    assert float(np.abs(out - want).max()) <= path_tolerance(isa, kf, fmt)
 
 
 @pytest.mark.parametrize("kf,vf", [("q8_0", "f16"), ("bf16", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "q8_0")])
@@ -371,7 +380,7 @@ def test_neon_kernels_under_qemu(tmp_path):
     if cc is None or qemu is None:
         pytest.skip("needs gcc-aarch64-linux-gnu and qemu-user (Debian)")
     out = _build_and_run(cc, [qemu, "-L", "/usr/aarch64-linux-gnu"], tmp_path)
-    assert "8 format x isa combinations checked, 0 failures" in out
+    assert f"{len(FORMATS)} format x isa combinations checked, 0 failures" in out
 
 
 def test_library_struct_layout_matches_python():
@@ -473,11 +482,11 @@ def test_attention_lse_matches_the_float64_default(isa, tile, fmt, shape):
     from kvhal.reference import ReferenceBackend
 
     n_heads, n_kv, dim, lens, q_lens, causal, window, bs = LSE_SHAPES[shape]
-    if dim % 32 and fmt.startswith("q"):
-        pytest.skip("quantized formats need head_dim % 32 == 0")
+    if dim % formats.get(fmt).block_len:
+        pytest.skip(f"{fmt} needs head_dim % {formats.get(fmt).block_len} == 0")
     rng = np.random.default_rng(17)
     be = CpuBackend(isa=isa, kv_split=64, tile=tile)  # small splits: the partials' merge gives lse too
-    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=n_kv, head_dim=dim, k_format=fmt, v_format=fmt, block_size=bs)
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=n_kv, head_dim=dim, k_format=k_of(fmt), v_format=fmt, block_size=bs)
     pools, table = paged_pools(be, spec, lens, rng)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     args = (q, pools, 0, table, np.array(lens, np.int32), np.array(q_lens, np.int32), dim**-0.5, causal, window)
@@ -555,3 +564,87 @@ def test_block_io_is_the_reference_bytes_on_many_blocks(threads):
             be.write_blocks(ours, bad_ids, bad_data)
     for a, b in zip(before, ours.k + ours.v):  # a refused call wrote nothing
         np.testing.assert_array_equal(a, b)
+
+
+V2_FORMATS = [f for f in FORMATS if f not in formats.GGML_CLASSIC]
+
+
+def v2_edges(rng: np.random.Generator) -> np.ndarray:
+    """Rows of 64 that hit the later formats' edge cases: fp8 saturation, subnormals, ties and signed
+    zeros, e2m1 scales next to powers of two, tiny and huge blocks."""
+    f32 = np.float32
+    below = lambda p: np.nextafter(f32(2.0**p), f32(0))  # noqa: E731
+    rows = [
+        np.array([448, 449, 464, 480, 1e4, 57344, 61440, 65536, 3e38, -3e38, -448, -500] * 5 + [0, -0.0, 1, -1], f32),
+        np.concatenate([np.arange(32, dtype=f32) * f32(2.0**-10), -np.arange(32, dtype=f32) * f32(2.0**-17)]),
+        (np.arange(64, dtype=f32) + f32(0.5)) * f32(2.0**-9),  # e4m3 subnormal ties
+        (np.arange(64, dtype=f32) + f32(0.5)) * f32(2.0**-16),  # e5m2 subnormal ties
+        f32(1.0) + (np.arange(64, dtype=f32) + f32(0.5)) * f32(2.0**-4),  # normal ties (e4m3 mantissa)
+        np.array([-0.0] * 32 + [0.0] * 32, f32),
+        np.array([1e-45, -1e-45, 1e-40, -2e-39] * 16, f32),  # f32 subnormals: fp8 zeros with sign
+        np.array([below(p) for p in range(-8, 8)] * 4, f32),  # mxfp4 exponent just below a power of two
+        np.array([below(p) for p in (127, 100, 3, -100, -126, -130)] * 10 + [1, 2, 3, 4], f32),
+        np.array([6 * 448, 6 * 449, 1e6, -1e7] * 16, f32),  # nvfp4 scale saturation
+        (np.arange(64, dtype=f32) - 32) * f32(0.25),  # e2m1 ties between codes
+        rng.standard_normal(64).astype(f32) * f32(1e-3),
+    ]
+    return np.stack(rows)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the reference's errors at 3e38
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", V2_FORMATS)
+def test_v2_edge_values_bytes_and_loads_equal_numpy(isa, fmt):
+    """Store writes the numpy reference's bytes and load returns its dequantization, on edge values."""
+    f = formats.get(fmt)
+    x = v2_edges(np.random.default_rng(5))
+    if not f.saturates:
+        x = np.clip(x, -f.max_abs, f.max_abs)
+    x = x.reshape(-1, 1, 64)
+    c = cache(k_of(fmt), CpuBackend(isa=isa), heads=1, dim=64, bs=16, cap=64, vfmt=fmt)
+    s = c.new_seq()
+    c.store(s, 0, np.zeros_like(x), x)
+    v = pools(c)[1]
+    n = x.shape[0]
+    np.testing.assert_array_equal(v.reshape(-1, f.row_bytes(64))[:n], f.quantize(x.reshape(n, 64)))
+    np.testing.assert_array_equal(c.load(0, s)[1], f.dequantize(f.quantize(x)))
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if formats.get(f).k_page is not None])
+def test_paged_k_is_refused_with_the_reason(fmt):
+    """The kernels run kivi rows (V); K per channel over whole pages they refuse, saying so."""
+    why = CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, fmt, fmt), "store")
+    assert why is not None and "per channel over whole pages" in why and "v_format" in why
+    assert CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, "f16", fmt), "attention") is None
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference on inf scales
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", V2_FORMATS)
+def test_v2_every_byte_loads_and_attends_as_the_reference(isa, fmt):
+    """Pool bytes written directly (every byte value, the never-stored fp8 inf/NaN codes and any scale byte
+    included): load equals the numpy dequantization, NaN where it gives NaN, and decode attention over
+    the finite rows (the others' bytes masked finite) matches float64 attention on them."""
+    f = formats.get(fmt)
+    c = cache("f16", CpuBackend(isa=isa), heads=1, dim=128, bs=16, cap=64, vfmt=fmt)
+    s = c.new_seq()
+    c.store(s, 0, np.zeros((32, 1, 128), np.float32), np.zeros((32, 1, 128), np.float32))
+    v = pools(c)[1]
+    rows = np.random.default_rng(9).integers(0, 256, (32, f.row_bytes(128)), dtype=np.uint8)
+    rows.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
+    v.reshape(-1, f.row_bytes(128))[:32] = rows  # pages 0 and 1 of the cache's single head, in token order
+    want = f.dequantize(rows)
+    got = c.load(0, s)[1].reshape(32, 128)
+    np.testing.assert_array_equal(got, want)
+    # attention over the rows whose values are finite and sum in f32 (NaN attends as NaN; mxfp4's
+    # largest scales overflow any f32 sum); the others' bytes masked to 0x3f (small exponents, finite)
+    bad = ~np.isfinite(want).all(axis=1) | (np.abs(np.nan_to_num(want)).max(axis=1) > 1e30)
+    rows[bad] &= 0x3F
+    v.reshape(-1, f.row_bytes(128))[:32] = rows
+    want = f.dequantize(rows)
+    q = np.random.default_rng(10).standard_normal((1, 4, 128), dtype=np.float32)
+    out = c.attention(0, q, [s], [1])
+    ks = [np.zeros((32, 1, 128), np.float32)]
+    err = np.abs(out - attention_f64(q, ks, [want.reshape(32, 1, 128)], [1])).max()
+    assert err <= path_tolerance(isa, "f16", fmt) * max(1.0, float(np.abs(want).max()))

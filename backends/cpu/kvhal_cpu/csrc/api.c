@@ -56,7 +56,8 @@ KV_EXPORT int kvc_args_layout(char *out, int cap) {
 /* the formats these kernels implement, as (id, values per block, bytes per block) triples from
  * formats.h: Python checks them against kvhal's registry and refuses the formats not listed */
 KV_EXPORT int kvc_format_table(int32_t *out, int cap) {
-    static const int implemented[] = {KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_Q4_1, KV_Q5_0, KV_Q5_1};
+    static const int implemented[] = {KV_F32,      KV_F16,      KV_BF16,  KV_Q8_0,  KV_Q4_0,  KV_Q4_1,  KV_Q5_0,
+                                      KV_Q5_1,     KV_FP8_E4M3, KV_FP8_E5M2, KV_MXFP4, KV_NVFP4, KV_KIVI4, KV_KIVI2};
     const int n = (int)(sizeof implemented / sizeof implemented[0]);
     for (int i = 0; i < n && 3 * i + 2 < cap; i++) {
         out[3 * i] = implemented[i];

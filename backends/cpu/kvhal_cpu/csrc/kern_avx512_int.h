@@ -16,8 +16,8 @@
  * and the V pair vectors in registers; other row counts stage them in L1 (kt, vx).
  */
 
-#define INT_PATH_K(fmt) ((fmt) >= KV_Q8_0)
-#define INT_PATH_V(fmt) ((fmt) >= KV_Q8_0)
+#define INT_PATH_K(fmt) ((fmt) >= KV_Q8_0 && (fmt) <= KV_Q5_1) /* the ggml formats; kern_v2.h's take the f32 path */
+#define INT_PATH_V(fmt) ((fmt) >= KV_Q8_0 && (fmt) <= KV_Q5_1)
 
 #define QI_MAX 32512.0f /* 127*256: qh and ql then both fit int8 */
 

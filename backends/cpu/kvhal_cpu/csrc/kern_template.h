@@ -143,7 +143,10 @@ static void FN(q5_1_block)(const float *x, uint8_t *y) {
     FN(pack_nibbles)(q, y + 8);
 }
 
+#include "kern_v2.h" /* fp8, mxfp4, nvfp4, kivi rows */
+
 static void FN(quantize)(int fmt, const float *x, uint8_t *dst, int d) {
+    if (FN(v2_quantize)(fmt, x, dst, d)) return;
     switch (fmt) {
     case KV_F32:
         memcpy(dst, x, (size_t)d * 4);
@@ -182,6 +185,7 @@ KV_INLINE float FN(get_f16)(const uint8_t *p) {
 }
 
 static void FN(dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
+    if (FN(v2_dequantize)(fmt, src, dst, d)) return;
 #ifdef DEQUANT_ROW_OVERRIDE
     if (DEQUANT_ROW_OVERRIDE(fmt, src, dst, d)) return;
 #endif
@@ -366,6 +370,9 @@ static size_t FN(extra_bytes)(const kv_call *c, int rows) {
  * back (a page holds every head's rows contiguously) and the hardware prefetchers can follow.
  * Rows: r = head_in_group * R + position * G + gqa_head, R = npos * G rows per KV head. */
 static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
+#ifdef V2_DECODE_ITEM
+    if (V2_DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* kern_v2.h's decode path took it */
+#endif
 #ifdef DECODE_ITEM
     if (DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* the ISA's decode fast path took it */
 #endif

@@ -42,7 +42,9 @@ _Static_assert(KV_Q8_0_LEN == KV_QK && KV_Q4_0_LEN == KV_QK && KV_Q4_1_LEN == KV
 static const int kv_block_len[KV_NFMT] = KV_BLOCK_LEN_TABLE;
 static const int kv_block_bytes[KV_NFMT] = KV_BLOCK_BYTES_TABLE;
 
-static inline int kv_is_quant(int fmt) { return kv_block_len[fmt] > 1; }
+/* ggml's 32-value block formats (q8_0 .. q5_1): those the integer kernels run; the later block formats
+ * (kern_v2.h) take the f32 path */
+static inline int kv_is_quant(int fmt) { return fmt >= KV_Q8_0 && fmt <= KV_Q5_1; }
 
 /* The arguments of every exported call, one struct mirrored field for field by kvhal_cpu/_abi.py;
  * kvc_args_layout() reports its size and offsets, and Python refuses a library whose layout differs.
