@@ -122,7 +122,7 @@ def test_per_head_and_calibrated_scales(rng):
     assert c.scales()["k"] == (None,)
     s = c.new_seq()
     c.store(s, 0, k[:10], v[:10])
-    want = np.abs(k[:10]).max(axis=(0, 2)).astype(np.float64) / 448.0
+    want = 2.0 ** np.ceil(np.log2(np.abs(k[:10]).max(axis=(0, 2)).astype(np.float64) / 448.0))
     np.testing.assert_allclose(c.scales()["k"][0], want)
     assert c.root_hash != root  # calibrated scales name the cache's bytes
     c.store(s, 0, k[10:], v[10:])  # fixed after the first store
@@ -156,7 +156,7 @@ def test_calibration_is_per_layer(rng, tmp_path):
     c.store(s, 1, big, big)
     assert not c.calibrating()
     for layer, x in ((0, small), (1, big)):
-        want = np.abs(x).max(axis=(0, 2)).astype(np.float64) / 448.0
+        want = 2.0 ** np.ceil(np.log2(np.abs(x).max(axis=(0, 2)).astype(np.float64) / 448.0))
         np.testing.assert_allclose(c.scales()["k"][layer], want)
         sk = want[None, :, None]
         kp, _ = pools(c, layer)
