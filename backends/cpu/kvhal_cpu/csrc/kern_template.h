@@ -272,6 +272,9 @@ KV_INLINE float FN(dot)(const float *a, const float *b, int n) {
 static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
+#ifdef K_SCORES_F32
+    if (K_SCORES_F32(ws->qf + (size_t)r0 * D, ws->s, R, tb, D)) return; /* the ISA's blocked kernel */
+#endif
     for (int r = 0; r < R; r++)
         for (int t = 0; t < KV_T; t++)
             ws->s[r * KV_T + t] = FN(dot)(ws->qf + (size_t)(r0 + r) * D, tb + (size_t)t * D, D);
