@@ -271,10 +271,10 @@ KV_INLINE float FN(dot)(const float *a, const float *b, int n) {
 /* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e) */
 static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
-    for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
-#ifdef K_SCORES_F32
-    if (K_SCORES_F32(ws->qf + (size_t)r0 * D, ws->s, R, tb, D)) return; /* the ISA's blocked kernel */
+#ifdef K_TILE_FLOAT
+    if (K_TILE_FLOAT(c, ws, r0, R, rows, tb)) return; /* the ISA's kernel for the float formats */
 #endif
+    for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < KV_T; t++)
             ws->s[r * KV_T + t] = FN(dot)(ws->qf + (size_t)(r0 + r) * D, tb + (size_t)t * D, D);
@@ -283,6 +283,9 @@ static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, cons
 /* O[r] += sum_t P[r][t] v_t */
 static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
+#ifdef V_TILE_FLOAT
+    if (V_TILE_FLOAT(c, ws, r0, R, rows, tb)) return;
+#endif
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->vfmt, rows[t], tb + (size_t)t * D, D);
     for (int r = 0; r < R; r++) {
         const float *p = ws->s + r * KV_T;
