@@ -1,6 +1,7 @@
 /* AVX-512 (F, BW, VL, DQ) + VNNI kernels: Ice Lake / Sapphire Rapids / Zen 4 and later.
  *
- * Float formats run the shared template on 16-wide f32. Quantized formats run integer kernels
+ * Float formats (f32, f16, bf16) run the shared template's driver with blocked f32 K and V tile kernels
+ * (k_tile_float_512 / v_tile_float_512 below: F16C or a bf16 shift, FMA). Quantized formats run integer kernels
  * (kern_avx512_int.h): q is quantized to 16 bits per row and K.q is done with VPDPBUSD on the stored
  * nibbles/bytes, P.V with VPDPWSSD on 16-bit weights, so no f32 copy of K or V is ever made. */
 /* 64-token tiles: the per-tile work (softmax reductions, scale and weight quantization, output
