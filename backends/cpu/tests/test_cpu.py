@@ -245,6 +245,25 @@ def test_thread_count_does_not_change_results(fmt):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("n_heads", [12, 32])  # GQA 3 (row blocks of 4 end part-full) and 4
+def test_float_prefill_matches_float64_at_any_thread_count(isa, fmt, n_heads):
+    """Prefill of the float formats (AVX-512: rows converted into L1 once for more than 8 rows per KV
+    head, straight from the page for fewer) against the float64 oracle, the same bits at 1 and 2 threads."""
+    rng = np.random.default_rng(21)
+    lens, q_lens = [300, 70], [40, 3]
+    q = rng.standard_normal((sum(q_lens), n_heads, 128), dtype=np.float32)
+    outs = []
+    for threads in (1, 2):
+        c = cache(fmt, CpuBackend(isa=isa, threads=threads), heads=4, dim=128, bs=16, cap=420)
+        seqs, ks, vs = make_kv(np.random.default_rng(3), fmt, lens, 4, 128, c)
+        outs.append(c.attention(0, q, seqs, q_lens))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    want = attention_f64(q, ks, vs, q_lens, causal=True, window=None)
+    assert float(np.abs(outs[0] - want).max()) <= path_tolerance(isa, fmt, fmt)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "bf16"])
 def test_split_kv_merge_matches_unsplit(isa, fmt):
     rng = np.random.default_rng(13)

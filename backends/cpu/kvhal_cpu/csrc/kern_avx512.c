@@ -1,6 +1,7 @@
 /* AVX-512 (F, BW, VL, DQ) + VNNI kernels: Ice Lake / Sapphire Rapids / Zen 4 and later.
  *
- * Float formats run the shared template on 16-wide f32. Quantized formats run integer kernels
+ * Float formats (f32, f16, bf16) run the shared template's driver with blocked f32 K and V tile kernels
+ * (k_tile_float_512 / v_tile_float_512 below: F16C or a bf16 shift, FMA). Quantized formats run integer kernels
  * (kern_avx512_int.h): q is quantized to 16 bits per row and K.q is done with VPDPBUSD on the stored
  * nibbles/bytes, P.V with VPDPWSSD on 16-bit weights, so no f32 copy of K or V is ever made. */
 /* 64-token tiles: the per-tile work (softmax reductions, scale and weight quantization, output
@@ -159,6 +160,147 @@ static int dequant_row_512(int fmt, const uint8_t *y, float *dst, int d) {
     return 1;
 }
 #define DEQUANT_ROW_OVERRIDE(fmt, src, dst, d) dequant_row_512(fmt, src, dst, d)
+
+/* 16 vectors into one: lane i = the sum of a[i]'s lanes (a tree of in-lane unpacks, then 128-bit lane
+ * shuffles: 30 shuffles and 15 adds for 16 dot products, instead of a serial reduction per product) */
+static inline __m512 kv512_hsum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+/* The float formats (f32, f16, bf16) on AVX-512: 16 values of dims [j, j+16) of a stored row as f32
+ * (F16C for f16, a 16-bit shift for bf16: both exact) */
+#define KV512_LD_F32(p, j) _mm512_loadu_ps((const float *)(const void *)(p) + (j))
+#define KV512_LD_F16(p, j) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)((p) + 2 * (j))))
+#define KV512_LD_BF16(p, j) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)((p) + 2 * (j)))), 16))
+
+/* Scores S[r][t] = q_r . k_t of R rows q [R][D] against the KV_T rows of a tile, 4 rows x 4 tokens at a
+ * time: each K vector, converted once, feeds 4 rows and each q vector 4 tokens (16 independent FMA
+ * chains), and one lane-sum tree gives the 16 products. The generic loop (a dot and a serial
+ * horizontal sum per row and token, from an f32 copy of the tile) was latency-bound. Rows past R
+ * repeat row 0 and are not stored. */
+#define KV512_K4X4(NAME, LOADK)                                                                              \
+    static void NAME(const float *q, float *S, int R, const uint8_t *const *rows, int D) {                   \
+        for (int r0 = 0; r0 < R; r0 += 4) {                                                                  \
+            const int nr = R - r0 < 4 ? R - r0 : 4;                                                          \
+            const float *q0 = q + (size_t)r0 * D, *q1 = nr > 1 ? q0 + D : q0, *q2 = nr > 2 ? q0 + 2 * D : q0, \
+                        *q3 = nr > 3 ? q0 + 3 * D : q0;                                                      \
+            for (int t0 = 0; t0 < KV_T; t0 += 4) {                                                           \
+                const uint8_t *p0 = rows[t0], *p1 = rows[t0 + 1], *p2 = rows[t0 + 2], *p3 = rows[t0 + 3];    \
+                __m512 acc[16];                                                                              \
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();                                   \
+                for (int j = 0; j < D; j += 16) {                                                            \
+                    const __m512 k0 = LOADK(p0, j), k1 = LOADK(p1, j), k2 = LOADK(p2, j), k3 = LOADK(p3, j); \
+                    const float *qq[4] = {q0, q1, q2, q3};                                                   \
+                    for (int i = 0; i < 4; i++) {                                                            \
+                        const __m512 qv = _mm512_loadu_ps(qq[i] + j);                                        \
+                        acc[4 * i] = _mm512_fmadd_ps(qv, k0, acc[4 * i]);                                    \
+                        acc[4 * i + 1] = _mm512_fmadd_ps(qv, k1, acc[4 * i + 1]);                            \
+                        acc[4 * i + 2] = _mm512_fmadd_ps(qv, k2, acc[4 * i + 2]);                            \
+                        acc[4 * i + 3] = _mm512_fmadd_ps(qv, k3, acc[4 * i + 3]);                            \
+                    }                                                                                        \
+                }                                                                                            \
+                const __m512 res = kv512_hsum16(acc); /* lane 4i + u: row r0 + i, token t0 + u */            \
+                for (int i = 0; i < nr; i++)                                                                 \
+                    _mm512_mask_storeu_ps(S + (size_t)(r0 + i) * KV_T + t0 - 4 * i, (__mmask16)(0xfu << (4 * i)), res); \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+/* O[r] += sum_t P[r][t] v_t for R rows, 4 rows x 64 dims at a time: each V vector, converted once,
+ * feeds 4 rows (16 accumulators in registers over the whole tile) */
+#define KV512_V4(NAME, LOADV)                                                                                \
+    static void NAME(const float *P, float *O, int R, const uint8_t *const *rows, int D) {                   \
+        for (int r0 = 0; r0 < R; r0 += 4) {                                                                  \
+            const int nr = R - r0 < 4 ? R - r0 : 4;                                                          \
+            const float *pp[4];                                                                              \
+            for (int i = 0; i < 4; i++) pp[i] = P + (size_t)(r0 + (i < nr ? i : 0)) * KV_T;                  \
+            for (int j0 = 0; j0 < D; j0 += 64) {                                                             \
+                __m512 acc[4][4];                                                                            \
+                for (int i = 0; i < 4; i++)                                                                  \
+                    for (int u = 0; u < 4; u++)                                                              \
+                        acc[i][u] = _mm512_loadu_ps(O + (size_t)(r0 + (i < nr ? i : 0)) * D + j0 + 16 * u);  \
+                for (int t = 0; t < KV_T; t++) {                                                             \
+                    const uint8_t *p = rows[t];                                                              \
+                    const __m512 v0 = LOADV(p, j0), v1 = LOADV(p, j0 + 16), v2 = LOADV(p, j0 + 32),         \
+                                 v3 = LOADV(p, j0 + 48);                                                     \
+                    for (int i = 0; i < 4; i++) {                                                            \
+                        const __m512 w = _mm512_set1_ps(pp[i][t]);                                           \
+                        acc[i][0] = _mm512_fmadd_ps(w, v0, acc[i][0]);                                       \
+                        acc[i][1] = _mm512_fmadd_ps(w, v1, acc[i][1]);                                       \
+                        acc[i][2] = _mm512_fmadd_ps(w, v2, acc[i][2]);                                       \
+                        acc[i][3] = _mm512_fmadd_ps(w, v3, acc[i][3]);                                       \
+                    }                                                                                        \
+                }                                                                                            \
+                for (int i = 0; i < nr; i++)                                                                 \
+                    for (int u = 0; u < 4; u++) _mm512_storeu_ps(O + (size_t)(r0 + i) * D + j0 + 16 * u, acc[i][u]); \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+KV512_K4X4(k4x4_f32, KV512_LD_F32)
+KV512_K4X4(k4x4_f16, KV512_LD_F16)
+KV512_K4X4(k4x4_bf16, KV512_LD_BF16)
+KV512_V4(v4_f32, KV512_LD_F32)
+KV512_V4(v4_f16, KV512_LD_F16)
+KV512_V4(v4_bf16, KV512_LD_BF16)
+
+/* More than 8 rows (prefill) convert an f16/bf16 tile into L1 once (tb) rather than once per 4 rows */
+#define KV512_FLOAT_ROWS 8
+
+static void tile_to_f32_512(int fmt, const uint8_t *const *rows, float *tb, const uint8_t **trows, int D) {
+    for (int t = 0; t < KV_T; t++) {
+        float *dst = tb + (size_t)t * D;
+        for (int j = 0; j < D; j += 16)
+            _mm512_storeu_ps(dst + j, fmt == KV_F16 ? KV512_LD_F16(rows[t], j) : KV512_LD_BF16(rows[t], j));
+        trows[t] = (const uint8_t *)dst;
+    }
+}
+
+static int k_tile_float_512(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
+    const int fmt = c->kfmt, D = c->head_dim;
+    if (fmt > KV_BF16 || D % 16) return 0;
+    const float *q = ws->qf + (size_t)r0 * D;
+    const uint8_t *trows[KV_T];
+    if (fmt == KV_F32)
+        k4x4_f32(q, ws->s, R, rows, D);
+    else if (R > KV512_FLOAT_ROWS) {
+        tile_to_f32_512(fmt, rows, tb, trows, D);
+        k4x4_f32(q, ws->s, R, trows, D);
+    } else if (fmt == KV_F16)
+        k4x4_f16(q, ws->s, R, rows, D);
+    else
+        k4x4_bf16(q, ws->s, R, rows, D);
+    return 1;
+}
+
+static int v_tile_float_512(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
+    const int fmt = c->vfmt, D = c->head_dim;
+    if (fmt > KV_BF16 || D % 64) return 0;
+    float *o = ws->o + (size_t)r0 * D;
+    const uint8_t *trows[KV_T];
+    if (fmt == KV_F32)
+        v4_f32(ws->s, o, R, rows, D);
+    else if (R > KV512_FLOAT_ROWS) {
+        tile_to_f32_512(fmt, rows, tb, trows, D);
+        v4_f32(ws->s, o, R, trows, D);
+    } else if (fmt == KV_F16)
+        v4_f16(ws->s, o, R, rows, D);
+    else
+        v4_bf16(ws->s, o, R, rows, D);
+    return 1;
+}
+#define K_TILE_FLOAT(c, ws, r0, R, rows, tb) k_tile_float_512(c, ws, r0, R, rows, tb)
+#define V_TILE_FLOAT(c, ws, r0, R, rows, tb) v_tile_float_512(c, ws, r0, R, rows, tb)
 #include "kern_template.h"
 
 #if defined(__clang__)

@@ -275,6 +275,9 @@ KV_INLINE float FN(dot)(const float *a, const float *b, int n) {
 /* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e) */
 static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
+#ifdef K_TILE_FLOAT
+    if (K_TILE_FLOAT(c, ws, r0, R, rows, tb)) return; /* the ISA's kernel for the float formats */
+#endif
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < KV_T; t++)
@@ -284,6 +287,9 @@ static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, cons
 /* O[r] += sum_t P[r][t] v_t */
 static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
+#ifdef V_TILE_FLOAT
+    if (V_TILE_FLOAT(c, ws, r0, R, rows, tb)) return;
+#endif
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->vfmt, rows[t], tb + (size_t)t * D, D);
     for (int r = 0; r < R; r++) {
         const float *p = ws->s + r * KV_T;
