@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 from . import formats
 from .errors import FormatError, SpecError
@@ -15,7 +18,11 @@ Scale = float | tuple[float, ...] | tuple[tuple[float, ...], ...] | str | None
 
 def _check_scale(name: str, value: object, n_layers: int, n_kv_heads: int) -> None:
     def ok(x: object) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        # numbers.Real takes numpy's float32/int scalars too; a bool is not a scale
+        if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+            return False
+        f = float(x)
+        return math.isfinite(f) and f > 0
 
     if value is None or (isinstance(value, str) and value == "calibrate"):
         return
@@ -87,7 +94,7 @@ class CacheSpec:
                 object.__setattr__(self, name, tuple(tuple(float(x) for x in row) for row in value))
             elif isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(float(x) for x in value))
-            elif isinstance(value, int):
+            elif value is not None and not isinstance(value, str):
                 object.__setattr__(self, name, float(value))
         for name in ("k_rotation", "v_rotation"):
             value = getattr(self, name)

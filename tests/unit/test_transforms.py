@@ -76,6 +76,7 @@ def test_spec_validation_is_typed():
         {"k_scale": True}, {"k_scale": 0.0}, {"k_scale": -2.0}, {"k_scale": float("nan")}, {"v_scale": float("inf")},
         {"k_scale": (1.0,)}, {"k_scale": (1.0, True)}, {"k_scale": "calibrated"}, {"k_scale": b"x"},
         {"k_rotation": "hadamrd"}, {"v_rotation": 1}, {"tail": -1}, {"tail": True}, {"tail": 2.0},
+        {"k_scale": np.bool_(True)}, {"k_scale": np.float32("nan")},
     ]  # fmt: skip
     for kw in bad:
         with pytest.raises(kvhal.SpecError):
@@ -84,6 +85,9 @@ def test_spec_validation_is_typed():
         kvhal.CacheSpec(1, 2, 96, k_rotation="hadamard")
     spec = kvhal.CacheSpec(1, 2, 64, k_scale=[0.5, 2.0], v_scale="calibrate", tail=3)
     assert spec.k_scale == (0.5, 2.0) and hash(spec)
+    # numpy scalars are numbers: stored as plain floats, so they name the same bytes as the Python float
+    spec_np = kvhal.CacheSpec(1, 2, 64, k_scale=(np.float32(0.5), np.int64(2)), v_scale=np.float32(3))
+    assert spec_np.k_scale == (0.5, 2.0) and type(spec_np.v_scale) is float and spec_np.v_scale == 3.0
 
 
 def test_scale_reaches_the_kernel_fp8(rng):
