@@ -57,7 +57,7 @@ MODIFIERS: dict[str, dict[str, Any]] = {
 }
 MODIFIER_HELP = (
     "FORMAT or K/V (q8_0/q4_0), then modifiers: ':rot' (Hadamard rotation of K and V; ':krot', ':vrot' one side), "
-    "':scale' (per-head scales calibrated on the first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
+    "':scale' (per-head scales, each layer's calibrated on its first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
     "':tailN' (the last N tokens kept in f16); e.g. q4_0:rot:tail64, fp8_e4m3:scale"
 )
 
