@@ -251,6 +251,17 @@ def _takes_threads(backend: str) -> bool:
     return hasattr(KVCache(spec, 1, backend=backend).backend, "threads")
 
 
+def job_format(backend: str, fmt: str) -> str:
+    """``fmt`` as a bench job on ``backend``: itself (one format, or a ``K/V`` pair), or ``f16/fmt`` where the
+    backend runs a per-channel K format's per-token rows only (as V), so its V path is what is measured."""
+    if "/" in fmt or formats.get(fmt).k_page is None:
+        return fmt
+    from .registry import instance
+
+    spec = CacheSpec(n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=fmt, v_format=fmt)
+    return fmt if instance(backend).supports(spec, "attention") is None else f"f16/{fmt}"
+
+
 def _positive_ints(name: str, values: Any) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise SpecError(f"{name} must be a list of positive ints, got {values!r}")
@@ -376,15 +387,19 @@ def _bench_one(
     base: dict[tuple[str, str, int], float] | None,
     n_threads: int | None,
 ) -> list[Row]:
-    """Rows of one backend and format; ``n_threads``: the backend's threads option (None: its default)."""
-    spec = CacheSpec(n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=fmt, v_format=fmt)
+    """Rows of one backend and format (or ``K/V`` pair); ``n_threads``: the backend's threads option (None:
+    its default)."""
+    k_format, _, v_format = fmt.partition("/")
+    spec = CacheSpec(
+        n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=k_format, v_format=v_format or k_format
+    )
     capacity = max([*decode, *prefill]) + STORE_CHUNK + 16
     cache = KVCache(
         spec, capacity, backend=backend, backend_options={} if n_threads is None else {"threads": n_threads}
     )
     name, sync = cache.backend.name, cache.backend.synchronize
     ran_threads = getattr(cache.backend, "threads", None)
-    row_bytes = formats.get(fmt).row_bytes(HEAD_DIM) * N_KV_HEADS * 2  # K+V bytes per token
+    row_bytes = (spec.k_row_bytes + spec.v_row_bytes) * N_KV_HEADS  # K+V bytes per token
     f32_bytes = N_KV_HEADS * HEAD_DIM * 4 * 2
     out = []
 
@@ -399,15 +414,14 @@ def _bench_one(
 
     one = (work.k[:1].copy(), work.v[:1].copy())
     for label, (k, v) in (("store-1", one), ("store-512", (work.k, work.v))):
-        scratch = cache.new_seq()
 
-        def store(k: np.ndarray = k, v: np.ndarray = v, s: int = scratch) -> None:
+        def store(k: np.ndarray = k, v: np.ndarray = v) -> None:
+            s = cache.new_seq()  # a fresh sequence each time: seq_rm cannot undo a per-channel K page
             cache.store(s, 0, k, v)
-            cache.seq_rm(s, 0, -1)
+            cache.free_seq(s)
 
         n = k.shape[0]
         row(label, n, median_time(store, sync, repeats), n * f32_bytes, n)
-        cache.free_seq(scratch)
     s = cache.new_seq()
     q1 = cache.backend.asarray(work.q_decode, "q")  # on the device once: the figures time the call, not the upload
     qp = cache.backend.asarray(work.q_prefill, "q")
@@ -432,11 +446,12 @@ def table(result: dict[str, Any]) -> str:
         for b in result["bandwidth"]
     )
     sh = result["shape"]
+    fw = max([6, *(len(r["format"]) for r in result["rows"])])  # format column: "f16/kivi4" is 9 wide
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores; measured read bandwidth: {where}",
         f"shape: {sh['n_heads']} q heads / {sh['n_kv_heads']} kv heads / head_dim {sh['head_dim']}; "
         f"prefill: the last {sh['prefill_queries']} positions, causal; median of {result['repeats']}",
-        f"{'backend':<11} {'format':<6} {'op':<9} {'ctx':>6} {'thr':>3} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
+        f"{'backend':<11} {'format':<{fw}} {'op':<9} {'ctx':>6} {'thr':>3} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
         f"{'tok/s':>9} {'GFLOP/s':>8} {'x sdpa f32':>10} {'x sdpa bf16':>11}",
     ]
 
@@ -445,7 +460,7 @@ def table(result: dict[str, Any]) -> str:
 
     for r in result["rows"]:
         lines.append(
-            f"{r['backend']:<11} {r['format']:<6} {r['op']:<9} {r['context']:>6} {opt(r['threads'], 'd'):>3} "
+            f"{r['backend']:<11} {r['format']:<{fw}} {r['op']:<9} {r['context']:>6} {opt(r['threads'], 'd'):>3} "
             f"{r['median_ms']:>9.3f} {r['gbps']:>7.2f} {r['frac_bw']:>6.2f} {opt(r['tokens_per_s'], '.3g'):>9} "
             f"{opt(r['gflops'], '.1f'):>8} {opt(r['speedup_vs_sdpa_f32'], '.2f'):>10} "
             f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11}"

@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         help="backend to run, or 'auto' (repeatable; default: every available one but the float64 reference)",
     )
     pb.add_argument(
-        "--format", action="append", dest="formats", help="KV format (repeatable; default: all the backend runs)"
+        "--format",
+        action="append",
+        dest="formats",
+        help="KV format or K/V pair such as f16/kivi4 (repeatable; default: all the backend runs)",
     )
     pb.add_argument("--contexts", type=_ints, default="4096,16384,32768", help="decode context lengths (comma list)")
     pb.add_argument(
@@ -286,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
             if n not in by_name or not by_name[n].available:
                 why = by_name[n].reason if n in by_name else "not installed"
                 raise KVHalError(f"backend {n!r} is unavailable: {why} (see `kvhal info`)")
-        jobs = [(n, f) for n in names for f in jobs_formats if f in by_name[n].formats]
+        jobs = [
+            (n, bench.job_format(n, f))
+            for n in names
+            for f in jobs_formats
+            if all(part in by_name[n].formats for part in f.split("/"))  # a format, or a K/V pair
+        ]
         if not jobs:
             raise KVHalError(f"none of {names} runs attention on {jobs_formats} (see `kvhal info`)")
         result = bench.run(

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from kvhal import SpecError, bench, formats
+from kvhal import SpecError, backends, bench, formats
 from kvhal.cli import main
 from tests.oracle import attention_f64
 
@@ -158,3 +158,19 @@ def test_cli_prefill_shorter_than_its_queries_is_a_clear_error(capsys):
                "100", "--no-sdpa"])  # fmt: skip
     assert rc == 2
     assert "prefill contexts must be >= the 512 prefill queries, got 100" in capsys.readouterr().err
+
+
+def test_cli_bench_k_v_pairs_and_row_only_formats(capsys):
+    """A K/V pair benches both formats' bytes; a per-channel K format runs as itself where the backend takes
+    it as K (the reference), and as ``f16/fmt`` where only its V rows run (the cpu backend)."""
+    rc = main(["bench", "--backend", "reference", "--format", "q8_0/q4_0", "--format", "kivi4", "--contexts", "32",
+               "--no-prefill", "--repeats", "1", "--no-sdpa", "--json"])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    decode = {r["format"]: r for r in rows if r["op"] == "decode"}
+    assert set(decode) == {"q8_0/q4_0", "kivi4"}
+    per_token = (formats.get("q8_0").row_bytes(128) + formats.get("q4_0").row_bytes(128)) * bench.N_KV_HEADS
+    r = decode["q8_0/q4_0"]
+    assert r["gbps"] * r["median_ms"] * 1e6 == pytest.approx(32 * per_token, rel=1e-6)
+    if any(b.name == "cpu" and b.available for b in backends()):
+        assert bench.job_format("cpu", "kivi4") == "f16/kivi4" and bench.job_format("cpu", "q4_0") == "q4_0"
