@@ -2,17 +2,21 @@
 # The GPU check in one command, for a bare machine with an NVIDIA GPU (x86-64, python3 >= 3.10, pip to PyPI):
 #   1. reads the driver's CUDA major from nvidia-smi and picks the matching cupy (cupy-cuda12x / cupy-cuda13x,
 #      the cuda12 / cuda13 variants of backends/cuda/pyproject.toml) plus the CUDA runtime and NVRTC wheels;
-#   2. installs kvhal and the cuda backend into a venv (.gpu-check/venv);
+#   2. installs kvhal and the cuda backend into a venv (.gpu-check/venv); where the machine's python3 already
+#      has a working cupy for that CUDA major (an image with CUDA's Python stack, often offline), kvhal and the
+#      backend are installed next to it instead (pip --target .gpu-check/site, no dependencies fetched);
 #   3. runs what `nox -s test-cuda13 -- --strict` (or test-cuda12) runs, in that venv: the contract suite and
 #      backends/cuda/tests on the GPU, KVHAL_STRICT=1;
 #   4. runs `kvhal bench --backend cuda`: decode 4k..128k, prefill 512 queries over 4k and 16k, load, every
-#      format, as fractions of the HBM read bandwidth measured in the same run;
+#      format (one process each, so a format that fails leaves the others' figures), as fractions of the HBM
+#      read bandwidth measured in the same run, with torch SDPA ratios where torch has CUDA;
 #   5. prints one summary block (also written to $OUT/summary.txt).
 #
 #   bash ci/gpu-check.sh                 # outputs under $OUT, default .gpu-check/out
 #
 # GPU_CHECK_BUDGET (seconds, default 450) bounds the whole run: each step gets what is left, so the summary
-# always prints. pip honours PIP_INDEX_URL / PIP_FIND_LINKS for a machine without PyPI.
+# always prints. pip honours PIP_INDEX_URL / PIP_FIND_LINKS / PIP_NO_INDEX for a machine without PyPI (the
+# build needs hatchling and its requirements from there).
 # Exit status: 0 every step passed; 1 a step failed or timed out; 3 no usable NVIDIA GPU or Python (one line).
 set -uo pipefail
 
@@ -43,10 +47,19 @@ mkdir -p "$OUT"
 venv=$root/.gpu-check/venv
 py=$venv/bin/python
 budget=${GPU_CHECK_BUDGET:-450}
+site=$root/.gpu-check/site
+# an image that already has cupy for this CUDA major: use that python3 and its packages (torch too, for SDPA)
+if python3 -c 'import sys, cupy; sys.exit(cupy.cuda.runtime.runtimeGetVersion() // 1000 != int(sys.argv[1]))' \
+  "$cuda" >/dev/null 2>&1; then
+  python=system py=python3
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+else
+  python=venv
+fi
 printf '%s\n' "$smi" >"$OUT/nvidia-smi.txt"
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n1)
 
-export py venv root cuda toolkit OUT
+export py venv site python root cuda toolkit OUT
 declare -A status seconds
 left() { local l=$((budget - SECONDS)); echo $((l > 10 ? l : 10)); }
 # step NAME: run the function NAME with what is left of the budget, output in $OUT/NAME.log;
@@ -66,6 +79,19 @@ step() {
 }
 
 install() {
+  # where nvcc 13 is on the machine, the cubins the kvhal-cuda13 wheel ships (build_kernels.py, as
+  # nox -s compile-cuda13; --reuse keeps ones already built from this kvhal.cu); else NVRTC compiles at first use
+  if [ "$cuda" = 13 ] && command -v nvcc >/dev/null 2>&1; then
+    PYTHONPATH=$root python3 backends/cuda/build_kernels.py cuda13 --reuse ||
+      echo "no prebuilt cubins (build_kernels.py failed); kvhal.cu is compiled by NVRTC at first use"
+  fi
+  if [ "$python" = system ]; then
+    # kvhal and the backend only, built from this tree; what they need comes from the image
+    rm -rf "$site"
+    python3 -m pip install -q --disable-pip-version-check --no-deps --target "$site" . backends/cuda || return 1
+    python3 -c 'import numpy, pytest, cupy, kvhal_cuda; print("system python3: cupy", cupy.__version__)'
+    return
+  fi
   if [ ! -x "$py" ]; then
     python3 -m venv "$venv" || {
       # Debian without python3-venv: virtualenv from PyPI into a private directory
@@ -74,7 +100,7 @@ install() {
     } || return 1
   fi
   local pip=("$py" -m pip install -q --disable-pip-version-check)
-  "${pip[@]}" --upgrade pip || return 1
+  "${pip[@]}" --upgrade pip || echo "pip could not upgrade itself; going on with $("$py" -m pip --version)"
   # cupy compiles its own kernels with NVRTC and the backend compiles kvhal.cu when no prebuilt cubin fits:
   # the CUDA runtime and NVRTC come as wheels for the driver's CUDA major (no toolkit on the machine)
   "${pip[@]}" -e ".[test,bench]" -e "backends/cuda[cuda$cuda]" "$toolkit" || return 1
@@ -86,14 +112,26 @@ install() {
 
 tests() {
   # the test-cuda$cuda session's command (noxfile.py), in this venv
+  # (test_cuda_emulated runs kvhal.cu on the CPU emulator: test-cuda-host's job, not the GPU's)
   KVHAL_TEST_BACKENDS=cuda KVHAL_STRICT=1 "$py" -m pytest -q -p no:cacheprovider tests/contract backends/cuda/tests \
-    --junitxml="$OUT/contract.xml"
+    --ignore=backends/cuda/tests/test_cuda_emulated.py --junitxml="$OUT/contract.xml"
 }
 
 bench() {
-  # no torch: its CUDA build is gigabytes and adds only SDPA ratios; the HBM fractions are the figure
-  "$venv/bin/kvhal" bench --backend cuda --contexts 4096,8192,16384,32768,65536,131072 \
-    --prefill-contexts 4096,16384 --repeats 5 --no-sdpa --json -o "$OUT/bench-cuda.json"
+  # one process per format: a kernel that faults the CUDA context costs that format's figures only.
+  # SDPA (where torch has CUDA) runs in the first process; the summary's merge gives every row its ratios.
+  local parts=$root/.gpu-check/bench rc=0 sdpa=() fmt
+  rm -rf "$parts" && mkdir -p "$parts"
+  "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null || sdpa=(--no-sdpa)
+  for fmt in $("$py" -c 'import kvhal, kvhal.bench as b
+cuda = {i.name: i for i in kvhal.backends()}["cuda"]
+print(" ".join(b.job_format("cuda", f) for f in kvhal.formats.names() if f in cuda.formats))'); do
+    echo "== $fmt"
+    "$py" -m kvhal.cli bench --backend cuda --format "$fmt" --contexts 4096,8192,16384,32768,65536,131072 \
+      --prefill-contexts 4096,16384 --repeats 5 "${sdpa[@]}" --json -o "$parts/${fmt//\//_}.json" >/dev/null || rc=1
+    sdpa=(--no-sdpa)
+  done
+  python3 "$root/ci/gpu_check_summary.py" --merge "$parts" -o "$OUT/bench-cuda.json" && return $rc
 }
 
 export -f install tests bench
@@ -102,7 +140,7 @@ step install && {
   step bench
 }
 
-summary_args=(--gpu "$gpu" --driver-cuda "$driver_cuda" --cuda "$cuda" --out "$OUT" --budget "$budget")
+summary_args=(--gpu "$gpu" --driver-cuda "$driver_cuda" --cuda "$cuda" --python "$python" --out "$OUT" --budget "$budget")
 for s in install tests bench; do
   summary_args+=(--step "$s=${status[$s]:-not run}=${seconds[$s]:-0}")
 done

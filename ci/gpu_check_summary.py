@@ -1,6 +1,7 @@
 """The summary block of ci/gpu-check.sh, from its step results, pytest's JUnit XML and kvhal bench's JSON.
 
     python3 ci/gpu_check_summary.py --out DIR --step install=ok=95 --step tests=ok=60 ... [--gpu ...]
+    python3 ci/gpu_check_summary.py --merge PARTS -o bench-cuda.json   # one kvhal bench JSON of per-format runs
 
 Stdlib only: it runs with the system python3, also when the venv could not be made.
 """
@@ -36,8 +37,10 @@ def bench(path: Path) -> list[str]:
     result = json.loads(path.read_text())
     rows = [r for r in result["rows"] if not r["backend"].startswith("torch-sdpa")]
     device = [b for b in result["bandwidth"] if b["where"] != "host"]
+    gbps = sorted(b["read_gbps"] for b in device)
     lines = [
-        "HBM read " + ", ".join(f"{b['read_gbps']:.0f} GB/s ({b['where']})" for b in device)
+        f"HBM read {gbps[len(gbps) // 2]:.0f} GB/s ({device[0]['where']}; median of {len(gbps)} readings, "
+        f"{gbps[0]:.0f}-{gbps[-1]:.0f})"
         if device
         else "no device bandwidth measured"
     ]
@@ -47,17 +50,24 @@ def bench(path: Path) -> list[str]:
     prefill = sorted({r["context"] for r in rows if r["op"] == "prefill"})
     if decode:
         lines.append("decode ms (fraction of HBM read bandwidth)")
-        lines.append(f"  {'format':<7}" + "".join(f"{_ctx(n):>14}" for n in decode))
+        lines.append(f"  {'format':<10}" + "".join(f"{_ctx(n):>14}" for n in decode))
         for f in fmts:
             cells = [by.get((f, "decode", n)) for n in decode]
             lines.append(
-                f"  {f:<7}"
+                f"  {f:<10}"
                 + "".join(f"{c['median_ms']:>7.3f} ({c['frac_bw']:.2f})" if c else f"{'-':>14}" for c in cells)
             )
-    top = max(decode, default=0)
+    top, ptop = max(decode, default=0), max(prefill, default=0)
+
+    def ratio(c: dict | None) -> str:
+        x = c and c.get("speedup_vs_sdpa_bf16")
+        return f"{x:>8.2f}x" if x else f"{'-':>9}"
+
     if prefill or top:
         head = "".join(f"{'prefill ' + _ctx(n) + ' ms':>16}{'TFLOP/s':>9}" for n in prefill)
-        lines.append(f"  {'format':<7}{head}{'load ' + _ctx(top) + ' GB/s':>18}{'of bw':>7}")
+        head += f"{'load ' + _ctx(top) + ' GB/s':>18}{'of bw':>7}"
+        head += "   vs torch SDPA bf16:" + (f" prefill {_ctx(ptop)}," if ptop else "") + f" decode {_ctx(top)}"
+        lines.append(f"  {'format':<10}{head}")
         for f in fmts:
             cells = ""
             for n in prefill:
@@ -65,16 +75,44 @@ def bench(path: Path) -> list[str]:
                 cells += f"{c['median_ms']:>16.3f}{c['gflops'] / 1e3:>9.2f}" if c else f"{'-':>16}{'-':>9}"
             ld = by.get((f, "load", top))
             cells += f"{ld['gbps']:>18.1f}{ld['frac_bw']:>7.2f}" if ld else f"{'-':>18}{'-':>7}"
-            lines.append(f"  {f:<7}{cells}")
+            cells += "   " + (ratio(by.get((f, "prefill", ptop))) if ptop else "") + ratio(by.get((f, "decode", top)))
+            lines.append(f"  {f:<10}{cells}")
     long = [n for n in decode if n >= 32768]
     if long:
-        worst = {f: min(by[(f, "decode", n)]["frac_bw"] for n in long if (f, "decode", n) in by) for f in fmts}
+        fracs = {f: [by[(f, "decode", n)]["frac_bw"] for n in long if (f, "decode", n) in by] for f in fmts}
+        worst = {f: min(x) for f, x in fracs.items() if x}
         lines.append(
             f"decode at {_ctx(long[0])}+ vs the {TARGET} target: "
             + ", ".join(f"{f} {w:.2f}{'' if w >= TARGET else ' (below)'}" for f, w in worst.items())
         )
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return lines
+
+
+def merge(parts: Path, out: Path) -> int:
+    """One bench result of the per-format runs in ``parts`` (in the order they ran): their rows and bandwidth
+    readings together, and each row's SDPA ratios from the one run that timed SDPA."""
+    files = sorted(parts.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+    if not files:
+        print(f"gpu-check: no bench results in {parts}", file=sys.stderr)
+        return 1
+    results = [json.loads(f.read_text()) for f in files]
+    merged = dict(results[0], rows=[], bandwidth=[], notes=[])
+    for r in results:
+        merged["rows"] += r["rows"]
+        merged["bandwidth"] += r["bandwidth"]
+        merged["notes"] += [n for n in r["notes"] if n not in merged["notes"]]
+    base = {
+        (r["format"], r["op"], r["context"]): r["median_ms"]
+        for r in merged["rows"]
+        if r["backend"].startswith("torch-sdpa")
+    }
+    for r in merged["rows"]:
+        if not r["backend"].startswith("torch-sdpa") and ("f32", r["op"], r["context"]) in base:
+            r["speedup_vs_sdpa_f32"] = base[("f32", r["op"], r["context"])] / r["median_ms"]
+            r["speedup_vs_sdpa_bf16"] = base[("bf16", r["op"], r["context"])] / r["median_ms"]
+    out.write_text(json.dumps(merged, indent=2))
+    return 0
 
 
 def tail(log: Path, n: int = 3) -> list[str]:
@@ -85,17 +123,27 @@ def tail(log: Path, n: int = 3) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--merge", type=Path, help="merge the bench JSONs in this folder into -o, then exit")
+    ap.add_argument("-o", type=Path, dest="merged")
+    ap.add_argument("--python", default="", help="venv, or system: the image's python3 and its cupy")
     ap.add_argument("--step", action="append", default=[], help="NAME=STATUS=SECONDS, in order")
     ap.add_argument("--gpu", default="")
     ap.add_argument("--driver-cuda", default="")
     ap.add_argument("--cuda", default="")
     ap.add_argument("--budget", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.merged:
+            ap.error("--merge needs -o FILE")
+        return merge(args.merge, args.merged)
+    if not args.out:
+        ap.error("--out is required")
     steps = [s.split("=", 2) for s in args.step]
     lines = ["=" * 30 + " gpu-check " + "=" * 30]
     if args.gpu:
-        lines.append(f"gpu       {args.gpu}; driver CUDA {args.driver_cuda} -> cupy-cuda{args.cuda}x")
+        via = "the image's python3 and cupy" if args.python == "system" else f"a venv with cupy-cuda{args.cuda}x"
+        lines.append(f"gpu       {args.gpu}; driver CUDA {args.driver_cuda} -> {via}")
     total = 0
     for name, status, secs in steps:
         total += int(secs)
