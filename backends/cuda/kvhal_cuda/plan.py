@@ -22,6 +22,10 @@ MAX_ROWS_PER_WARP = 4  # KV_RPW_MAX
 ELEMENTWISE_THREADS = 256
 SMEM_LIMIT = 48 * 1024  # static limit on every CUDA arch and AMD's 64 KiB LDS; no opt-in attribute needed
 GRID_YZ_MAX = 65535
+# CTAs resident per SM, as the kernels' __launch_bounds__ allow: a split-KV grid aims to fill them (ncu on an H200:
+# a 128k decode grid sized for four per SM filled half a wave of the decode kernel, 25% achieved occupancy)
+DECODE_CTAS_PER_SM = 8
+PREFILL_CTAS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (launch, merge) outweighs its parallelism
 WORKSPACE_LIMIT = 256 << 20  # bytes of split partials one call may allocate
 
@@ -168,15 +172,22 @@ def split_range(p: int, split_pages: int, block_size: int) -> tuple[int, int]:
 
 
 def choose_splits(
-    n_ctas: int, max_kv: int, block_size: int, n_sm: int, n_rows: int, n_heads: int, head_dim: int
+    n_ctas: int,
+    max_kv: int,
+    block_size: int,
+    n_sm: int,
+    n_rows: int,
+    n_heads: int,
+    head_dim: int,
+    ctas_per_sm: int = PREFILL_CTAS_PER_SM,
 ) -> tuple[int, int]:
     """(n_splits, split_pages): split KV across CTAs only when rows x heads alone leave the GPU idle.
 
-    Aim for four CTAs per SM; each split keeps at least MIN_SPLIT_TOKENS tokens and the partials
+    Aim for ``ctas_per_sm`` CTAs per SM; each split keeps at least MIN_SPLIT_TOKENS tokens and the partials
     (n_splits x rows x heads x (head_dim + 1) f32) stay under WORKSPACE_LIMIT.
     """
     max_pages = max(1, _ceil(max_kv, block_size))
-    want = _ceil(4 * n_sm, max(1, n_ctas))
+    want = _ceil(ctas_per_sm * n_sm, max(1, n_ctas))
     by_len = max(1, max_kv // MIN_SPLIT_TOKENS)
     by_mem = max(1, WORKSPACE_LIMIT // max(1, 4 * n_rows * n_heads * (head_dim + 1)))
     n = max(1, min(want, by_len, by_mem, max_pages, GRID_YZ_MAX))
@@ -272,7 +283,10 @@ def plan_attention(
         )
     _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
     n_ctas = (len(decode) + len(tiles)) * n_heads
-    n_splits, split_pages = choose_splits(n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim)
+    per_sm = PREFILL_CTAS_PER_SM if tiles else DECODE_CTAS_PER_SM  # one split count serves both kernels of a call
+    n_splits, split_pages = choose_splits(
+        n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim, per_sm
+    )
     dec = np.asarray(decode, np.int32).reshape(-1)
     til = np.asarray(tiles, np.int32).reshape(-1)
     meta = np.concatenate([table.reshape(-1), seq_lens, q_lens, q_start, lo, hi, dec, til]).astype(np.int32)
