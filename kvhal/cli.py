@@ -37,6 +37,19 @@ def _int_field(key: str, value: str) -> int:
         raise SpecError(f"--spec {key}={value!r}: {key} takes an integer") from None
 
 
+def _v_only(b: Any) -> dict[str, str]:
+    """Per-channel K formats (kivi) that ``b`` runs as V only: format -> why it refuses them as K."""
+    out = {}
+    for f in formats.names():
+        if b.available and f in b.formats and formats.get(f).k_page is not None:
+            as_k = CacheSpec(**{**SPEC_DEFAULTS, "k_format": f, "v_format": f})
+            as_v = CacheSpec(**{**SPEC_DEFAULTS, "v_format": f})
+            why = b.refusal(as_k)
+            if why is not None and b.refusal(as_v) is None:
+                out[f] = why
+    return out
+
+
 def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
     out = []
     for b in backends():
@@ -47,6 +60,7 @@ def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
             "device": b.device,
             "reason": b.reason,
             "formats": {f: list(OPS) if f in b.formats else [] for f in formats.names()},
+            "v_only": _v_only(b),
         }
         if spec is not None:
             row["spec_refused"] = b.refusal(spec)  # None: takes it
@@ -75,12 +89,13 @@ def info_text(data: dict[str, Any]) -> str:
         dev = f" [{b['device']}]" if b["device"] else ""
         lines.append(f"  {b['name']:<10} {state:<12}{dev} {b['reason']}")
     lines.append("")
-    lines.append("support (S store, L load, A attention):")
-    lines.append("  " + f"{'':<10} " + " ".join(f"{n:>5}" for n in names))
+    lines.append("support (S store, L load, A attention; * as V only, K refused):")
+    width = {n: max(5, len(n)) for n in names}
+    lines.append("  " + f"{'':<10} " + " ".join(f"{n:>{width[n]}}" for n in names))
     for b in data["backends"]:
         cells = ["".join(op[0].upper() for op in b["formats"][n]) if b["available"] else "-" for n in names]
-        cells = [c or "-" for c in cells]
-        lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>5}" for c in cells))
+        cells = [(c or "-") + ("*" if n in b["v_only"] else "") for c, n in zip(cells, names)]
+        lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>{width[n]}}" for c, n in zip(cells, names)))
     lines.append("")
     lines.append("formats: " + ", ".join(f"{f['name']} {f['bits_per_element']:g} bits" for f in data["formats"]))
     if "spec" in data:

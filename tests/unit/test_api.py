@@ -281,6 +281,38 @@ def test_info_spec_cli(capsys):
     assert main(["info", "--spec", "nope=1"]) == 2
 
 
+def test_info_marks_formats_a_backend_runs_as_v_only():
+    # the oracle: whether a cache with that format as K (and as V beside f16 K) can be made at all
+    from kvhal.cli import info_data, info_text
+
+    data = info_data()
+    for row in data["backends"]:
+        if not row["available"]:
+            continue
+        expected = set()
+        for f in kvhal.formats.names():
+            if f not in [n for n, ops in row["formats"].items() if ops]:
+                continue
+            made = []
+            for k, v in ((f, f), ("f16", f)):
+                spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=k, v_format=v)
+                try:
+                    kvhal.KVCache(spec, 64, backend=row["name"])
+                    made.append(True)
+                except kvhal.UnsupportedError:
+                    made.append(False)
+            if made == [False, True]:
+                expected.add(f)
+        assert set(row["v_only"]) == expected, row["name"]
+        assert all(isinstance(why, str) and why for why in row["v_only"].values())
+    assert data["backends"][[r["name"] for r in data["backends"]].index("reference")]["v_only"] == {}
+    text = info_text(data)
+    assert "* as V only" in text
+    assert ("*" in text.split("support")[1].split("formats:")[0].replace("* as V only", "")) == any(
+        r["v_only"] for r in data["backends"] if r["available"]
+    )
+
+
 def test_backend_options_are_parsed_once_with_typed_errors(monkeypatch):
     from kvhal.backend_util import Option, parse_options, positive
 
