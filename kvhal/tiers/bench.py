@@ -137,12 +137,14 @@ class TierArm(Arm):
 
 
 class DiskCeiling(Arm):
-    """One file written sequentially with an fsync per batch, then read back sequentially from the device."""
+    """One file written sequentially with an fsync per batch, then read back sequentially from the device into a
+    new bytes object per block, kept until the run ends (as the tier's blocks are: a get hands out new memory)."""
 
     def __init__(self, w: Workload, root: Path) -> None:
         super().__init__(w)
         self.root, self.path = root, str(root / "ceiling.bin")
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.got: list[bytes] = []
 
     def put(self, b: range) -> None:
         for i in b:
@@ -155,10 +157,11 @@ class DiskCeiling(Arm):
         self.fd = os.open(self.path, os.O_RDONLY)
 
     def get(self, b: range) -> None:
-        for _ in b:
-            os.read(self.fd, self.w.block)
+        self.got += [os.read(self.fd, self.w.block) for _ in b]
 
     def finish(self) -> None:
+        if self.got != self.w.payloads:
+            raise KVHalError("the disk ceiling read back other bytes than it wrote")
         os.close(self.fd)
         os.unlink(self.path)
         _settle(self.root)
@@ -175,6 +178,7 @@ class DiskFiles(Arm):
         self.dir.mkdir()
         self.paths = [str(self.dir / f"{i}.blk") for i in range(w.n)]
         self.sync_each = _syncfs_fn() is None
+        self.got: list[bytes] = []
 
     def _write(self, i: int) -> None:
         fd = os.open(self.paths[i] + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -183,9 +187,11 @@ class DiskFiles(Arm):
             os.fsync(fd)
         os.close(fd)
 
-    def _read(self, fd: int) -> None:
-        os.read(fd, self.w.block)
-        os.close(fd)
+    def _read(self, fd: int) -> bytes:
+        try:
+            return os.read(fd, self.w.block)
+        finally:
+            os.close(fd)
 
     def put(self, b: range) -> None:
         list(self.pool.map(self._write, b))
@@ -206,9 +212,11 @@ class DiskFiles(Arm):
         fds = [os.open(self.paths[i], os.O_RDONLY) for i in b]
         for fd in fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        list(self.pool.map(self._read, fds))
+        self.got += self.pool.map(self._read, fds)
 
     def finish(self) -> None:
+        if self.got != self.w.payloads:
+            raise KVHalError("the plain one-file-per-block reference read back other bytes than it wrote")
         shutil.rmtree(self.dir)
         _settle(self.root)
 
