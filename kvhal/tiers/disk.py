@@ -4,8 +4,8 @@ Layout: ``<root>/<namespace hex[:16]>/<block hash hex>.kvb``, each file one blob
 each blob to a temp file in the same directory, makes them all durable at once (one syncfs on Linux, else an
 fsync each), renames them over their final names and fsyncs the directory, so a reader (or a restart after
 kill -9 or a power cut) sees a whole blob or none. A ``put`` that evicts writes its new blobs into the evicted
-files (renamed to temp names first), so a tier at its budget allocates no inodes. A ``get`` opens a call's files and starts readahead on all
-of them before worker threads read and checksum them. The LRU order lives in memory and is rebuilt from file
+files (renamed to temp names first), so a tier at its budget allocates no inodes. A ``get`` opens a call's
+files and starts readahead on all of them before worker threads read and checksum them. The LRU order lives in memory and is rebuilt from file
 mtimes at start (a hit refreshes a file's mtime once it is a minute old), so a restart keeps every block, in
 the order of use to the minute.
 One writing process per directory: temp files of a live writer are left alone, those of a dead one removed.
