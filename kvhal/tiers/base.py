@@ -169,10 +169,6 @@ class ByteLRU(Generic[K]):
 
     def add(self, key: K, size: int) -> list[K]:
         """Insert ``key`` as the most recent (size <= max_bytes); returns the keys evicted to make room, oldest first."""
-        return [old for old, _ in self.add_sized(key, size)]
-
-    def add_sized(self, key: K, size: int) -> list[tuple[K, int]]:
-        """``add``, returning (key, size) of each key evicted."""
         self.remove(key)
         self._sizes[key] = size
         self.total += size
@@ -180,7 +176,7 @@ class ByteLRU(Generic[K]):
         while self.total > self.max_bytes:
             old, old_size = self._sizes.popitem(last=False)
             self.total -= old_size
-            evicted.append((old, old_size))
+            evicted.append(old)
         return evicted
 
     def remove(self, key: K) -> bool:

@@ -333,8 +333,11 @@ def run(
                     run_dir = root / f"{name}-{bs}-{r}"
                     run_dir.mkdir()
                     with DiskTier(run_dir / "tier", 2 * w.n * (bs + 4096)) as disk:
-                        tier_arm = TierArm(w, disk, run_dir / "tier")
-                        arms = [tier_arm, DiskCeiling(w, run_dir), DiskFiles(w, run_dir, pool)]
+                        arms = [
+                            TierArm(w, disk, run_dir / "tier"),
+                            DiskCeiling(w, run_dir),
+                            DiskFiles(w, run_dir, pool),
+                        ]
                         runs.append(_interleaved(arms))
                 else:
                     assert redis_tier is not None
