@@ -70,7 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--total", default="64M", help="bytes moved per figure (default 64M)")
     b.add_argument("--batch", type=int, default=32, help="blocks per put/get call (default 32)")
     b.add_argument("--repeats", type=int, default=3, help="runs per figure, median reported (default 3)")
-    b.add_argument("--disk-path", help="directory for the disk tier and its ceiling file (default: system temp)")
+    b.add_argument(
+        "--disk-path",
+        help="directory for the disk tier and its references (default: system temp); holds 3 x total per run "
+        "until the bench ends",
+    )
     b.add_argument("--redis", default="auto", help="redis URL, 'auto' (start a private redis-server) or 'none'")
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("-o", "--output", help="also write the JSON result to this file")
