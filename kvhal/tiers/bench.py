@@ -1,13 +1,19 @@
 """``kvhal tiers bench``: put/get GB/s and blocks/s per tier, each next to its raw ceiling measured in the same run.
 
 Ceilings move the same payload bytes in the same batches with nothing of kvhal in the way:
-disk: one file written sequentially with an fsync after every batch (``dd conv=fsync`` per put call), then read
-back sequentially, both from the device (the page cache is dropped for the file, as for the tier's files, before
-every read); redis: pipelined SET / GET of values of the block size through the same client library and server.
+disk: one file written sequentially with an fsync after every batch (``dd conv=fsync`` per put call: the bytes
+durable when the call returns, as the tier's), then read back sequentially from the device (the page cache is
+dropped for the file, as for the tier's files, before every read) into a new bytes object per block, kept until
+the run ends as the tier's caller keeps what ``get`` returns (a ``dd`` reusing one buffer skips the page faults of
+new memory, ~45 us per 64 KiB on the 2-core VM); redis: pipelined SET / GET of values of the block size through
+the same client library and server.
 Disk rows also show the tier's own file pattern in plain I/O ("files": one file per block, temp files made durable
 by one syncfs per call then renamed, a directory fsync per call, reads after readahead is advised on every file of
 the call, the same number of threads; no header, checksum or index): what kvhal adds on top of
 the one-file-per-block layout. The host tier has no ceiling.
+Every disk run writes into a directory of its own, all removed when the bench ends: on ext4 without a journal a
+file creation skips, one by one, every inode of its group freed in the last ~30 s, so removing a run's files
+before the next run would slow that run's creations (the tier's and "files"', not the ceiling's one file).
 Figures are medians of ``repeats`` runs after one warm-up run. Within a run the tier and its references take turns
 batch by batch, so other work on the machine slows them alike and the ratios stay comparable.
 """
@@ -64,7 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--total", default="64M", help="bytes moved per figure (default 64M)")
     b.add_argument("--batch", type=int, default=32, help="blocks per put/get call (default 32)")
     b.add_argument("--repeats", type=int, default=3, help="runs per figure, median reported (default 3)")
-    b.add_argument("--disk-path", help="directory for the disk tier and its ceiling file (default: system temp)")
+    b.add_argument(
+        "--disk-path",
+        help="directory for the disk tier and its references (default: system temp); holds 3 x total per run "
+        "until the bench ends",
+    )
     b.add_argument("--redis", default="auto", help="redis URL, 'auto' (start a private redis-server) or 'none'")
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("-o", "--output", help="also write the JSON result to this file")
@@ -111,6 +121,8 @@ class Arm(ABC):
 
 
 class TierArm(Arm):
+    """``files``: the disk tier's directory; its files stay until the bench ends (see ``run``)."""
+
     def __init__(self, w: Workload, tier: Tier, files: Path | None = None) -> None:
         super().__init__(w)
         self.tier, self.files = tier, files
@@ -131,18 +143,19 @@ class TierArm(Arm):
     def finish(self) -> None:
         if self.got != self.w.payloads:
             raise KVHalError(f"{type(self.tier).__name__} returned wrong or missing blocks: {self.tier.stats()}")
-        self.tier.delete(self.keys)
-        if self.files:
-            _settle(*self.files.iterdir())
+        if not self.files:
+            self.tier.delete(self.keys)
 
 
 class DiskCeiling(Arm):
-    """One file written sequentially with an fsync per batch, then read back sequentially from the device."""
+    """One file written sequentially with an fsync per batch, then read back sequentially from the device into a
+    new bytes object per block, kept until the run ends (as the tier's blocks are: a get hands out new memory)."""
 
     def __init__(self, w: Workload, root: Path) -> None:
         super().__init__(w)
         self.root, self.path = root, str(root / "ceiling.bin")
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.got: list[bytes] = []
 
     def put(self, b: range) -> None:
         for i in b:
@@ -155,13 +168,12 @@ class DiskCeiling(Arm):
         self.fd = os.open(self.path, os.O_RDONLY)
 
     def get(self, b: range) -> None:
-        for _ in b:
-            os.read(self.fd, self.w.block)
+        self.got += [os.read(self.fd, self.w.block) for _ in b]
 
     def finish(self) -> None:
+        if self.got != self.w.payloads:
+            raise KVHalError("the disk ceiling read back other bytes than it wrote")
         os.close(self.fd)
-        os.unlink(self.path)
-        _settle(self.root)
 
 
 class DiskFiles(Arm):
@@ -175,6 +187,7 @@ class DiskFiles(Arm):
         self.dir.mkdir()
         self.paths = [str(self.dir / f"{i}.blk") for i in range(w.n)]
         self.sync_each = _syncfs_fn() is None
+        self.got: list[bytes] = []
 
     def _write(self, i: int) -> None:
         fd = os.open(self.paths[i] + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -183,9 +196,11 @@ class DiskFiles(Arm):
             os.fsync(fd)
         os.close(fd)
 
-    def _read(self, fd: int) -> None:
-        os.read(fd, self.w.block)
-        os.close(fd)
+    def _read(self, fd: int) -> bytes:
+        try:
+            return os.read(fd, self.w.block)
+        finally:
+            os.close(fd)
 
     def put(self, b: range) -> None:
         list(self.pool.map(self._write, b))
@@ -206,11 +221,11 @@ class DiskFiles(Arm):
         fds = [os.open(self.paths[i], os.O_RDONLY) for i in b]
         for fd in fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        list(self.pool.map(self._read, fds))
+        self.got += self.pool.map(self._read, fds)
 
     def finish(self) -> None:
-        shutil.rmtree(self.dir)
-        _settle(self.root)
+        if self.got != self.w.payloads:
+            raise KVHalError("the plain one-file-per-block reference read back other bytes than it wrote")
 
 
 class RedisCeiling(Arm):
@@ -235,13 +250,6 @@ class RedisCeiling(Arm):
 
     def finish(self) -> None:
         self.client.delete(*self.keys)
-
-
-def _settle(*dirs: Path) -> None:
-    """Commit the deletions just made under ``dirs`` (and, mounted with ``discard``, their trims) now, untimed,
-    rather than in the next timed phase's first fsync."""
-    for d in dirs:
-        _fsync_dir(str(d))
 
 
 def _interleaved(arms: list[Arm]) -> list[Times]:
@@ -318,13 +326,22 @@ def run(
             w = Workload(bs, total, batch)
             refs = {"host": (), "disk": ("ceiling", "files"), "redis": ("ceiling",)}[name]
             runs = []
-            for _ in range(repeats + 1):  # the first run warms up (threads, page cache, server) and is dropped
+            for r in range(repeats + 1):  # the first run warms up (threads, page cache, server) and is dropped
                 if name == "host":
                     with HostTier(2 * w.n * bs) as host:
                         runs.append(_interleaved([TierArm(w, host)]))
                 elif name == "disk":
-                    with DiskTier(root / "tier", 2 * w.n * (bs + 4096)) as disk:
-                        arms = [TierArm(w, disk, root / "tier"), DiskCeiling(w, root), DiskFiles(w, root, pool)]
+                    # every run in a directory of its own, all deleted when the bench ends: on ext4 without a
+                    # journal each file creation scans past every inode of its group freed in the last ~30 s,
+                    # so deleting a run's files would slow the next run's creations (tier and "files" alike)
+                    run_dir = root / f"{name}-{bs}-{r}"
+                    run_dir.mkdir()
+                    with DiskTier(run_dir / "tier", 2 * w.n * (bs + 4096)) as disk:
+                        arms = [
+                            TierArm(w, disk, run_dir / "tier"),
+                            DiskCeiling(w, run_dir),
+                            DiskFiles(w, run_dir, pool),
+                        ]
                         runs.append(_interleaved(arms))
                 else:
                     assert redis_tier is not None

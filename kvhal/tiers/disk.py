@@ -3,10 +3,11 @@
 Layout: ``<root>/<namespace hex[:16]>/<block hash hex>.kvb``, each file one blob (blob.py). A ``put`` writes
 each blob to a temp file in the same directory, makes them all durable at once (one syncfs on Linux, else an
 fsync each), renames them over their final names and fsyncs the directory, so a reader (or a restart after
-kill -9 or a power cut) sees a whole blob or none. A ``get`` opens a call's files and starts readahead on all
-of them before worker threads read and checksum them. The LRU order lives in memory and is rebuilt from file
-mtimes at start (a hit refreshes a file's mtime once it is a minute old), so a restart keeps every block, in
-the order of use to the minute.
+kill -9 or a power cut) sees a whole blob or none. A ``put`` that evicts writes its new blobs into the evicted
+files (renamed to temp names first), so a tier at its budget allocates no inodes. A ``get`` opens a call's
+files and starts readahead on all of them before worker threads read and checksum them. The LRU order lives in
+memory and is rebuilt from file mtimes at start (a hit refreshes a file's mtime once it is a minute old), so a
+restart keeps every block, in the order of use to the minute.
 One writing process per directory: temp files of a live writer are left alone, those of a dead one removed.
 """
 
@@ -128,19 +129,45 @@ def _syncfs(fd: int) -> None:
         raise OSError(err, f"syncfs: {os.strerror(err)}")
 
 
-def _write(path: str, key: BlockKey, payload: bytes | memoryview, sync_each: bool) -> tuple[str, BaseException | None]:
+def _reuse(spare: str, tmp: str) -> int | None:
+    """An evicted block file, renamed to ``tmp`` and opened for writing, or None (then a new file is made)."""
+    try:
+        os.rename(spare, tmp)
+    except OSError:  # gone behind our back, or not movable: removed, as an evicted file is; the caller creates one
+        _unlink_quiet(spare)
+        return None
+    try:
+        return os.open(tmp, os.O_WRONLY)
+    except OSError:
+        _unlink_quiet(tmp)
+        return None
+
+
+def _write(
+    path: str, key: BlockKey, payload: bytes | memoryview, sync_each: bool, spare: str | None
+) -> tuple[str, BaseException | None]:
     """Write one blob to a temp file next to ``path``; (temp path, error). The caller makes the bytes durable
-    (``sync_each``: fsync here) before renaming the temp file over ``path``."""
+    (``sync_each``: fsync here) before renaming the temp file over ``path``.
+
+    ``spare``: a file this call evicted, whose inode and blocks are reused: renamed to the temp
+    name (its old name gone, as an unlink would), overwritten from offset 0 and cut to the blob's size. Creating
+    a file costs an inode allocation, which on ext4 without a journal scans past every inode of the group freed
+    in the last ~30 s (``recently_deleted``): a cache at its budget frees one per block it writes."""
     header = blob_header(key, payload)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name[:-4]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _reuse(spare, tmp) if spare else None
+        if fd is None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            spare = None
         try:
             done = os.writev(fd, [header, payload])
             rest = memoryview(header + payload)[done:] if done < len(header) + len(payload) else b""
             while rest:
                 rest = rest[os.write(fd, rest) :]
+            if spare:  # cut to size (a no-op when the old blob was as long)
+                os.ftruncate(fd, len(header) + len(payload))
             if sync_each:
                 os.fsync(fd)
         finally:
@@ -262,12 +289,14 @@ class DiskTier(Tier):
     def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]:
         rels = [_rel(k) for k in keys]
         pending: dict[str, tuple[BlockKey, bytes | memoryview]] = {}
+        spares: list[str] = []  # files of blocks this call evicted, reused by its writes
+        evicted: set[str] = set()
         for k, p, rel in zip(keys, payloads, rels):
             if rel in pending:
                 self._lru.touch(rel)
                 continue
-            try:
-                size_on_disk: int | None = os.stat(self._abs(rel)).st_size
+            try:  # a block this call evicted counts as gone: its file is reused for another block
+                size_on_disk = None if self._abs(rel) in evicted else os.stat(self._abs(rel)).st_size
             except FileNotFoundError:
                 size_on_disk = None
             except OSError as e:
@@ -286,15 +315,20 @@ class DiskTier(Tier):
             pending[rel] = (k, p)
             for old in self._lru.add(rel, size):
                 if pending.pop(old, None) is None:  # pushed out by a later block of this call: never written
-                    self._evict(old)
-        self._write_pending(pending)
+                    spares.append(self._abs(old))  # evicted; its file is reused by a write below
+                    evicted.add(self._abs(old))
+                    self._evicted()
+        for path in spares[len(pending) :]:  # more evicted than written: gone now, as before the writes
+            self._unlink(path)
+        self._write_pending(pending, spares[: len(pending)])
         return [rel in self._lru for rel in rels]
 
-    def _write_pending(self, pending: dict[str, tuple[BlockKey, bytes | memoryview]]) -> None:
-        """Write the blocks crash-safe with one durability point for the whole call: every temp file written,
-        then one syncfs (their bytes durable), then the renames, then one fsync per directory touched (the
-        names durable). A file appears under its final name only once its bytes are on the device. Without
-        syncfs (not Linux) each temp file is fsynced by its writer thread instead."""
+    def _write_pending(self, pending: dict[str, tuple[BlockKey, bytes | memoryview]], spares: list[str]) -> None:
+        """Write the blocks crash-safe with one durability point for the whole call: every temp file written
+        (into the files of ``spares``, blocks this call evicted, as far as they go), then one syncfs (their
+        bytes durable), then the renames, then one fsync per directory touched (the names durable). A file
+        appears under its final name only once its bytes are on the device. Without syncfs (not Linux) each
+        temp file is fsynced by its writer thread instead."""
         if not pending:
             return
         dirs = {rel.split("/", 1)[0] for rel in pending}
@@ -312,10 +346,13 @@ class DiskTier(Tier):
         except OSError as e:
             for rel in pending:
                 self._lru.remove(rel)
+            for path in spares:
+                self._unlink(path)
             self._error(e)
             return
         try:
-            args = [(self._abs(rel), k, p, sync_each) for rel, (k, p) in pending.items()]
+            reuse: list[str | None] = [*spares, *[None] * (len(pending) - len(spares))]
+            args = [(self._abs(rel), k, p, sync_each, sp) for (rel, (k, p)), sp in zip(pending.items(), reuse)]
             written = list(zip(pending, self._map(_write, args)))
             if not sync_each and any(err is None for _, (_, err) in written):
                 try:

@@ -199,3 +199,30 @@ def test_io_errors_are_false_flags_and_counted(tmp_path: Path):
         blocker.unlink()
         assert t.put(keys(2), [payload(0), payload(1)]) == [True, True]
         assert t.get(keys(2)) == [payload(0), payload(1)]
+
+
+def test_a_put_at_the_budget_writes_into_the_files_it_evicts(tmp_path: Path):
+    """The evicted blocks' files are reused (same inodes, overwritten and cut to size) for the blocks written,
+    whatever the sizes; extra evicted files are removed; a block evicted and put again in one call survives."""
+    sizes = [5000, 3000, 8000, 4000]
+    ks, data = keys(8), [payload(i, sizes[i % 4]) for i in range(8)]
+    budget = sum(blob_size(s) for s in sizes)
+    with DiskTier(tmp_path, budget, workers=2) as t:
+        assert t.put(ks[:4], data[:4]) == [True] * 4
+        inodes = {f.stat().st_ino for f in block_files(tmp_path)}
+        # 4 and 5 (8000 + 4000 bytes) push out 0, 1 and 2 (16000): two files reused, one removed
+        assert t.put(ks[4:6], [payload(4, 8000), payload(5, 4000)]) == [True, True]
+        assert {f.stat().st_ino for f in block_files_of(tmp_path, ks[4:6])} <= inodes
+        assert block_files(tmp_path) == sorted(block_files_of(tmp_path, ks[3:6]))
+        assert t.get(ks[3:6]) == [data[3], payload(4, 8000), payload(5, 4000)]
+        # 3 is the oldest now: a call that pushes it out and then stores it again keeps it, written afresh
+        assert t.put([ks[6], ks[3]], [payload(6, 3000), data[3]]) == [True, True]
+        assert t.get([ks[6], ks[3]]) == [payload(6, 3000), data[3]]
+        s = t.stats()
+        assert s.bytes_stored == sum(f.stat().st_size for f in block_files(tmp_path)) <= budget
+        assert not list(tmp_path.glob("*/.*.tmp")) and s.errors == 0
+    with DiskTier(tmp_path, budget) as t:  # what a restart finds is whole
+        found = [k for k in ks if t.contains([k])]
+        want = {3: data[3], 4: payload(4, 8000), 5: payload(5, 4000), 6: payload(6, 3000)}
+        assert t.get(found) == [want[ks.index(k)] for k in found]
+        assert t.stats().corrupt_dropped == 0
