@@ -291,6 +291,14 @@ class DiskTier(Tier):
         pending: dict[str, tuple[BlockKey, bytes | memoryview]] = {}
         spares: list[str] = []  # files of blocks this call evicted, reused by its writes
         evicted: set[str] = set()
+
+        def drop(old: str) -> None:
+            if pending.pop(old, None) is None:  # an indexed block on disk: evicted, its file reused below
+                spares.append(self._abs(old))
+                evicted.add(self._abs(old))
+                self._evicted()
+            # else a block of this call, pushed out by a later one: never written
+
         for k, p, rel in zip(keys, payloads, rels):
             if rel in pending:
                 self._lru.touch(rel)
@@ -305,8 +313,11 @@ class DiskTier(Tier):
             if size_on_disk is not None:  # already there (ours, or another process's)
                 if rel in self._lru:
                     self._lru.touch(rel)
-                else:
-                    self._track(rel, size_on_disk)
+                elif size_on_disk > self._lru.max_bytes:
+                    self._evict(rel)
+                else:  # indexed now; what that pushes out goes as below (a pending block is then not written)
+                    for old in self._lru.add(rel, size_on_disk):
+                        drop(old)
                 continue
             self._lru.remove(rel)  # indexed but deleted behind our back
             size = blob_size(len(p))
@@ -314,10 +325,7 @@ class DiskTier(Tier):
                 continue
             pending[rel] = (k, p)
             for old in self._lru.add(rel, size):
-                if pending.pop(old, None) is None:  # pushed out by a later block of this call: never written
-                    spares.append(self._abs(old))  # evicted; its file is reused by a write below
-                    evicted.add(self._abs(old))
-                    self._evicted()
+                drop(old)
         for path in spares[len(pending) :]:  # more evicted than written: gone now, as before the writes
             self._unlink(path)
         self._write_pending(pending, spares[: len(pending)])

@@ -226,3 +226,16 @@ def test_a_put_at_the_budget_writes_into_the_files_it_evicts(tmp_path: Path):
         want = {3: data[3], 4: payload(4, 8000), 5: payload(5, 4000), 6: payload(6, 3000)}
         assert t.get(found) == [want[ks.index(k)] for k in found]
         assert t.stats().corrupt_dropped == 0
+
+
+def test_a_block_another_process_wrote_counts_against_the_budget_within_a_put(tmp_path: Path):
+    """Indexing a block found on disk mid-put may push out a block the same call was about to write: that one
+    is then not written (a false flag), so the files never exceed the budget."""
+    ks, data = keys(2), [payload(0, 3000), payload(1, 3000)]
+    with DiskTier(tmp_path, blob_size(3000)) as t:
+        with DiskTier(tmp_path, 1 << 20) as other:  # block 1 written after t indexed the directory
+            assert other.put(ks[1:], data[1:]) == [True]
+        assert t.put(ks, data) == [False, True]  # 0 pending, then 1 found on disk and indexed: 0 is pushed out
+        s = t.stats()
+        assert s.bytes_stored == sum(f.stat().st_size for f in block_files(tmp_path)) == blob_size(3000)
+        assert t.get(ks) == [None, data[1]]
