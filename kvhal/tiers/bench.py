@@ -6,7 +6,7 @@ durable when the call returns, as the tier's), then read back sequentially from 
 dropped for the file, as for the tier's files, before every read) into a new bytes object per block, kept until
 the run ends as the tier's caller keeps what ``get`` returns (a ``dd`` reusing one buffer skips the page faults of
 new memory, ~45 us per 64 KiB on the 2-core VM); redis: pipelined SET / GET of values of the block size through
-the same client library and server.
+the same client library and server, the values read kept likewise.
 Disk rows also show the tier's own file pattern in plain I/O ("files": one file per block, temp files made durable
 by one syncfs per call then renamed, a directory fsync per call, reads after readahead is advised on every file of
 the call, the same number of threads; no header, checksum or index): what kvhal adds on top of
@@ -229,12 +229,14 @@ class DiskFiles(Arm):
 
 
 class RedisCeiling(Arm):
-    """Pipelined SET / GET of values of the block size, through the tier's own client (library, pool, server)."""
+    """Pipelined SET / GET of values of the block size, through the tier's own client (library, pool, server);
+    the values read are kept until the run ends, as the tier's caller keeps what ``get`` returns."""
 
     def __init__(self, w: Workload, client: Any) -> None:
         super().__init__(w)
         self.client = client
         self.keys = [f"kvhal-bench:{{raw}}:{i}" for i in range(w.n)]
+        self.got: list[bytes] = []
 
     def put(self, b: range) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -246,10 +248,12 @@ class RedisCeiling(Arm):
         pipe = self.client.pipeline(transaction=False)
         for i in b:
             pipe.get(self.keys[i])
-        pipe.execute()
+        self.got += pipe.execute()
 
     def finish(self) -> None:
         self.client.delete(*self.keys)
+        if self.got != self.w.payloads:
+            raise KVHalError("the redis ceiling read back other bytes than it wrote")
 
 
 def _interleaved(arms: list[Arm]) -> list[Times]:
