@@ -15,7 +15,7 @@
 #   bash ci/gpu-check.sh                 # outputs under $OUT, default .gpu-check/out
 #
 # GPU_CHECK_BUDGET (seconds, default 450) bounds the whole run: each step gets what is left, so the summary
-# always prints. pip honours PIP_INDEX_URL / PIP_FIND_LINKS / PIP_NO_INDEX for a machine without PyPI (the
+# always prints. GPU_CHECK_CONTEXTS (default 4096,8192,16384,32768,65536,131072) sets the decode contexts. pip honours PIP_INDEX_URL / PIP_FIND_LINKS / PIP_NO_INDEX for a machine without PyPI (the
 # build needs hatchling and its requirements from there).
 # Exit status: 0 every step passed; 1 a step failed or timed out; 3 no usable NVIDIA GPU or Python (one line).
 set -uo pipefail
@@ -47,6 +47,7 @@ mkdir -p "$OUT"
 venv=$root/.gpu-check/venv
 py=$venv/bin/python
 budget=${GPU_CHECK_BUDGET:-450}
+contexts=${GPU_CHECK_CONTEXTS:-4096,8192,16384,32768,65536,131072}
 site=$root/.gpu-check/site
 # an image that already has cupy for this CUDA major: use that python3 and its packages (torch too, for SDPA)
 if python3 -c 'import sys, cupy; sys.exit(cupy.cuda.runtime.runtimeGetVersion() // 1000 != int(sys.argv[1]))' \
@@ -59,7 +60,7 @@ fi
 printf '%s\n' "$smi" >"$OUT/nvidia-smi.txt"
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n1)
 
-export py venv site python root cuda toolkit OUT
+export py venv site python root cuda toolkit contexts OUT
 declare -A status seconds
 left() { local l=$((budget - SECONDS)); echo $((l > 10 ? l : 10)); }
 # step NAME: run the function NAME with what is left of the budget, output in $OUT/NAME.log;
@@ -127,7 +128,7 @@ bench() {
 cuda = {i.name: i for i in kvhal.backends()}["cuda"]
 print(" ".join(b.job_format("cuda", f) for f in kvhal.formats.names() if f in cuda.formats))'); do
     echo "== $fmt"
-    "$py" -m kvhal.cli bench --backend cuda --format "$fmt" --contexts 4096,8192,16384,32768,65536,131072 \
+    "$py" -m kvhal.cli bench --backend cuda --format "$fmt" --contexts "$contexts" \
       --prefill-contexts 4096,16384 --repeats 5 "${sdpa[@]}" --json -o "$parts/${fmt//\//_}.json" >/dev/null || rc=1
     sdpa=(--no-sdpa)
   done

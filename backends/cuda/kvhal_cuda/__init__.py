@@ -160,7 +160,7 @@ class CudaBackend(Backend):
         R, Hq, D = (int(d) for d in q.shape)
         pl = plan.plan_attention(
             block_table, seq_lens, q_lens, n_heads=Hq, head_dim=D, block_size=cp.block_size, n_sm=self._rt.n_sm,
-            causal=causal, window=window, geometry=cp.prefill,
+            causal=causal, window=window, geometry=cp.prefill, n_kv_heads=cp.n_kv_heads,
         )  # fmt: skip
         xp = self._xp
         with self._rt.device:
@@ -180,7 +180,8 @@ class CudaBackend(Backend):
             g = pl.prefill
             for name, grid, smem in plan.attention_launches(pl, Hq, D):
                 if name == "kvhal_attn_decode":
-                    args = (*ptrs, _i32(pl.tstride), _i32(pl.range_off), _i32(pl.decode_off), *shape)
+                    args = (*ptrs, _i32(pl.tstride), _i32(pl.range_off), _i32(pl.decode_off), *shape,
+                            _i32(pl.decode_group))  # fmt: skip
                 elif name == "kvhal_attn_prefill":
                     args = (*ptrs, _i32(pl.n_seqs), _i32(pl.tstride), _i32(pl.range_off), _i32(pl.tile_off), *shape,
                             _i32(g.rows_per_warp), _i32(g.tile_tokens), _i32(g.k_stride))  # fmt: skip

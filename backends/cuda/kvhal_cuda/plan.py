@@ -22,10 +22,10 @@ MAX_ROWS_PER_WARP = 4  # KV_RPW_MAX
 ELEMENTWISE_THREADS = 256
 SMEM_LIMIT = 48 * 1024  # static limit on every CUDA arch and AMD's 64 KiB LDS; no opt-in attribute needed
 GRID_YZ_MAX = 65535
-# CTAs resident per SM, as the kernels' __launch_bounds__ allow: a split-KV grid aims to fill them (ncu on an H200:
-# a 128k decode grid sized for four per SM filled half a wave of the decode kernel, 25% achieved occupancy)
-DECODE_CTAS_PER_SM = 8
+# CTAs resident per SM, as the kernels' __launch_bounds__ allow: a split-KV grid aims to fill them
+DECODE_CTAS_PER_SM = 4
 PREFILL_CTAS_PER_SM = 4
+DECODE_LANE_VALUES = 16  # q and output values per lane a grouped decode CTA keeps in registers (kvhal_attn_decode)
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (launch, merge) outweighs its parallelism
 WORKSPACE_LIMIT = 256 << 20  # bytes of split partials one call may allocate
 
@@ -161,9 +161,18 @@ def prefill_geometry(head_dim: int, smem_limit: int = SMEM_LIMIT) -> PrefillGeom
     raise UnsupportedError(f"head_dim {head_dim} does not fit a prefill tile in {smem_limit} bytes of shared memory")
 
 
-def decode_smem_bytes(head_dim: int) -> int:
-    """Per-warp softmax states merged at the end of kvhal_attn_decode: [NUM_WARPS][head_dim + 2] f32."""
-    return 4 * NUM_WARPS * (head_dim + 2)
+def decode_group(n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """Query heads one decode CTA attends together over their shared KV head, so each K/V row is read and
+    dequantized once for all of them: the most of 8, 4, 2, 1 that divides the GQA group and whose per-lane
+    registers (group x head_dim / 32 of q and of the output each) stay within DECODE_LANE_VALUES."""
+    group = n_heads // n_kv_heads
+    chunks = _ceil(head_dim, 32)
+    return next(g for g in (8, 4, 2, 1) if group % g == 0 and (g == 1 or g * chunks <= DECODE_LANE_VALUES))
+
+
+def decode_smem_bytes(head_dim: int, group: int = 1) -> int:
+    """Per-warp softmax states merged at the end of kvhal_attn_decode: [NUM_WARPS][group][head_dim + 2] f32."""
+    return 4 * NUM_WARPS * group * (head_dim + 2)
 
 
 def split_range(p: int, split_pages: int, block_size: int) -> tuple[int, int]:
@@ -215,6 +224,7 @@ class AttentionPlan:
     n_splits: int
     split_pages: int
     prefill: PrefillGeometry
+    decode_group: int = 1  # query heads per decode CTA (decode_group())
 
     def unpack(self) -> dict[str, np.ndarray]:
         """The sections of ``meta`` as the kernels index them (for tests and debugging)."""
@@ -258,6 +268,7 @@ def plan_attention(
     causal: bool = True,
     window: int | None = None,
     geometry: PrefillGeometry | None = None,
+    n_kv_heads: int | None = None,
 ) -> AttentionPlan:
     """Route each sequence's queries (one query: the split-KV decode kernel; more: prefill tiles) and give
     every query row its visible KV interval (``kvhal.backend_util.visible_range``)."""
@@ -282,7 +293,8 @@ def plan_attention(
             f"attention over {n_rows} query rows x {n_heads} heads exceeds one launch grid; attend in smaller batches"
         )
     _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
-    n_ctas = (len(decode) + len(tiles)) * n_heads
+    group = decode_group(n_heads, n_kv_heads or n_heads, head_dim)
+    n_ctas = len(decode) * (n_heads // group) + len(tiles) * n_heads
     per_sm = PREFILL_CTAS_PER_SM if tiles else DECODE_CTAS_PER_SM  # one split count serves both kernels of a call
     n_splits, split_pages = choose_splits(
         n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim, per_sm
@@ -294,7 +306,7 @@ def plan_attention(
     decode_off = range_off + 2 * n_rows
     return AttentionPlan(
         meta, S, ts, range_off, decode_off, len(decode), decode_off + dec.size, len(tiles), n_rows, n_splits,
-        split_pages, geom,
+        split_pages, geom, group,
     )  # fmt: skip
 
 
@@ -365,7 +377,8 @@ def attention_launches(plan: AttentionPlan, n_heads: int, head_dim: int) -> list
     """(kernel, grid, dynamic shared memory bytes) for one attention call, in launch order."""
     out = []
     if plan.n_decode:
-        out.append(("kvhal_attn_decode", (plan.n_decode, n_heads, plan.n_splits), decode_smem_bytes(head_dim)))
+        g = plan.decode_group
+        out.append(("kvhal_attn_decode", (plan.n_decode, n_heads // g, plan.n_splits), decode_smem_bytes(head_dim, g)))
     if plan.n_tiles:
         out.append(("kvhal_attn_prefill", (plan.n_tiles, n_heads, plan.n_splits), plan.prefill.smem_bytes))
     if plan.n_splits > 1:
@@ -385,6 +398,7 @@ __all__ = [
     "choose_cuda_binary",
     "choose_hip_binary",
     "choose_splits",
+    "decode_group",
     "decode_smem_bytes",
     "grid_1d",
     "merge_splits",

@@ -171,6 +171,10 @@ CASES = [
     (4, 1, 128, "nvfp4", "mxfp4", [600, 33], [1, 33], True, None),
     (2, 2, 64, "mxfp4", "kivi2", [90], [40], False, None),
     (4, 2, 128, "fp8_e4m3", "kivi4", [520], [1], True, 64),
+    # decode CTAs per KV head (plan.decode_group): 8 heads in one, 8 heads in two of 4, a group of 3 one by one
+    (8, 1, 64, "q4_0", "q8_0", [300, 9], [1, 1], True, None),
+    (16, 2, 128, "q8_0", "q4_0", [400, 70], [1, 1], True, 50),
+    (6, 2, 64, "f16", "q8_0", [300], [1], True, None),
 ]
 
 
@@ -196,6 +200,9 @@ def test_attention(case, n_sm):
     err = float(np.abs(out - want).max())
     assert err <= 2e-6, err  # well inside the declared attention_tolerance
     names = [name for name, *_ in rt.launches]
+    from kvhal_cuda import plan
+
+    assert all(g[1] == hq // plan.decode_group(hq, hkv, d) for name, g, *_ in rt.launches if name == "kvhal_attn_decode")
     split = any(g[2] > 1 for name, g, *_ in rt.launches if name != "kvhal_attn_merge")
     assert ("kvhal_attn_merge" in names) == split
     if n_sm == 64 and max(lens) >= 2 * 256:

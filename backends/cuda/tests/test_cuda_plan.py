@@ -162,6 +162,16 @@ def test_plan_routes_every_row_once(seed):
     assert (launches[-1][0] == "kvhal_attn_merge") == (p.n_splits > 1)
 
 
+def test_decode_group_shares_kv_rows_within_the_register_budget():
+    # (n_heads, n_kv_heads, head_dim) -> query heads per decode CTA
+    cases = {(32, 8, 128): 4, (64, 8, 128): 4, (8, 1, 64): 8, (8, 1, 128): 4, (4, 2, 256): 2, (8, 1, 256): 2,
+             (32, 32, 128): 1, (6, 2, 64): 1, (12, 2, 64): 2, (2, 1, 512): 1}  # fmt: skip
+    for (hq, hkv, d), g in cases.items():
+        assert plan.decode_group(hq, hkv, d) == g, (hq, hkv, d)
+        assert g == 1 or g * -(-d // 32) <= plan.DECODE_LANE_VALUES
+    assert plan.decode_smem_bytes(128, 4) == 4 * plan.decode_smem_bytes(128) <= plan.SMEM_LIMIT
+
+
 def test_split_heuristic():
     # one long decode on a big GPU: split; a full batch: no split; short context: no split
     n, pages = plan.choose_splits(8, 32768, 16, 132, 1, 8, 128)

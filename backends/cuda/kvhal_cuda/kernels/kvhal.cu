@@ -169,38 +169,6 @@ __device__ __forceinline__ float kv_deq(int fmt, const u8* row, int e) {
 #undef KV_DEQ
 }
 
-// sum over this lane's elements e = lane + 32c of qv[c] * K[e]
-template <int F>
-__device__ __forceinline__ float dot_lane(const u8* row, const float (&qv)[KV_MAXC], int lane, int D) {
-  float part = 0.0f;
-#pragma unroll
-  for (int c = 0; c < KV_MAXC; ++c) {
-    const int e = lane + 32 * c;
-    if (e < D) part += qv[c] * deq<F>(row, e);
-  }
-  return part;
-}
-__device__ __forceinline__ float kv_dot_lane(int fmt, const u8* row, const float (&qv)[KV_MAXC], int lane, int D) {
-#define KV_DOT(F) return dot_lane<F>(row, qv, lane, D)
-  KV_DISPATCH(fmt, KV_DOT)
-#undef KV_DOT
-}
-
-// acc[c] += p * V[lane + 32c]
-template <int F>
-__device__ __forceinline__ void axpy_lane(const u8* row, float p, float (&acc)[KV_MAXC], int lane, int D) {
-#pragma unroll
-  for (int c = 0; c < KV_MAXC; ++c) {
-    const int e = lane + 32 * c;
-    if (e < D) acc[c] += p * deq<F>(row, e);
-  }
-}
-__device__ __forceinline__ void kv_axpy_lane(int fmt, const u8* row, float p, float (&acc)[KV_MAXC], int lane, int D) {
-#define KV_AXPY(F) axpy_lane<F>(row, p, acc, lane, D); return
-  KV_DISPATCH(fmt, KV_AXPY)
-#undef KV_AXPY
-}
-
 // ---- 32-lane reductions (every lane ends with the result) ----------------------------------------
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -569,15 +537,6 @@ __device__ __forceinline__ void online_step(float sc, int nt, int lane, int D, f
   m = mn;
 }
 
-struct GlobalV {
-  const u8* vpool;
-  const int* trow;
-  int t0, hk, H, bs, rb, fmt;
-  __device__ __forceinline__ void axpy(int j, float p, float (&acc)[KV_MAXC], int lane, int D) const {
-    kv_axpy_lane(fmt, vpool + token_offset(trow, t0 + j, hk, H, bs, rb), p, acc, lane, D);
-  }
-};
-
 struct SharedV {
   const float* vs;
   int D;
@@ -602,74 +561,147 @@ __device__ __forceinline__ void emit(const AttnArgs& a, int R, int Hq, int D, in
   }
 }
 
-// Decode: one CTA per (query row, q head, split); its warps take interleaved 32-token tiles, read
-// K/V straight from the pages (lanes over head_dim), and merge their softmax states at the end.
-// grid (n_decode, Hq, n_splits), block KV_NW * 32, dynamic smem plan.decode_smem_bytes(D).
-// 8 CTAs (32 warps) per SM: decode is bound by memory latency, so occupancy beats registers
-extern "C" __global__ void __launch_bounds__(KV_NW * 32, 8)
+// this lane's elements e = lane + 32c (c < C) of a stored row, 0 past D; the format resolved once per row
+template <int F, int C>
+__device__ __forceinline__ void row_lane_f(const u8* row, int lane, int D, float (&x)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int e = lane + 32 * c;
+    x[c] = 0.0f;
+    if (e < D) x[c] = deq<F>(row, e);
+  }
+}
+template <int C>
+__device__ __forceinline__ void row_lane(int fmt, const u8* row, int lane, int D, float (&x)[C]) {
+#define KV_ROW(F) row_lane_f<F, C>(row, lane, D, x); return
+  KV_DISPATCH(fmt, KV_ROW)
+#undef KV_ROW
+}
+
+// G query heads (h0 .. h0 + G - 1, one KV head's) of one decode row and split: every K and V row is read and
+// dequantized once for all G, its C 32-element chunks per lane in registers.
+template <int G, int C>
+__device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int tstride, int range_off, int dec_off,
+                                             int R, int Hq, int Hkv, int D, int bs, int krb, int vrb, int kfmt,
+                                             int vfmt, float scale, int split_pages, int n_splits) {
+  const int w = blockIdx.x, h0 = blockIdx.y * G, p = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int s = a.meta[dec_off + 2 * w], r = a.meta[dec_off + 2 * w + 1];
+  const int lo = a.meta[range_off + r], hi = a.meta[range_off + R + r];
+  const int a0 = max(lo, p * split_pages * bs), b0 = min(hi, (p + 1) * split_pages * bs);
+  const int hk = h0 / (Hq / Hkv);
+  const int* trow = a.meta + (i64)s * tstride;
+
+  float qv[G][C], acc[G][C], m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float* qr = a.q + ((i64)r * Hq + h0 + g) * D;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int e = lane + 32 * c;
+      qv[g][c] = e < D ? qr[e] * scale : 0.0f;
+      acc[g][c] = 0.0f;
+    }
+    m[g] = kv_neg_inf();
+    l[g] = 0.0f;
+  }
+  for (int t0 = a0 + 32 * warp; t0 < b0; t0 += 32 * KV_NW) {
+    const int nt = min(32, b0 - t0);  // >= 1, and every token of [t0, t0 + nt) is visible to row r
+    float sc[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) sc[g] = kv_neg_inf();
+    for (int j = 0; j < nt; ++j) {
+      float x[C];
+      row_lane<C>(kfmt, a.kpool + token_offset(trow, t0 + j, hk, Hkv, bs, krb), lane, D, x);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) d += qv[g][c] * x[c];
+        d = warp_sum(d);
+        if (lane == j) sc[g] = d;
+      }
+    }
+    float pr[G];  // lane j: token j's weight under each head's new running max
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mn = fmaxf(m[g], warp_max(sc[g]));
+      const float alpha = expf(m[g] - mn);  // m = -inf on the first tile: 0
+      pr[g] = expf(sc[g] - mn);
+      l[g] = l[g] * alpha + warp_sum(pr[g]);
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
+      m[g] = mn;
+    }
+    for (int j = 0; j < nt; ++j) {
+      float x[C];
+      row_lane<C>(vfmt, a.vpool + token_offset(trow, t0 + j, hk, Hkv, bs, vrb), lane, D, x);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float pj = kv_shfl(pr[g], j);
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[g][c] += pj * x[c];
+      }
+    }
+  }
+
+  // merge the warps: smem [KV_NW][G][D + 2] = acc, m, l
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float* mine = smem + (warp * G + g) * (D + 2);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int e = lane + 32 * c;
+      if (e < D) mine[e] = acc[g][c];
+    }
+    if (lane == 0) {
+      mine[D] = m[g];
+      mine[D + 1] = l[g];
+    }
+  }
+  __syncthreads();
+  for (int g = 0; g < G; ++g) {
+    float M = kv_neg_inf();
+    for (int u = 0; u < KV_NW; ++u) M = fmaxf(M, smem[(u * G + g) * (D + 2) + D]);
+    float L = 0.0f;
+    for (int u = 0; u < KV_NW; ++u) {
+      const float mu = smem[(u * G + g) * (D + 2) + D];
+      if (mu != kv_neg_inf()) L += smem[(u * G + g) * (D + 2) + D + 1] * expf(mu - M);
+    }
+    for (int e = threadIdx.x; e < D; e += blockDim.x) {
+      float o = 0.0f;
+      for (int u = 0; u < KV_NW; ++u) {
+        const float mu = smem[(u * G + g) * (D + 2) + D];
+        if (mu != kv_neg_inf()) o += smem[(u * G + g) * (D + 2) + e] * expf(mu - M);
+      }
+      const bool any = L > 0.0f;  // false only for a split past this row's visible range
+      emit(a, R, Hq, D, n_splits, p, r, h0 + g, e, any ? o / L : 0.0f, any ? M + logf(L) : kv_neg_inf(), e == 0);
+    }
+  }
+}
+
+// Decode: one CTA per (query row, group of G query heads of one KV head, split); its warps take interleaved
+// 32-token tiles, read K/V straight from the pages (lanes over head_dim), each row once for the G heads, and
+// merge their softmax states at the end. grid (n_decode, Hq / G, n_splits), block KV_NW * 32, dynamic smem
+// plan.decode_smem_bytes(D, G); G = plan.decode_group(): 8, 4 or 2 with G * ceil(D / 32) <= 16, else 1.
+extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
     kvhal_attn_decode(const float* __restrict__ q, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
                       const int* __restrict__ meta, float* __restrict__ out, float* __restrict__ part_o,
                       float* __restrict__ part_lse, int tstride, int range_off, int dec_off, int R, int Hq, int Hkv,
                       int D, int bs, int krb, int vrb, int kfmt, int vfmt, float scale, int split_pages,
-                      int n_splits) {
+                      int n_splits, int G) {
   KV_DYNAMIC_SMEM(float, smem);
   const AttnArgs a{q, kpool, vpool, meta, out, part_o, part_lse};
-  const int w = blockIdx.x, h = blockIdx.y, p = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int s = meta[dec_off + 2 * w], r = meta[dec_off + 2 * w + 1];
-  const int lo = meta[range_off + r], hi = meta[range_off + R + r];
-  const int a0 = max(lo, p * split_pages * bs), b0 = min(hi, (p + 1) * split_pages * bs);
-  const int hk = h / (Hq / Hkv);
-  const int* trow = meta + (i64)s * tstride;
-
-  float qv[KV_MAXC], acc[KV_MAXC];
-  const float* qr = q + ((i64)r * Hq + h) * D;
-#pragma unroll
-  for (int c = 0; c < KV_MAXC; ++c) {
-    const int e = lane + 32 * c;
-    qv[c] = e < D ? qr[e] * scale : 0.0f;
-    acc[c] = 0.0f;
+#define KV_DECODE(GG, CC)                                                                                          \
+  decode_heads<GG, CC>(a, smem, tstride, range_off, dec_off, R, Hq, Hkv, D, bs, krb, vrb, kfmt, vfmt, scale,       \
+                       split_pages, n_splits)
+  switch (G) {
+    case 8: KV_DECODE(8, 2); break;
+    case 4: KV_DECODE(4, 4); break;
+    case 2: KV_DECODE(2, 8); break;
+    default: KV_DECODE(1, KV_MAXC); break;
   }
-  float m = kv_neg_inf(), l = 0.0f;
-  for (int t0 = a0 + 32 * warp; t0 < b0; t0 += 32 * KV_NW) {
-    const int nt = min(32, b0 - t0);
-    float sc = kv_neg_inf();
-    for (int j = 0; j < nt; ++j) {
-      const u8* krow = kpool + token_offset(trow, t0 + j, hk, Hkv, bs, krb);
-      const float dot = warp_sum(kv_dot_lane(kfmt, krow, qv, lane, D));
-      if (lane == j) sc = dot;
-    }
-    online_step(sc, nt, lane, D, m, l, acc, GlobalV{vpool, trow, t0, hk, Hkv, bs, vrb, vfmt});
-  }
-
-  // merge the warps: smem [KV_NW][D + 2] = acc, m, l
-  float* mine = smem + warp * (D + 2);
-#pragma unroll
-  for (int c = 0; c < KV_MAXC; ++c) {
-    const int e = lane + 32 * c;
-    if (e < D) mine[e] = acc[c];
-  }
-  if (lane == 0) {
-    mine[D] = m;
-    mine[D + 1] = l;
-  }
-  __syncthreads();
-  float M = kv_neg_inf();
-  for (int u = 0; u < KV_NW; ++u) M = fmaxf(M, smem[u * (D + 2) + D]);
-  float L = 0.0f;
-  for (int u = 0; u < KV_NW; ++u) {
-    const float mu = smem[u * (D + 2) + D];
-    if (mu != kv_neg_inf()) L += smem[u * (D + 2) + D + 1] * expf(mu - M);
-  }
-  for (int e = threadIdx.x; e < D; e += blockDim.x) {
-    float o = 0.0f;
-    for (int u = 0; u < KV_NW; ++u) {
-      const float mu = smem[u * (D + 2) + D];
-      if (mu != kv_neg_inf()) o += smem[u * (D + 2) + e] * expf(mu - M);
-    }
-    const bool any = L > 0.0f;  // false only for a split past this row's visible range
-    emit(a, R, Hq, D, n_splits, p, r, h, e, any ? o / L : 0.0f, any ? M + logf(L) : kv_neg_inf(), e == 0);
-  }
+#undef KV_DECODE
 }
 
 // Prefill: one CTA per (tile of up to KV_NW * rpw query rows of one sequence, q head, split). K/V tiles
