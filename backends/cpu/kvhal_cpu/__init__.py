@@ -45,7 +45,8 @@ OPTIONS = (
     ),
     Option(
         "kv_split", int, 1024, env="KVHAL_CPU_KV_SPLIT", check=non_negative,
-        help="KV tokens per split-KV slice (0: never split); slices depend on shapes only, so results do not "
+        help="KV tokens per split-KV slice (0: never split), times the power of two covering rows/64 for work items "
+        "of more than 64 query rows (prefill); slices depend on shapes only, so results do not "
         "change with threads",
     ),
     Option(

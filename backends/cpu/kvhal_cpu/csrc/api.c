@@ -361,6 +361,20 @@ static int prefetch_pays(int64_t kv_bytes) {
     return kv_bytes > n / 3;
 }
 
+/* The KV slice length of a query chunk whose items hold `rows` query rows: kv_split, doubled while the
+ * rows exceed KV_ROWS_TARGET per doubling (kv_split x the power of two >= rows / KV_ROWS_TARGET). A
+ * slice costs its partials (rows x head_dim floats written, merged, and fresh pages for them each call)
+ * and its query preparation, both per row; with slices of a fixed token length a prefill chunk of 512
+ * rows paid them every 1024 tokens (a 16k prefill of 512 queries allocated 134 MB of partials). Decode
+ * (one position: G x heads rows) keeps kv_split. Shapes only, so results still do not change with
+ * threads, and every slice length is a multiple of kv_split. */
+static int chunk_split(int split, int64_t rows) {
+    if (split <= 0) return 0;
+    int64_t s = split;
+    while (s * KV_ROWS_TARGET < rows * (int64_t)split && s * 2 <= (1 << 30)) s *= 2;
+    return (int)s;
+}
+
 KV_EXPORT int kvc_attention(const kv_args *a) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
@@ -394,8 +408,9 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
             hi = hi2;
             if (np * G * hg > rows_max) rows_max = np * G * hg;
             if (hi >= lo) kv_bytes += (int64_t)(hi - lo + 1) * n_kv_heads * (c.krow + c.vrow); /* what the items read */
+            const int sp = chunk_split(split, (int64_t)np * G * hg);
             int pieces = 1;
-            if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
+            if (sp > 0 && hi - lo + 1 > sp) pieces = hi / sp - lo / sp + 1;
             n_items += (int64_t)pieces * n_hg;
             if (pieces > 1) {
                 n_parts += (int64_t)pieces * n_hg;
@@ -440,8 +455,9 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
                 kv_visible(&c, n_kv, n_kv - n_q + p0, &lo, &hi);
                 kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
                 hi = hi2;
+                const int sp = chunk_split(split, (int64_t)np * G * hg);
                 int pieces = 1;
-                if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
+                if (sp > 0 && hi - lo + 1 > sp) pieces = hi / sp - lo / sp + 1;
                 for (int h0 = 0; h0 < n_kv_heads; h0 += hg) {
                     int nh = n_kv_heads - h0 < hg ? n_kv_heads - h0 : hg;
                     if (pieces == 1) {
@@ -450,7 +466,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
                     }
                     groups[ng++] = (kv_group){(int)npart, pieces, s, h0, nh, p0, np};
                     for (int k = 0; k < pieces; k++) {
-                        int a = (lo / split + k) * split, b = a + split - 1;
+                        int a = (lo / sp + k) * sp, b = a + sp - 1;
                         items[ni++] = (kv_item){s, h0, nh, p0, np, a > lo ? a : lo, b < hi ? b : hi, (int)npart++};
                     }
                 }
