@@ -52,7 +52,7 @@ OPTIONS = (
     Option(
         "tile", int, 0, env="KVHAL_CPU_TILE", check=one_of(*TILES),
         help="KV tokens per tile of the AVX-512 kernels; 0: 128 when K and V are both quantized and the call's "
-        "K/V fits in a third of the L3, else 64",
+        "K/V fits in a third of the L3 or an item holds more than 64 query rows (prefill), else 64",
     ),
 )  # fmt: skip
 
