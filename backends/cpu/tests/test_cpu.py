@@ -202,15 +202,15 @@ def test_tile_auto_picks_by_format_for_cache_resident_calls(kf, vf, auto):
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="only the AVX-512 kernels have two tile sizes")
 def test_tile_auto_picks_128_for_quantized_prefill():
-    """Prefill items (more than 64 query rows) run without software prefetch, so tile 0 picks the 128-token
+    """Prefill items (more than 128 query rows) run without software prefetch, so tile 0 picks the 128-token
     build for quantized K and V even when what the items read outgrows a third of the L3 (4 query chunks x
     2000 tokens x 17 KB here, 17 MB): the same bits as tile 128."""
-    q = np.random.default_rng(12).standard_normal((64, 32, 128), dtype=np.float32)
+    q = np.random.default_rng(12).standard_normal((128, 32, 128), dtype=np.float32)
     outs = {}
     for tile in (0, 64, 128):
         c = cache("q8_0", CpuBackend(isa="avx512", tile=tile), heads=8, dim=128, cap=2100)
         seqs, _, _ = make_kv(np.random.default_rng(8), "q8_0", [2000], 8, 128, c)
-        outs[tile] = c.attention(0, q, seqs, [64])
+        outs[tile] = c.attention(0, q, seqs, [128])
     np.testing.assert_array_equal(outs[0], outs[128])
     assert 0 < float(np.abs(outs[64] - outs[128]).max()) <= CpuBackend.INT_TOLERANCE
 

@@ -13,9 +13,14 @@
 
 /* query rows (positions x GQA heads) per KV head and item in prefill: each K/V tile an item reads is
  * converted and walked once for all of them. 64 against 16 (AMD EPYC, 1 thread, 512 queries over 4k,
- * GQA 4): f16 565 -> 423 ms, q8_0 391 -> 276 ms, q4_0 324 -> 281 ms; 128 was no faster than 64. */
-#define KV_ROWS_TARGET 64
+ * GQA 4): f16 565 -> 423 ms, q8_0 391 -> 276 ms, q4_0 324 -> 281 ms. 128 against 64 (2 threads, 512
+ * queries, interleaved, with 128-token tiles and unsplit prefill KV): q8_0 16k 1.04-1.06x, f16 16k
+ * 1.06x, f16 4k 1.04x, q8_0 4k and q4_0 16k 1.00-1.01x; 256 was no faster. */
+#define KV_ROWS_TARGET 128
 #define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
+/* rows of a decode-sized item (positions x query heads of its KV heads): up to this many keep kv_split
+ * slices and software prefetch; more (prefill) compute long enough on each K/V byte without them */
+#define KV_DECODE_ROWS 128
 
 enum { KV_OK = 0, KV_EUNSUPPORTED = -1, KV_ENOMEM = -2, KV_EARG = -3 };
 
@@ -362,16 +367,16 @@ static int prefetch_pays(int64_t kv_bytes) {
 }
 
 /* The KV slice length of a query chunk whose items hold `rows` query rows: kv_split, doubled while the
- * rows exceed KV_ROWS_TARGET per doubling (kv_split x the power of two >= rows / KV_ROWS_TARGET). A
+ * rows exceed KV_DECODE_ROWS per doubling (kv_split x the power of two >= rows / KV_DECODE_ROWS). A
  * slice costs its partials (rows x head_dim floats written, merged, and fresh pages for them each call)
  * and its query preparation, both per row; with slices of a fixed token length a prefill chunk of 512
- * rows paid them every 1024 tokens (a 16k prefill of 512 queries allocated 134 MB of partials). Decode
+ * rows (64 per KV head then) paid them every 1024 tokens (a 16k prefill of 512 queries allocated 134 MB of partials). Decode
  * (one position: G x heads rows) keeps kv_split. Shapes only, so results still do not change with
  * threads, and every slice length is a multiple of kv_split. */
 static int chunk_split(int split, int64_t rows) {
     if (split <= 0) return 0;
     int64_t s = split;
-    while (s * KV_ROWS_TARGET < rows * (int64_t)split && s * 2 <= (1 << 30)) s *= 2;
+    while (s * KV_DECODE_ROWS < rows * (int64_t)split && s * 2 <= (1 << 30)) s *= 2;
     return (int)s;
 }
 
@@ -418,10 +423,10 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
             }
         }
     }
-    /* Prefill items (more than KV_ROWS_TARGET rows) compute long enough on each K/V byte for the hardware
+    /* Prefill items (more than KV_DECODE_ROWS rows) compute long enough on each K/V byte for the hardware
      * prefetchers: software prefetch there cost time (AMD EPYC, 2 cores, q8_0 512 queries over 16k, 1 thread:
      * 1.15x faster without it and 128-token tiles, 1.07x with 128-token tiles alone; f16 unchanged) */
-    c.prefetch = rows_max <= KV_ROWS_TARGET && prefetch_pays(kv_bytes);
+    c.prefetch = rows_max <= KV_DECODE_ROWS && prefetch_pays(kv_bytes);
 #if defined(__x86_64__) || defined(_M_X64)
     /* AVX-512 tiles (tile 0: by format and where K/V sits): 128 tokens for quantized K and V without
      * software prefetch (from the LLC, or prefill), else 64 (kern_avx512_t128.c says why) */
