@@ -202,9 +202,9 @@ def test_tile_auto_picks_by_format_for_cache_resident_calls(kf, vf, auto):
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="only the AVX-512 kernels have two tile sizes")
 def test_tile_auto_picks_128_for_quantized_prefill():
-    """Prefill items (more than 128 query rows) run without software prefetch, so tile 0 picks the 128-token
-    build for quantized K and V even when what the items read outgrows a third of the L3 (4 query chunks x
-    2000 tokens x 17 KB here, 17 MB): the same bits as tile 128."""
+    """Calls with prefill items (more than 128 query rows) take the 128-token build for quantized K and V
+    even when what the items read outgrows a third of the L3 (4 query chunks x 2000 tokens x 17 KB here,
+    17 MB), where decode takes 64: the same bits as tile 128."""
     q = np.random.default_rng(12).standard_normal((128, 32, 128), dtype=np.float32)
     outs = {}
     for tile in (0, 64, 128):

@@ -19,7 +19,7 @@
 #define KV_ROWS_TARGET 128
 #define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
 /* rows of a decode-sized item (positions x query heads of its KV heads): up to this many keep kv_split
- * slices and software prefetch; more (prefill) compute long enough on each K/V byte without them */
+ * slices and the tile chosen by where K/V sits; more (prefill) take longer slices and 128-token tiles */
 #define KV_DECODE_ROWS 128
 
 enum { KV_OK = 0, KV_EUNSUPPORTED = -1, KV_ENOMEM = -2, KV_EARG = -3 };
@@ -346,7 +346,7 @@ static void *aligned(size_t n) {
     return p;
 }
 
-/* Software prefetch of the next rows (decode) pays only when the call's K/V comes from DRAM: with it all in
+/* Software prefetch of the next rows (the decode fast path's) pays only when the call's K/V comes from DRAM: with it all in
  * the last-level cache it cost 6-25% (Zen 5, 2 threads: q4_0 8k, 9.4 MB, 487 vs 552 us without; q4_0
  * 12k, 14 MB, 843 vs 945 us with). The crossover sat near a third of the 32 MiB L3. */
 static int prefetch_pays(int64_t kv_bytes) {
@@ -423,15 +423,16 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
             }
         }
     }
-    /* Prefill items (more than KV_DECODE_ROWS rows) compute long enough on each K/V byte for the hardware
-     * prefetchers: software prefetch there cost time (AMD EPYC, 2 cores, q8_0 512 queries over 16k, 1 thread:
-     * 1.15x faster without it and 128-token tiles, 1.07x with 128-token tiles alone; f16 unchanged) */
-    c.prefetch = rows_max <= KV_DECODE_ROWS && prefetch_pays(kv_bytes);
+    c.prefetch = prefetch_pays(kv_bytes);
 #if defined(__x86_64__) || defined(_M_X64)
-    /* AVX-512 tiles (tile 0: by format and where K/V sits): 128 tokens for quantized K and V without
-     * software prefetch (from the LLC, or prefill), else 64 (kern_avx512_t128.c says why) */
-    if (isa == &kv_isa_avx512 &&
-        (tile == 128 || (tile == 0 && !c.prefetch && kv_is_quant(a->kfmt) && kv_is_quant(a->vfmt))))
+    /* AVX-512 tiles (tile 0: by format and where K/V sits): 128 tokens for quantized K and V from the
+     * LLC, else 64 (kern_avx512_t128.c says why); and 128 for calls with prefill items (more than
+     * KV_DECODE_ROWS rows) wherever K/V sits: they compute long enough on each K/V byte for the next
+     * rows to arrive (AMD EPYC, 2 cores, q8_0 512 queries over 16k, interleaved: 1.07-1.15x on 1 thread,
+     * q4_0 1.13x on 2) */
+    const int prefill = rows_max > KV_DECODE_ROWS;
+    if (isa == &kv_isa_avx512 && (tile == 128 || (tile == 0 && (!c.prefetch || prefill) && kv_is_quant(a->kfmt) &&
+                                                  kv_is_quant(a->vfmt))))
         isa = &kv_isa_avx512_t128;
 #endif
     kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
