@@ -45,13 +45,14 @@ OPTIONS = (
     ),
     Option(
         "kv_split", int, 1024, env="KVHAL_CPU_KV_SPLIT", check=non_negative,
-        help="KV tokens per split-KV slice (0: never split); slices depend on shapes only, so results do not "
+        help="KV tokens per split-KV slice (0: never split), times the power of two covering rows/128 for work items "
+        "of more than 128 query rows (prefill); slices depend on shapes only, so results do not "
         "change with threads",
     ),
     Option(
         "tile", int, 0, env="KVHAL_CPU_TILE", check=one_of(*TILES),
         help="KV tokens per tile of the AVX-512 kernels; 0: 128 when K and V are both quantized and the call's "
-        "K/V fits in a third of the L3, else 64",
+        "K/V fits in a third of the L3 or an item holds more than 128 query rows (prefill), else 64",
     ),
 )  # fmt: skip
 

@@ -144,7 +144,8 @@ def test_attention_per_isa(isa, tile, fmt, shape):
         pytest.skip(f"{fmt} needs head_dim % {formats.get(fmt).block_len} == 0")
     rng = np.random.default_rng(11)
     kf = k_of(fmt)
-    be = CpuBackend(isa=isa, kv_split=64, tile=tile)  # small splits: the merge runs in every shape
+    # small splits (times 2-4 for the prefill items' rows): the merge runs in every shape
+    be = CpuBackend(isa=isa, kv_split=32, tile=tile)
     c = cache(kf, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens), vfmt=fmt)
     seqs, ks, vs = make_kv(rng, kf, lens, n_kv, dim, c, vfmt=fmt)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
@@ -196,6 +197,21 @@ def test_tile_auto_picks_by_format_for_cache_resident_calls(kf, vf, auto):
         seqs, ks, vs = make_kv(np.random.default_rng(8), kf, [900, 200], 8, 128, c, vfmt=vf)
         outs[tile] = c.attention(0, q, seqs, [1, 1])
     np.testing.assert_array_equal(outs[0], outs[auto])
+    assert 0 < float(np.abs(outs[64] - outs[128]).max()) <= CpuBackend.INT_TOLERANCE
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="only the AVX-512 kernels have two tile sizes")
+def test_tile_auto_picks_128_for_quantized_prefill():
+    """Calls with prefill items (more than 128 query rows) take the 128-token build for quantized K and V
+    even when what the items read outgrows a third of the L3 (4 query chunks x 2000 tokens x 17 KB here,
+    17 MB), where decode takes 64: the same bits as tile 128."""
+    q = np.random.default_rng(12).standard_normal((128, 32, 128), dtype=np.float32)
+    outs = {}
+    for tile in (0, 64, 128):
+        c = cache("q8_0", CpuBackend(isa="avx512", tile=tile), heads=8, dim=128, cap=2100)
+        seqs, _, _ = make_kv(np.random.default_rng(8), "q8_0", [2000], 8, 128, c)
+        outs[tile] = c.attention(0, q, seqs, [128])
+    np.testing.assert_array_equal(outs[0], outs[128])
     assert 0 < float(np.abs(outs[64] - outs[128]).max()) <= CpuBackend.INT_TOLERANCE
 
 

@@ -13,9 +13,14 @@
 
 /* query rows (positions x GQA heads) per KV head and item in prefill: each K/V tile an item reads is
  * converted and walked once for all of them. 64 against 16 (AMD EPYC, 1 thread, 512 queries over 4k,
- * GQA 4): f16 565 -> 423 ms, q8_0 391 -> 276 ms, q4_0 324 -> 281 ms; 128 was no faster than 64. */
-#define KV_ROWS_TARGET 64
+ * GQA 4): f16 565 -> 423 ms, q8_0 391 -> 276 ms, q4_0 324 -> 281 ms. 128 against 64 (2 threads, 512
+ * queries, interleaved, with 128-token tiles and unsplit prefill KV): q8_0 16k 1.04-1.06x, f16 16k
+ * 1.06x, f16 4k 1.04x, q8_0 4k and q4_0 16k 1.00-1.01x; 256 was no faster. */
+#define KV_ROWS_TARGET 128
 #define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
+/* rows of a decode-sized item (positions x query heads of its KV heads): up to this many keep kv_split
+ * slices and the tile chosen by where K/V sits; more (prefill) take longer slices and 128-token tiles */
+#define KV_DECODE_ROWS 128
 
 enum { KV_OK = 0, KV_EUNSUPPORTED = -1, KV_ENOMEM = -2, KV_EARG = -3 };
 
@@ -341,7 +346,7 @@ static void *aligned(size_t n) {
     return p;
 }
 
-/* Software prefetch of the next rows pays only when the call's K/V comes from DRAM: with it all in
+/* Software prefetch of the next rows (the decode fast path's) pays only when the call's K/V comes from DRAM: with it all in
  * the last-level cache it cost 6-25% (Zen 5, 2 threads: q4_0 8k, 9.4 MB, 487 vs 552 us without; q4_0
  * 12k, 14 MB, 843 vs 945 us with). The crossover sat near a third of the 32 MiB L3. */
 static int prefetch_pays(int64_t kv_bytes) {
@@ -359,6 +364,20 @@ static int prefetch_pays(int64_t kv_bytes) {
         atomic_store_explicit(&llc, n, memory_order_relaxed);
     }
     return kv_bytes > n / 3;
+}
+
+/* The KV slice length of a query chunk whose items hold `rows` query rows: kv_split, doubled while the
+ * rows exceed KV_DECODE_ROWS per doubling (kv_split x the power of two >= rows / KV_DECODE_ROWS). A
+ * slice costs its partials (rows x head_dim floats written, merged, and fresh pages for them each call)
+ * and its query preparation, both per row; with slices of a fixed token length a prefill chunk of 512
+ * rows (64 per KV head then) paid them every 1024 tokens (a 16k prefill of 512 queries allocated 134 MB of partials). Decode
+ * (one position: G x heads rows) keeps kv_split. Shapes only, so results still do not change with
+ * threads, and every slice length is a multiple of kv_split. */
+static int chunk_split(int split, int64_t rows) {
+    if (split <= 0) return 0;
+    int64_t s = split;
+    while (s * KV_DECODE_ROWS < rows * (int64_t)split && s * 2 <= (1 << 30)) s *= 2;
+    return (int)s;
 }
 
 KV_EXPORT int kvc_attention(const kv_args *a) {
@@ -394,8 +413,9 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
             hi = hi2;
             if (np * G * hg > rows_max) rows_max = np * G * hg;
             if (hi >= lo) kv_bytes += (int64_t)(hi - lo + 1) * n_kv_heads * (c.krow + c.vrow); /* what the items read */
+            const int sp = chunk_split(split, (int64_t)np * G * hg);
             int pieces = 1;
-            if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
+            if (sp > 0 && hi - lo + 1 > sp) pieces = hi / sp - lo / sp + 1;
             n_items += (int64_t)pieces * n_hg;
             if (pieces > 1) {
                 n_parts += (int64_t)pieces * n_hg;
@@ -406,9 +426,13 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     c.prefetch = prefetch_pays(kv_bytes);
 #if defined(__x86_64__) || defined(_M_X64)
     /* AVX-512 tiles (tile 0: by format and where K/V sits): 128 tokens for quantized K and V from the
-     * LLC, else 64 (kern_avx512_t128.c says why) */
-    if (isa == &kv_isa_avx512 &&
-        (tile == 128 || (tile == 0 && !c.prefetch && kv_is_quant(a->kfmt) && kv_is_quant(a->vfmt))))
+     * LLC, else 64 (kern_avx512_t128.c says why); and 128 for calls with prefill items (more than
+     * KV_DECODE_ROWS rows) wherever K/V sits: they compute long enough on each K/V byte for the next
+     * rows to arrive (AMD EPYC, 2 cores, q8_0 512 queries over 16k, interleaved: 1.07-1.15x on 1 thread,
+     * q4_0 1.13x on 2) */
+    const int prefill = rows_max > KV_DECODE_ROWS;
+    if (isa == &kv_isa_avx512 && (tile == 128 || (tile == 0 && (!c.prefetch || prefill) && kv_is_quant(a->kfmt) &&
+                                                  kv_is_quant(a->vfmt))))
         isa = &kv_isa_avx512_t128;
 #endif
     kv_item *items = (kv_item *)malloc(sizeof(kv_item) * (size_t)n_items);
@@ -440,8 +464,9 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
                 kv_visible(&c, n_kv, n_kv - n_q + p0, &lo, &hi);
                 kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
                 hi = hi2;
+                const int sp = chunk_split(split, (int64_t)np * G * hg);
                 int pieces = 1;
-                if (split > 0 && hi - lo + 1 > split) pieces = hi / split - lo / split + 1;
+                if (sp > 0 && hi - lo + 1 > sp) pieces = hi / sp - lo / sp + 1;
                 for (int h0 = 0; h0 < n_kv_heads; h0 += hg) {
                     int nh = n_kv_heads - h0 < hg ? n_kv_heads - h0 : hg;
                     if (pieces == 1) {
@@ -450,7 +475,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
                     }
                     groups[ng++] = (kv_group){(int)npart, pieces, s, h0, nh, p0, np};
                     for (int k = 0; k < pieces; k++) {
-                        int a = (lo / split + k) * split, b = a + split - 1;
+                        int a = (lo / sp + k) * sp, b = a + sp - 1;
                         items[ni++] = (kv_item){s, h0, nh, p0, np, a > lo ? a : lo, b < hi ? b : hi, (int)npart++};
                     }
                 }
