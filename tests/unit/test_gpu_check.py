@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_summary_block_from_a_real_bench_json_and_junit_xml(tmp_path):
     )  # fmt: skip
     lines = p.stdout.splitlines()
     assert lines[0].strip("= ") == "gpu-check"
-    assert "gpu       NVIDIA H200, 580.65.06; driver CUDA 13.0 -> cupy-cuda13x" in lines
+    assert "gpu       NVIDIA H200, 580.65.06; driver CUDA 13.0 -> a venv with cupy-cuda13x" in lines
     assert any(x.startswith("tests     failed (exit 1), 30 s: 1 passed, 1 failed, 1 skipped") for x in lines)
     assert "          | 1 failed, 1 passed, 1 skipped" in lines
     rows = {(r["format"], r["op"], r["context"]): r for r in result["rows"]}
@@ -82,3 +83,37 @@ def test_summary_block_from_a_real_bench_json_and_junit_xml(tmp_path):
         assert f"{r['median_ms']:.3f} ({r['frac_bw']:.2f})" in decode
     assert any("prefill 64 ms" in x and "load 64 GB/s" in x for x in lines)
     assert lines[-3:] == ["total     220 s of a 450 s budget", f"outputs   {out}", "result    FAIL"]
+
+
+def test_merge_joins_per_format_runs_and_gives_every_row_the_sdpa_ratios(tmp_path):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    kw = dict(show_progress=False, sdpa=False, prefill_contexts=[64], prefill_queries=16, bandwidth_bytes=1 << 20)
+    first = bench.run([("reference", "q8_0")], [64], 1, **kw)
+    # the run that timed SDPA: its baseline rows stand in as measured f32 / bf16 cache rows (no GPU torch here)
+    dense = bench.run([("reference", "f32"), ("reference", "bf16")], [64], 1, **kw)["rows"]
+    first["rows"] += [dict(r, backend="torch-sdpa-cuda") for r in dense if r["op"] in ("decode", "prefill")]
+    second = bench.run([("reference", "q4_0")], [64], 1, **kw)
+    (parts / "q8_0.json").write_text(json.dumps(first))
+    os.utime(parts / "q8_0.json", (1, 1))  # ran first
+    (parts / "q4_0.json").write_text(json.dumps(second))
+    merged_path = tmp_path / "bench-cuda.json"
+    subprocess.run([sys.executable, str(ROOT / "ci" / "gpu_check_summary.py"), "--merge", str(parts), "-o",
+                    str(merged_path)], check=True)  # fmt: skip
+    merged = json.loads(merged_path.read_text())
+    ratios = ("speedup_vs_sdpa_f32", "speedup_vs_sdpa_bf16")
+    strip = [{k: v for k, v in r.items() if k not in ratios} for r in merged["rows"]]
+    assert strip == [{k: v for k, v in r.items() if k not in ratios} for r in first["rows"] + second["rows"]]
+    assert merged["bandwidth"] == first["bandwidth"] + second["bandwidth"]
+    base = {(r["format"], r["op"], r["context"]): r["median_ms"] for r in first["rows"] if "sdpa" in r["backend"]}
+    q4 = [r for r in merged["rows"] if r["format"] in ("q8_0", "q4_0") and r["op"] in ("decode", "prefill")]
+    assert len(q4) == 4 and all(
+        r["speedup_vs_sdpa_f32"] == base[("f32", r["op"], r["context"])] / r["median_ms"]
+        and r["speedup_vs_sdpa_bf16"] == base[("bf16", r["op"], r["context"])] / r["median_ms"]
+        for r in q4
+    )
+    empty = tmp_path / "none"
+    empty.mkdir()
+    p = subprocess.run([sys.executable, str(ROOT / "ci" / "gpu_check_summary.py"), "--merge", str(empty), "-o",
+                        str(tmp_path / "x.json")], capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 1 and "no bench results" in p.stderr
