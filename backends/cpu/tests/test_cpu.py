@@ -34,6 +34,9 @@ PATH_IDS = [f"{isa}-tile{tile}" if tile else isa for isa, tile in PATHS]
 FORMATS = sorted(CpuBackend.formats, key=formats.names().index)  # what the kernels implement
 F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and use FMA
 INT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # the AVX-512 integer kernels' formats
+# the formats of the AVX-512 decode path's integer kernels (kern_avx512_decode.h: one query position,
+# head_dim 128, a multiple of 4 query heads per KV head, pages of a multiple of 16 rows, K and V both of these)
+DECODE_INT_FORMATS = ("q8_0", "q4_0", "mxfp4", "nvfp4")
 
 
 def k_of(fmt: str) -> str:
@@ -76,9 +79,17 @@ def pools(c: kvhal.KVCache) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(c.pools.k[0]).view(np.uint8), np.asarray(c.pools.v[0]).view(np.uint8)
 
 
-def path_tolerance(isa: str, kf: str, vf: str) -> float:
-    """The integer kernels run on AVX-512 when K or V is quantized; every other path computes in f32."""
+def takes_decode_path(n_heads: int, n_kv: int, dim: int, q_lens: list[int], bs: int) -> bool:
+    """Whether some item of such a call (a sequence with one query) meets the AVX-512 decode path's shape,
+    its formats aside."""
+    return 1 in q_lens and dim == 128 and (n_heads // n_kv) % 4 == 0 and bs % 16 == 0
+
+
+def path_tolerance(isa: str, kf: str, vf: str, decode_path: bool = False) -> float:
+    """The integer kernels run on AVX-512 when K or V is quantized (``decode_path``: a call the decode
+    path takes, where mxfp4/nvfp4 run them too); every other path computes in f32."""
     quantized = kf in INT_FORMATS or vf in INT_FORMATS
+    quantized |= decode_path and kf in DECODE_INT_FORMATS and vf in DECODE_INT_FORMATS
     return CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
 
 
@@ -150,7 +161,8 @@ def test_attention_per_isa(isa, tile, fmt, shape):
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
     want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
-    assert float(np.abs(out - want).max()) <= path_tolerance(isa, kf, fmt)
+    decode_path = takes_decode_path(n_heads, n_kv, dim, q_lens, bs)
+    assert float(np.abs(out - want).max()) <= path_tolerance(isa, kf, fmt, decode_path)
 
 
 @pytest.mark.parametrize("kf,vf", [("q8_0", "f16"), ("bf16", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "q8_0")])
@@ -164,7 +176,9 @@ def test_mixed_formats_all_isas(kf, vf):
         assert err <= path_tolerance(isa, kf, vf), isa
 
 
-@pytest.mark.parametrize("kf,vf", [("q8_0", "q4_0"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize(
+    "kf,vf", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("mxfp4", "nvfp4"), ("nvfp4", "q8_0"), ("q4_0", "mxfp4")]
+)
 @pytest.mark.parametrize("split", [0, 100])
 def test_decode_fast_path_mixed_formats(kf, vf, split):
     """Decode with head_dim 128 and GQA 4 (the AVX-512 fast path where it runs), K and V in different
@@ -517,7 +531,7 @@ def test_attention_lse_matches_the_float64_default(isa, tile, fmt, shape):
     assert np.all(lse[~seen] == -np.inf) and np.all(out[~seen] == 0.0)
     if shape == "rows-that-see-nothing":
         assert 0 < seen.sum() < seen.size
-    tol = path_tolerance(isa, fmt, fmt)
+    tol = path_tolerance(isa, k_of(fmt), fmt, takes_decode_path(n_heads, n_kv, dim, q_lens, bs))
     assert float(np.abs(lse[seen] - want_lse[seen]).max()) <= tol
     assert float(np.abs(out - want_out).max()) <= tol
     np.testing.assert_array_equal(out, be.attention(*args))

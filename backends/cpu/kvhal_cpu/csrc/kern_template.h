@@ -376,11 +376,11 @@ static size_t FN(extra_bytes)(const kv_call *c, int rows) {
  * back (a page holds every head's rows contiguously) and the hardware prefetchers can follow.
  * Rows: r = head_in_group * R + position * G + gqa_head, R = npos * G rows per KV head. */
 static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
+#ifdef DECODE_ITEM
+    if (DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* the ISA's decode fast path took it (mxfp4/nvfp4 too) */
+#endif
 #ifdef V2_DECODE_ITEM
     if (V2_DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* kern_v2.h's decode path took it */
-#endif
-#ifdef DECODE_ITEM
-    if (DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* the ISA's decode fast path took it */
 #endif
     const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, R = it->npos * G, RT = R * it->nheads;
     const int s = it->seq;
