@@ -486,18 +486,7 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
     for (int r = 0; r < RT; r++) {
         const float *o = ws->o + (size_t)r * D;
         float *dst;
-        float inv;
-        if (it->part < 0) {
-            int hh = r / R, i = (r % R) / G, g = r % G, head = (it->head0 + hh) * G + g;
-            const int64_t qrow = c->q_start[s] + it->pos0 + i;
-            dst = c->out + (qrow * c->n_heads + head) * D;
-            inv = kv_row_done(c, qrow, head, ws->m[r], ws->l[r]);
-        } else {
-            dst = po + (size_t)r * D;
-            pm[r] = ws->m[r];
-            pl[r] = ws->l[r];
-            inv = 1.0f;
-        }
+        const float inv = kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst);
 #ifdef INT_V_UNPERMUTE
         if (int_v) {
             INT_V_UNPERMUTE(c, o, dst, inv);
