@@ -643,6 +643,33 @@ def test_v2_edge_values_bytes_and_loads_equal_numpy(isa, fmt):
     np.testing.assert_array_equal(c.load(0, s)[1], f.dequantize(f.quantize(x)))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
+@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx512") if i in ISAS])  # AVX2's f32 path weights NaN 0
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("fmt,code", [("fp8_e4m3", 0x7F), ("fp8_e4m3", 0xFF), ("fp8_e5m2", 0x7C), ("fp8_e5m2", 0xFD)])
+def test_fp8_inf_nan_codes_attend_as_nan(isa, side, fmt, code):
+    """A never-stored fp8 inf/NaN code written into a page reads NaN, as the spec's table: in K every output
+    of the query rows that see its token is NaN, in V the output dim that holds it, as float64
+    attention gives; the other dims stay within tolerance (decode, where AVX-512 takes kern_v2.h's path)."""
+    f = formats.get(fmt)
+    rng = np.random.default_rng(12)
+    c = cache(fmt, CpuBackend(isa=isa, kv_split=0), heads=1, dim=128, bs=16, cap=64)
+    s = c.new_seq()
+    c.store(
+        s, 0, rng.standard_normal((40, 1, 128), dtype=np.float32), rng.standard_normal((40, 1, 128), dtype=np.float32)
+    )
+    pool = pools(c)[0 if side == "k" else 1].reshape(-1, 128)
+    pool[21, 7] = code  # token 21 (page 1, row 5), dim 7
+    k, v = (f.dequantize(p.reshape(-1, 128)[:40]).reshape(40, 1, 128) for p in pools(c))
+    q = rng.standard_normal((1, 4, 128), dtype=np.float32)
+    want = attention_f64(q, [k], [v], [1])
+    out = c.attention(0, q, [s], [1])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(want).sum() == (4 * 128 if side == "k" else 4)
+    ok = ~np.isnan(want)
+    assert float(np.abs(out[ok] - want[ok]).max(initial=0.0)) <= path_tolerance(isa, fmt, fmt)
+
+
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if formats.get(f).k_page is not None])
 def test_paged_k_is_refused_with_the_reason(fmt):
     """The kernels run kivi rows (V); K per channel over whole pages they refuse, saying so."""

@@ -341,7 +341,7 @@ static int FN(v2_dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
  * exponent/mantissa bits moved to an f16's are its value / 2^8 (subnormals included), the 2^8 applied to
  * the scores and the output instead of every value; the inf/NaN codes (never stored) read NaN. */
 #define KV_V2_SCALE(fmt) ((fmt) == KV_FP8_E4M3 ? 256.0f : 1.0f)
-KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m512 *b) {
+KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, int nan, __m512 *a, __m512 *b) {
     const __m512 tab = _mm512_load_ps(kv_e2m1x2);
     switch (fmt) {
     case KV_F32:
@@ -359,19 +359,20 @@ KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m51
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(row + 64 * c2 + 32))), 16));
         return;
     case KV_FP8_E4M3:
-    case KV_FP8_E5M2: { /* the bytes sign-extended to 16 bits (x): an inf/NaN code is x + 4 (e5m2) or x + 1
-                         * (e4m3) with 7 low zero bits, a test on x before the shift */
+    case KV_FP8_E5M2: { /* the bytes sign-extended to 16 bits (x); with nan, an inf/NaN code (x + 4 for e5m2,
+                         * x + 1 for e4m3, has 7 low zero bits) reads NaN, as the spec's table; K rows skip
+                         * that test (v2_decode_item checks them whole: kv_v2_fp8_bad) */
         const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * c2)));
         __m512i w;
-        __mmask32 bad;
-        if (fmt == KV_FP8_E4M3) { /* x << 7 with bit 14 (a sign copy) cleared: the value / 256 (KV_V2_SCALE) */
+        if (fmt == KV_FP8_E4M3) /* x << 7 with bit 14 (a sign copy) cleared: the value / 256 (KV_V2_SCALE) */
             w = _mm512_and_si512(_mm512_slli_epi16(x, 7), _mm512_set1_epi16((short)0xbfff));
-            bad = _mm512_testn_epi16_mask(_mm512_add_epi16(x, _mm512_set1_epi16(1)), _mm512_set1_epi16(0x7f));
-        } else {
+        else
             w = _mm512_slli_epi16(x, 8);
-            bad = _mm512_testn_epi16_mask(_mm512_add_epi16(x, _mm512_set1_epi16(4)), _mm512_set1_epi16(0x7f));
+        if (nan) {
+            const __m512i inc = _mm512_set1_epi16(fmt == KV_FP8_E4M3 ? 1 : 4);
+            const __mmask32 bad = _mm512_testn_epi16_mask(_mm512_add_epi16(x, inc), _mm512_set1_epi16(0x7f));
+            w = _mm512_mask_mov_epi16(w, bad, _mm512_set1_epi16(0x7e00));
         }
-        w = _mm512_mask_mov_epi16(w, bad, _mm512_set1_epi16(0x7e00)); /* NaN, as the spec's table */
         *a = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
         *b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
         return;
@@ -418,6 +419,16 @@ KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m51
 
 static inline int kv_v2_dec_fmt(int fmt) { return fmt <= KV_BF16 || kv_is_v2(fmt); }
 
+/* whether an fp8 row of d bytes holds an inf/NaN code (e4m3: exponent and mantissa all ones; e5m2:
+ * exponent all ones), which the spec reads as NaN: a byte with those bits set has none left by ANDNOT */
+static inline int kv_v2_fp8_bad(const uint8_t *row, int d, int fmt) {
+    const __m256i bits = _mm256_set1_epi8(fmt == KV_FP8_E4M3 ? 0x7f : 0x7c);
+    __m256i m = bits;
+    for (int j = 0; j < d; j += 32)
+        m = _mm256_min_epu8(m, _mm256_andnot_si256(_mm256_loadu_si256((const __m256i *)(const void *)(row + j)), bits));
+    return _mm256_testn_epi8_mask(m, m) != 0;
+}
+
 /* sum of each of 16 vectors s[t*16 ..] into lane t */
 static inline __m512 kv_v2_reduce16(const float *s) {
     __m512 x[8], y[4], z[2];
@@ -441,8 +452,8 @@ KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_
             kv_v2_pf_rows(pf, t, 2);
             __m512 k0[8], k1[8];
             for (int ch = 0; ch < NC; ch += 2) {
-                FN(v2_pair)(kfmt, kr[t], ch / 2, &k0[ch], &k0[ch + 1]);
-                FN(v2_pair)(kfmt, kr[t + 1], ch / 2, &k1[ch], &k1[ch + 1]);
+                FN(v2_pair)(kfmt, kr[t], ch / 2, 0, &k0[ch], &k0[ch + 1]);
+                FN(v2_pair)(kfmt, kr[t + 1], ch / 2, 0, &k1[ch], &k1[ch + 1]);
             }
             for (int r = 0; r < G; r++) {
                 const float *q = qf + (size_t)r * NC * 16;
@@ -466,7 +477,7 @@ KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_
     for (int t = 0; t < 16; t++) {
         kv_v2_pf_rows(pf, t, 1);
         __m512 kv[16];
-        for (int ch = 0; ch < NC; ch += 2) FN(v2_pair)(kfmt, kr[t], ch / 2, &kv[ch], &kv[ch + 1]);
+        for (int ch = 0; ch < NC; ch += 2) FN(v2_pair)(kfmt, kr[t], ch / 2, 0, &kv[ch], &kv[ch + 1]);
         for (int r = 0; r < G; r++) {
             const float *q = qf + (size_t)r * NC * 16;
             __m512 a0 = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q)), a1 = _mm512_mul_ps(kv[1], _mm512_loadu_ps(q + 16));
@@ -484,7 +495,7 @@ KV_INLINE void FN(v2_v16)(int vfmt, int NC, const uint8_t *const *vr, float *VB,
         for (int ch = 0; ch < NC; ch += 2) {
             if (ch == 0) kv_v2_pf_rows(pf, t, 1);
             __m512 a, b;
-            FN(v2_pair)(vfmt, vr[t], ch / 2, &a, &b);
+            FN(v2_pair)(vfmt, vr[t], ch / 2, 1, &a, &b);
             _mm512_store_ps(VB + (size_t)(t * NC + ch) * 16, a);
             _mm512_store_ps(VB + (size_t)(t * NC + ch + 1) * 16, b);
         }
@@ -501,8 +512,8 @@ KV_INLINE void FN(v2_pv4)(int vfmt, int NC, const uint8_t *const *vr, const floa
         for (int t = 0; t < nt; t++) {
             if (ch == 0) kv_v2_pf_rows(pf, t, 1);
             __m512 v[4];
-            FN(v2_pair)(vfmt, vr[t], ch / 2, &v[0], &v[1]);
-            FN(v2_pair)(vfmt, vr[t], ch / 2 + 1, &v[2], &v[3]);
+            FN(v2_pair)(vfmt, vr[t], ch / 2, 1, &v[0], &v[1]);
+            FN(v2_pair)(vfmt, vr[t], ch / 2 + 1, 1, &v[2], &v[3]);
             for (int r = 0; r < 4; r++) {
                 const __m512 pt = _mm512_set1_ps(P[16 * r + t]);
                 for (int k = 0; k < 4; k++) a[r][k] = _mm512_fmadd_ps(pt, v[k], a[r][k]);
@@ -616,6 +627,7 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
     if (hi > it->hi) hi = it->hi;
     const int RT = G * it->nheads;
     const __m512 sc = _mm512_set1_ps(c->scale2), ksc = _mm512_set1_ps(KV_V2_SCALE(c->kfmt));
+    const int kfp8 = c->kfmt == KV_FP8_E4M3 || c->kfmt == KV_FP8_E5M2;
     for (int hh = 0; hh < it->nheads; hh++) {
         const float *src = c->q + (qrow * c->n_heads + (int64_t)(it->head0 + hh) * G) * D;
         float *dst = ws->qf + (size_t)hh * G * D;
@@ -655,6 +667,16 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
                 }
                 if (ph < it->nheads && pt <= hi) FN(v2_pf_set)(c, s, it->head0 + ph, pt, hi - pt + 1 < 16 ? hi - pt + 1 : 16, &pk, &pv);
             }
+            if (kfp8) /* a NaN K value makes every score of the token NaN and with it the rows' outputs, as in
+                       * float64: the rows are marked by l = NaN and o = NaN, which every later step keeps */
+                for (int t = 0; t < nt; t++)
+                    if (kv_v2_fp8_bad(kr[t], D, c->kfmt)) {
+                        for (int r = hh * G; r < hh * G + G; r++) {
+                            ws->l[r] = NAN;
+                            for (int j = 0; j < D; j++) ws->o[(size_t)r * D + j] = NAN;
+                        }
+                        break;
+                    }
             const float *qf = ws->qf + (size_t)hh * G * D;
             FN(v2_k16_any)(c->kfmt, NC, qf, G, kr, S, &pk);
             float *P = ws->s;

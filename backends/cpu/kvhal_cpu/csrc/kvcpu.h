@@ -152,6 +152,10 @@ KV_INLINE const uint8_t *kv_row(const kv_call *c, const uint8_t *pool, int64_t r
  * scale*log2 e) and sum l: its log-sum-exp into c->lse when wanted, and the factor its output takes
  * (1/l; 0 for a row that saw no key, so it reads 0 rather than 0/0) */
 KV_INLINE float kv_row_done(const kv_call *c, int64_t qrow, int head, float m, float l) {
+    if (l != l) { /* a NaN score (kern_v2.h: an fp8 K inf/NaN code): lse and output NaN, as in float64 */
+        if (c->lse) c->lse[qrow * c->n_heads + head] = NAN;
+        return NAN;
+    }
     if (c->lse) c->lse[qrow * c->n_heads + head] = l > 0.0f ? (double)m * 0.6931471805599453 + log((double)l) : -INFINITY;
     return l > 0.0f ? 1.0f / l : 0.0f;
 }
