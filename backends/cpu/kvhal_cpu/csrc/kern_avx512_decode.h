@@ -539,16 +539,9 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
 #undef DEC_GROUP_ROWS
 
     for (int r = 0; r < RT; r++) {
-        const float *o = ws->o + (size_t)r * DEC_D;
-        if (it->part < 0) {
-            const int head = (it->head0 + r / R) * G + r % R;
-            float *dst = c->out + (qpos * c->n_heads + head) * DEC_D;
-            int_v_unpermute(c, o, dst, kv_row_done(c, qpos, head, ws->m[r], ws->l[r]));
-        } else {
-            pm[r] = ws->m[r];
-            pl[r] = ws->l[r];
-            int_v_unpermute(c, o, po + (size_t)r * DEC_D, 1.0f);
-        }
+        float *dst;
+        const float inv = kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst);
+        int_v_unpermute(c, ws->o + (size_t)r * DEC_D, dst, inv);
     }
     return 1;
 }
