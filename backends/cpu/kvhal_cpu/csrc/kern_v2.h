@@ -14,8 +14,9 @@ static const float kv_e2m1x2[16] KV_ALIGN(64) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
 
 static inline int kv_is_v2(int fmt) { return fmt >= KV_FP8_E4M3 && fmt <= KV_KIVI2; }
 
-/* software prefetch (L2) of the rows of a later step, a token's rows at a time inside the work loops:
- * the same lines requested in one burst per step filled the miss queues and stalled the core */
+/* software prefetch (into L1, as kern_avx512_decode.h's; L2 only measured slower) of the rows of a later
+ * step, a token's rows at a time inside the work loops: the same lines requested in one burst per step
+ * filled the miss queues and stalled the core */
 typedef struct {
     const uint8_t *row[16];
     int n;         /* rows to prefetch (0: none) */
@@ -23,7 +24,7 @@ typedef struct {
 } kv_v2_pf;
 static inline void kv_v2_pf_rows(const kv_v2_pf *pf, int t, int count) {
     for (int i = t; i < t + count && i < pf->n; i++)
-        for (int64_t o = 0; o < pf->bytes; o += 64) __builtin_prefetch(pf->row[i] + o, 0, 1);
+        for (int64_t o = 0; o < pf->bytes; o += 64) __builtin_prefetch(pf->row[i] + o, 0, 3);
 }
 
 /* fp8 with man mantissa bits, exponent bias `bias`: saturating round to nearest even of a finite float */
@@ -657,7 +658,7 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
                 kr[t] = kr[0];
                 vr[t] = vr[0];
             }
-            kv_v2_pf pk, pv; /* the rows two steps ahead (next heads of this chunk, then the next chunk), into L2 */
+            kv_v2_pf pk, pv; /* the rows two steps ahead (next heads of this chunk, then the next chunk) */
             pk.n = pv.n = 0;
             if (c->prefetch) {
                 int ph = hh + 2, pt = t0;
