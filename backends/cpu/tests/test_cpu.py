@@ -34,6 +34,9 @@ PATH_IDS = [f"{isa}-tile{tile}" if tile else isa for isa, tile in PATHS]
 FORMATS = sorted(CpuBackend.formats, key=formats.names().index)  # what the kernels implement
 F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and use FMA
 INT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # the AVX-512 integer kernels' formats
+# the formats of the AVX-512 decode path's integer kernels (kern_avx512_decode.h: one query position,
+# head_dim 128, a multiple of 4 query heads per KV head, pages of a multiple of 16 rows, K and V both of these)
+DECODE_INT_FORMATS = ("q8_0", "q4_0", "mxfp4", "nvfp4")
 
 
 def k_of(fmt: str) -> str:
@@ -76,9 +79,17 @@ def pools(c: kvhal.KVCache) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(c.pools.k[0]).view(np.uint8), np.asarray(c.pools.v[0]).view(np.uint8)
 
 
-def path_tolerance(isa: str, kf: str, vf: str) -> float:
-    """The integer kernels run on AVX-512 when K or V is quantized; every other path computes in f32."""
+def takes_decode_path(n_heads: int, n_kv: int, dim: int, q_lens: list[int], bs: int) -> bool:
+    """Whether some item of such a call (a sequence with one query) meets the AVX-512 decode path's shape,
+    its formats aside."""
+    return 1 in q_lens and dim == 128 and (n_heads // n_kv) % 4 == 0 and bs % 16 == 0
+
+
+def path_tolerance(isa: str, kf: str, vf: str, decode_path: bool = False) -> float:
+    """The integer kernels run on AVX-512 when K or V is quantized (``decode_path``: a call the decode
+    path takes, where mxfp4/nvfp4 run them too); every other path computes in f32."""
     quantized = kf in INT_FORMATS or vf in INT_FORMATS
+    quantized |= decode_path and kf in DECODE_INT_FORMATS and vf in DECODE_INT_FORMATS
     return CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
 
 
@@ -151,7 +162,8 @@ def test_attention_per_isa(isa, tile, fmt, shape):
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
     out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
     want = attention_f64(q, ks, vs, q_lens, causal=causal, window=window)
-    assert float(np.abs(out - want).max()) <= path_tolerance(isa, kf, fmt)
+    decode_path = takes_decode_path(n_heads, n_kv, dim, q_lens, bs)
+    assert float(np.abs(out - want).max()) <= path_tolerance(isa, kf, fmt, decode_path)
 
 
 @pytest.mark.parametrize("kf,vf", [("q8_0", "f16"), ("bf16", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "q8_0")])
@@ -165,7 +177,9 @@ def test_mixed_formats_all_isas(kf, vf):
         assert err <= path_tolerance(isa, kf, vf), isa
 
 
-@pytest.mark.parametrize("kf,vf", [("q8_0", "q4_0"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize(
+    "kf,vf", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("mxfp4", "nvfp4"), ("nvfp4", "q8_0"), ("q4_0", "mxfp4")]
+)
 @pytest.mark.parametrize("split", [0, 100])
 def test_decode_fast_path_mixed_formats(kf, vf, split):
     """Decode with head_dim 128 and GQA 4 (the AVX-512 fast path where it runs), K and V in different
@@ -533,7 +547,7 @@ def test_attention_lse_matches_the_float64_default(isa, tile, fmt, shape):
     assert np.all(lse[~seen] == -np.inf) and np.all(out[~seen] == 0.0)
     if shape == "rows-that-see-nothing":
         assert 0 < seen.sum() < seen.size
-    tol = path_tolerance(isa, fmt, fmt)
+    tol = path_tolerance(isa, k_of(fmt), fmt, takes_decode_path(n_heads, n_kv, dim, q_lens, bs))
     assert float(np.abs(lse[seen] - want_lse[seen]).max()) <= tol
     assert float(np.abs(out - want_out).max()) <= tol
     np.testing.assert_array_equal(out, be.attention(*args))
@@ -643,6 +657,33 @@ def test_v2_edge_values_bytes_and_loads_equal_numpy(isa, fmt):
     n = x.shape[0]
     np.testing.assert_array_equal(v.reshape(-1, f.row_bytes(64))[:n], f.quantize(x.reshape(n, 64)))
     np.testing.assert_array_equal(c.load(0, s)[1], f.dequantize(f.quantize(x)))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
+@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx512") if i in ISAS])  # AVX2's f32 path weights NaN 0
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("fmt,code", [("fp8_e4m3", 0x7F), ("fp8_e4m3", 0xFF), ("fp8_e5m2", 0x7C), ("fp8_e5m2", 0xFD)])
+def test_fp8_inf_nan_codes_attend_as_nan(isa, side, fmt, code):
+    """A never-stored fp8 inf/NaN code written into a page reads NaN, as the spec's table: in K every output
+    of the query rows that see its token is NaN, in V the output dim that holds it, as float64
+    attention gives; the other dims stay within tolerance (decode, where AVX-512 takes kern_v2.h's path)."""
+    f = formats.get(fmt)
+    rng = np.random.default_rng(12)
+    c = cache(fmt, CpuBackend(isa=isa, kv_split=0), heads=1, dim=128, bs=16, cap=64)
+    s = c.new_seq()
+    c.store(
+        s, 0, rng.standard_normal((40, 1, 128), dtype=np.float32), rng.standard_normal((40, 1, 128), dtype=np.float32)
+    )
+    pool = pools(c)[0 if side == "k" else 1].reshape(-1, 128)
+    pool[21, 7] = code  # token 21 (page 1, row 5), dim 7
+    k, v = (f.dequantize(p.reshape(-1, 128)[:40]).reshape(40, 1, 128) for p in pools(c))
+    q = rng.standard_normal((1, 4, 128), dtype=np.float32)
+    want = attention_f64(q, [k], [v], [1])
+    out = c.attention(0, q, [s], [1])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(want).sum() == (4 * 128 if side == "k" else 4)
+    ok = ~np.isnan(want)
+    assert float(np.abs(out[ok] - want[ok]).max(initial=0.0)) <= path_tolerance(isa, fmt, fmt)
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if formats.get(f).k_page is not None])

@@ -1,6 +1,6 @@
 /* Decode fast path (AVX-512 VNNI), included by kern_avx512.c after kern_avx512_int.h.
  *
- * Taken for one query position per item (a decode step), head_dim 128, K and V each q8_0 or q4_0,
+ * Taken for one query position per item (a decode step), head_dim 128, K and V each q8_0, q4_0, mxfp4 or nvfp4,
  * a multiple of 4 query rows per KV head (GQA 4, 8, ...) and pages of a multiple of 16 rows; the
  * general kernels (kern_template.h + kern_avx512_int.h) run everything else, with the same numerics:
  * q at 16 bits per row (VPDPBUSD on the stored bytes/nibbles) and p*d_v at 16 bits per (row, block,
@@ -23,14 +23,38 @@
 
 /* the permute tables and offsets below are written for ggml's 34-byte q8_0 and 18-byte q4_0 blocks */
 _Static_assert(KV_Q8_0_BYTES == 34 && KV_Q4_0_BYTES == 18, "the decode path assumes ggml's q8_0 and q4_0 blocks");
+_Static_assert(KV_MXFP4_BYTES == 17 && KV_NVFP4_BYTES == 36, "the decode path assumes mxfp4's and nvfp4's blocks");
 enum { DEC_NB = 4, DEC_D = 128, DEC_Q8_RB = DEC_NB * KV_Q8_0_BYTES, DEC_Q4_RB = DEC_NB * KV_Q4_0_BYTES };
 
-static inline int dec_rb(int fmt) { return fmt == KV_Q8_0 ? DEC_Q8_RB : DEC_Q4_RB; }
+/* mxfp4 and nvfp4 take this path too: their e2m1 codes are integers (the doubled values -12..12, a
+ * 16-byte VPSHUFB table) times a block scale, so they run q4_0's kernels with a table lookup after the
+ * nibble split: K made unsigned (+12, the offset term as q4_0's +8), V signed (no offset). An nvfp4 row
+ * is 2 blocks of 4 scales + 32 nibble bytes; its "block" b here is 32 values (bytes 36*(b/2) + 4 +
+ * 16*(b%2)) of two 16-value sub-blocks with their own scales, in the nibble order low = values 0-7 of each
+ * sub-block, high = 8-15: K keeps one integer sum per sub-block (q's 4-byte groups permuted to match),
+ * V weights one per sub-block (lanes 0-7 and 8-15), its output in q8_0's kernel order. */
+static inline int dec_fmt(int fmt) { return fmt == KV_Q8_0 || fmt == KV_Q4_0 || fmt == KV_MXFP4 || fmt == KV_NVFP4; }
+static inline int dec_rb(int fmt) {
+    return fmt == KV_Q8_0 ? DEC_Q8_RB : fmt == KV_Q4_0 ? DEC_Q4_RB
+         : fmt == KV_MXFP4 ? DEC_NB * KV_MXFP4_BYTES : 2 * KV_NVFP4_BYTES;
+}
+/* byte offset of block b's values (32 bytes, q8_0; 16 nibble bytes, the others) in a row */
+static inline int dec_qs(int fmt, int b) {
+    return fmt == KV_Q8_0 ? KV_Q8_0_BYTES * b + 2 : fmt == KV_Q4_0 ? KV_Q4_0_BYTES * b + 2
+         : fmt == KV_MXFP4 ? KV_MXFP4_BYTES * b + 1 : KV_NVFP4_BYTES * (b >> 1) + 4 + 16 * (b & 1);
+}
+/* scale slots per row: nvfp4's 8 sub-blocks, else 4 blocks */
+static inline int dec_ns(int fmt) { return fmt == KV_NVFP4 ? 2 * DEC_NB : DEC_NB; }
+/* the doubled e2m1 values in a 16-byte VPSHUFB table: +12 (unsigned, K) and as they are (V) */
+#define DEC_E2M1_U 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+#define DEC_E2M1_S 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+static const int8_t dec_e2m1_u[64] KV_ALIGN(64) = {DEC_E2M1_U, DEC_E2M1_U, DEC_E2M1_U, DEC_E2M1_U};
+static const int8_t dec_e2m1_s[32] KV_ALIGN(32) = {DEC_E2M1_S, DEC_E2M1_S};
 
 static int dec_applies(const kv_call *c, const kv_item *it) {
     const int G = c->n_heads / c->n_kv_heads;
-    return it->npos == 1 && c->head_dim == DEC_D && (c->kfmt == KV_Q8_0 || c->kfmt == KV_Q4_0) &&
-           (c->vfmt == KV_Q8_0 || c->vfmt == KV_Q4_0) && G % 4 == 0 && c->block_size % 16 == 0;
+    return it->npos == 1 && c->head_dim == DEC_D && dec_fmt(c->kfmt) && dec_fmt(c->vfmt) && G % 4 == 0 &&
+           c->block_size % 16 == 0;
 }
 
 /* VPERMT2W index tables of the scale tree (index bit 5 picks the second table). Level 1 takes the
@@ -51,8 +75,50 @@ static const uint16_t dec_l4b[32] KV_ALIGN(64) = {2, 6, 10, 14, 18, 22, 26, 30, 
 #define DEC_LD(p) _mm512_loadu_si512((const void *)(p))
 #define DEC_P2(a, idx, b) _mm512_permutex2var_epi16(a, idx, b)
 
-/* fp16 scales of the 4 blocks of 16 rows at p (stride rb) as f32 into dst[b * KV_T + i], i < 16 */
+/* the e8m0 (mxfp4) or ue4m3 (nvfp4) scale bytes of 16 rows, slot k of row t into byte t of 128-bit lane k
+ * of the result: each row's bytes (mxfp4: 0, 17, 34, 51 of its first 64; nvfp4: 4 bytes at `off`,
+ * broadcast to every lane) picked by one byte-masked VPSHUFB, four independent chains */
+static inline __m512i dec_fp4_bytes(int fmt, const uint8_t *p, int off) {
+    const __m512i ctl = _mm512_set_epi32(0x03030303, 0x03030303, 0x03030303, 0x03030303, 0x02020202, 0x02020202,
+                                         0x02020202, 0x02020202, 0x01010101, 0x01010101, 0x01010101, 0x01010101, 0, 0, 0, 0);
+    const int rb = dec_rb(fmt);
+    __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int t = 0; t < 16; t++) {
+        const uint8_t *r = p + (size_t)rb * t;
+        const __m512i x = fmt == KV_MXFP4 ? _mm512_loadu_si512((const void *)r)
+                                          : _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)(r + off)));
+        a[t & 3] = _mm512_mask_shuffle_epi8(a[t & 3], (__mmask64)(0x0001000100010001ull << t), x, ctl);
+    }
+    return _mm512_or_si512(_mm512_or_si512(a[0], a[1]), _mm512_or_si512(a[2], a[3]));
+}
+
+/* 16 scale codes -> f32: e8m0 as ggml_e8m0_to_fp32_half (kv_e8m0_half), ue4m3 as kv_ue4m3_half (the
+ * code's 7 low bits placed into an f32 and rescaled: exact, subnormals included; 0x7F reads 0) */
+static inline __m512 dec_fp4_scale(int fmt, __m128i bytes) {
+    const __m512i e = _mm512_cvtepu8_epi32(bytes);
+    if (fmt == KV_MXFP4) {
+        const __m512i v = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+        return _mm512_castsi512_ps(_mm512_mask_sllv_epi32(v, small, _mm512_set1_epi32(0x00200000), e));
+    }
+    const __m512i em = _mm512_and_si512(e, _mm512_set1_epi32(0x7f));
+    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(em, 20)), _mm512_set1_ps(0x1p119f));
+    return _mm512_maskz_mov_ps(_mm512_cmpneq_epi32_mask(e, _mm512_set1_epi32(0x7f)), v);
+}
+
+/* block (or sub-block) scales of the 16 rows at p (stride rb) as f32 into dst[slot * KV_T + i], i < 16 */
 static inline void dec_scales16(int fmt, const uint8_t *p, float *dst) {
+    if (fmt == KV_MXFP4 || fmt == KV_NVFP4) {
+        for (int h = 0; h < (fmt == KV_NVFP4 ? 2 : 1); h++) {
+            const __m512i x = dec_fp4_bytes(fmt, p, KV_NVFP4_BYTES * h);
+            float *d = dst + 4 * h * KV_T;
+            _mm512_storeu_ps(d, dec_fp4_scale(fmt, _mm512_castsi512_si128(x)));
+            _mm512_storeu_ps(d + KV_T, dec_fp4_scale(fmt, _mm512_extracti32x4_epi32(x, 1)));
+            _mm512_storeu_ps(d + 2 * KV_T, dec_fp4_scale(fmt, _mm512_extracti32x4_epi32(x, 2)));
+            _mm512_storeu_ps(d + 3 * KV_T, dec_fp4_scale(fmt, _mm512_extracti32x4_epi32(x, 3)));
+        }
+        return;
+    }
     __m512i l1[8], l2[4];
     if (fmt == KV_Q4_0) {
         const __m512i i1 = DEC_LD(dec_q4_l1);
@@ -94,13 +160,17 @@ static inline void dec_transpose(const uint8_t *p, int64_t rb, int off, __m512i 
 
 /* K values of block b of 16 rows, unsigned, transposed: kt[j] lane t = values 4j..4j+3 of row t */
 static inline void dec_k_block(int fmt, const uint8_t *p, int b, __m512i *kt) {
-    if (fmt == KV_Q4_0) {
+    if (fmt != KV_Q8_0) {
         const __m512i m4 = _mm512_set1_epi8(0x0f);
         __m512i n[4];
-        dec_transpose(p, DEC_Q4_RB, KV_Q4_0_BYTES * b + 2, n);
+        dec_transpose(p, dec_rb(fmt), dec_qs(fmt, b), n);
         for (int j = 0; j < 4; j++) {
             kt[j] = _mm512_and_si512(n[j], m4);
             kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
+        }
+        if (fmt != KV_Q4_0) { /* e2m1 codes -> their doubled values + 12 */
+            const __m512i tab = _mm512_load_si512((const void *)dec_e2m1_u);
+            for (int j = 0; j < 8; j++) kt[j] = _mm512_shuffle_epi8(tab, kt[j]);
         }
     } else {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -168,6 +238,55 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
     }
 }
 
+/* dec_k_unit for nvfp4: one row at a time, an integer sum per 16-value sub-block (kt[j] is sub-block
+ * (j >> 1) & 1 of the block; q's groups were permuted to kt's order), 8 chains */
+static __attribute__((noinline)) void dec_k_unit_nv(const uint8_t *g0, const uint8_t *g1, const int_ws *L, int r0,
+                                                    int R, int col, float *S, dec_pf *pf, int quota) {
+    for (int b = 0; b < DEC_NB; b++) {
+        dec_pf_pump(pf, quota);
+        __m512i k0[8], k1[8];
+        dec_k_block(KV_NVFP4, g0, b, k0);
+        dec_k_block(KV_NVFP4, g1, b, k1);
+        const float *kd = L->kd + 2 * b * KV_T + col;
+        const __m512 d00 = _mm512_loadu_ps(kd), d01 = _mm512_loadu_ps(kd + KV_T);
+        const __m512 d10 = _mm512_loadu_ps(kd + 16), d11 = _mm512_loadu_ps(kd + KV_T + 16);
+        for (int r = 0; r < R; r++) {
+            const size_t ra = (size_t)(r0 + r) * DEC_NB + b;
+            const int32_t *qh = L->qh + ra * 8, *ql = L->ql + ra * 8, *qo = L->qoffs + 2 * ra;
+            __m512i h00 = _mm512_setzero_si512(), h01 = h00, h10 = h00, h11 = h00;
+            __m512i l00 = _mm512_set1_epi32(qo[0]), l10 = l00, l01 = _mm512_set1_epi32(qo[1]), l11 = l01;
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 4) { /* j, j + 1: sub-block 0; j + 2, j + 3: sub-block 1 */
+#define DEC_NV_STEP(J, H0, H1, L0, L1)                                                                           \
+    do {                                                                                                         \
+        __m512i q = _mm512_set1_epi32(qh[J]);                                                                    \
+        INT_DPB(H0, k0[J], q);                                                                                   \
+        INT_DPB(H1, k1[J], q);                                                                                   \
+        q = _mm512_set1_epi32(ql[J]);                                                                            \
+        INT_DPB(L0, k0[J], q);                                                                                   \
+        INT_DPB(L1, k1[J], q);                                                                                   \
+    } while (0)
+                DEC_NV_STEP(j, h00, h10, l00, l10);
+                DEC_NV_STEP(j + 2, h01, h11, l01, l11);
+                DEC_NV_STEP(j + 1, h00, h10, l00, l10);
+                DEC_NV_STEP(j + 3, h01, h11, l01, l11);
+#undef DEC_NV_STEP
+            }
+#define DEC_NV_OUT(HA, LA, DA, HB, LB, DB, S)                                                                    \
+    do {                                                                                                         \
+        const __m512 da = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(HA, 8), LA));                    \
+        const __m512 db = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(HB, 8), LB));                    \
+        const __m512 x = _mm512_fmadd_ps(db, DB, _mm512_mul_ps(da, DA));                                         \
+        _mm512_storeu_ps(S, b ? _mm512_add_ps(_mm512_loadu_ps(S), x) : x);                                       \
+    } while (0)
+            float *sa = S + r * KV_T + col;
+            DEC_NV_OUT(h00, l00, d00, h01, l01, d01, sa);
+            DEC_NV_OUT(h10, l10, d10, h11, l11, d11, sa + 16);
+#undef DEC_NV_OUT
+        }
+    }
+}
+
 /* P.V of 4 rows over block b of one tile: acc[2i], acc[2i+1] = dims of block b (kernel order) of row i.
  * w: int16 weight pairs of row 0 at block b (stride between rows in int32 pairs); INT_V_ACC4 accumulates. */
 #define DEC_V_BEGIN(w, stride)                                                                  \
@@ -214,6 +333,77 @@ static __attribute__((noinline)) void dec_v_q4(const uint8_t *const *grp, int ng
     DEC_V_END(out);
 }
 
+/* mxfp4 / nvfp4: as q4_0, the nibbles looked up as their signed doubled values before the widening.
+ * nvfp4: lanes 0-7 are the block's first sub-block, 8-15 its second, each with its own weight (w, w2) */
+#define DEC_V_FP4(NV)                                                                                            \
+    DEC_V_BEGIN(w, stride);                                                                                      \
+    const int rb = dec_rb(fmt), qs = dec_qs(fmt, b);                                                             \
+    const __m256i m4 = _mm256_set1_epi8(0x0f), tab = _mm256_load_si256((const __m256i *)(const void *)dec_e2m1_s); \
+    for (int g = 0; g < ng; g++) {                                                                               \
+        dec_pf_pump(pf, quota);                                                                                  \
+        const uint8_t *p = grp[g] + qs;                                                                          \
+        for (int u = 0; u < 8; u++, p += 2 * rb) {                                                               \
+            __m128i x = _mm_loadu_si128((const __m128i *)(const void *)p);                                       \
+            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(p + rb));                                \
+            __m256i z = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(x, e)),              \
+                                                _mm_unpackhi_epi8(x, e), 1);                                     \
+            __m512i x0 = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(tab, _mm256_and_si256(z, m4)));                \
+            __m512i x1 = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4))); \
+            if (NV)                                                                                              \
+                DEC_V_ACC4_NV(x0, x1, 8 * g + u);                                                                \
+            else                                                                                                 \
+                INT_V_ACC4(x0, x1, 8 * g + u);                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    DEC_V_END(out)
+
+#define DEC_V_ACC4_NV(X0, X1, U)                                                                                 \
+    do {                                                                                                         \
+        __m512i wb = _mm512_mask_set1_epi32(_mm512_set1_epi32(w0[U]), 0xff00, w0[U + KV_T / 2]);                 \
+        INT_DPW(a0, X0, wb);                                                                                     \
+        INT_DPW(a1, X1, wb);                                                                                     \
+        wb = _mm512_mask_set1_epi32(_mm512_set1_epi32(w1[U]), 0xff00, w1[U + KV_T / 2]);                         \
+        INT_DPW(a2, X0, wb);                                                                                     \
+        INT_DPW(a3, X1, wb);                                                                                     \
+        wb = _mm512_mask_set1_epi32(_mm512_set1_epi32(w2[U]), 0xff00, w2[U + KV_T / 2]);                         \
+        INT_DPW(a4, X0, wb);                                                                                     \
+        INT_DPW(a5, X1, wb);                                                                                     \
+        wb = _mm512_mask_set1_epi32(_mm512_set1_epi32(w3[U]), 0xff00, w3[U + KV_T / 2]);                         \
+        INT_DPW(a6, X0, wb);                                                                                     \
+        INT_DPW(a7, X1, wb);                                                                                     \
+    } while (0)
+
+static __attribute__((noinline)) void dec_v_mx(const uint8_t *const *grp, int ng, int b, const int32_t *w,
+                                               size_t stride, __m512i *out, dec_pf *pf, int quota) {
+    const int fmt = KV_MXFP4;
+    DEC_V_FP4(0);
+}
+/* w: the weights of sub-block 2b; those of 2b + 1 follow, KV_T / 2 pairs on */
+static __attribute__((noinline)) void dec_v_nv(const uint8_t *const *grp, int ng, int b, const int32_t *w,
+                                               size_t stride, __m512i *out, dec_pf *pf, int quota) {
+    const int fmt = KV_NVFP4;
+    DEC_V_FP4(1);
+}
+
+/* nvfp4: q's 4-byte groups of each block in kt's order (sub-block 0's values 0-3, 4-7, sub-block 1's 0-3,
+ * 4-7, then the 8-11, 12-15 of each) and the offset term per sub-block */
+static void dec_prep_q_nv(int_ws *L, int RT) {
+    static const int perm[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+    for (int rb = 0; rb < RT * DEC_NB; rb++) {
+        int32_t *qh = L->qh + (size_t)rb * 8, *ql = L->ql + (size_t)rb * 8, h[8], l[8];
+        int32_t sum[2] = {0, 0};
+        for (int j = 0; j < 8; j++) {
+            const int8_t *bh = (const int8_t *)(const void *)(qh + j), *bl = (const int8_t *)(const void *)(ql + j);
+            for (int i = 0; i < 4; i++) sum[j >> 2] += 256 * bh[i] + bl[i];
+        }
+        for (int j = 0; j < 8; j++) h[j] = qh[perm[j]], l[j] = ql[perm[j]];
+        memcpy(qh, h, sizeof h);
+        memcpy(ql, l, sizeof l);
+        L->qoffs[2 * rb] = -12 * sum[0];
+        L->qoffs[2 * rb + 1] = -12 * sum[1];
+    }
+}
+
 static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
     if (!dec_applies(c, it)) return 0;
     const int G = c->n_heads / c->n_kv_heads, R = G, RT = R * it->nheads, s = it->seq;
@@ -229,8 +419,9 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     memset(ws->o, 0, (size_t)RT * DEC_D * sizeof(float));
     int_prep_q(c, ws, RT);
     int_ws L = int_get(c, ws, RT);
-    const int voff = vf == KV_Q8_0 ? 0 : 8;
-    const size_t wstride = (size_t)DEC_NB * KV_T / 2;
+    if (kf == KV_NVFP4) dec_prep_q_nv(&L, RT);
+    const int voff = vf == KV_Q4_0 ? 8 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8; e2m1 values signed */
+    const size_t wstride = (size_t)nsv * KV_T / 2;
     const int lo = it->lo, hi = it->hi, first = lo & ~15;
 
     /* row index (at head 0) of each 16-row group of a tile: one block-table lookup per group and tile */
@@ -273,7 +464,12 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             }
             /* K: scales, then scores of 32 tokens at a time */
             for (int g = 0; g < KV_T / 16; g++) dec_scales16(kf, kg[g], L.kd + 16 * g);
-            for (int u = 0; u < KV_T / 32; u++) dec_k_unit(kf, kg[2 * u], kg[2 * u + 1], &L, r0, R, 32 * u, ws->s, &pfk, kq);
+            for (int u = 0; u < KV_T / 32; u++) {
+                if (kf == KV_NVFP4)
+                    dec_k_unit_nv(kg[2 * u], kg[2 * u + 1], &L, r0, R, 32 * u, ws->s, &pfk, kq);
+                else
+                    dec_k_unit(kf, kg[2 * u], kg[2 * u + 1], &L, r0, R, 32 * u, ws->s, &pfk, kq);
+            }
             /* softmax: scale by dq, mask, online max/sum */
             for (int r = 0; r < R; r++) {
                 float *srow = ws->s + r * KV_T;
@@ -310,21 +506,25 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             }
             /* V: scales, 16-bit weights p*d_v, P.V */
             for (int g = 0; g < KV_T / 16; g++) dec_scales16(vf, vg[g], L.vd + 16 * g);
-            for (int k0 = 0; k0 < R * DEC_NB; k0 += 16)
-                int_v_weights16(ws->s, L.vd, DEC_NB, k0, vf != KV_Q8_0, L.w, L.wc, L.wsum);
+            for (int k0 = 0; k0 < R * nsv; k0 += 16) int_v_weights16(ws->s, L.vd, nsv, k0, voff != 0, L.w, L.wc, L.wsum);
             for (int b = 0; b < DEC_NB; b++) {
+                const int sl = vf == KV_NVFP4 ? 2 * b : b; /* weight slot of the block (nvfp4: its first sub-block) */
                 for (int r = 0; r < R; r += 4) {
                     __m512i acc[8];
-                    const int32_t *w = (const int32_t *)(const void *)(L.w + ((size_t)r * DEC_NB + b) * KV_T);
+                    const int32_t *w = (const int32_t *)(const void *)(L.w + ((size_t)r * nsv + sl) * KV_T);
                     if (vf == KV_Q8_0)
                         dec_v_q8(vg, ng, b, w, wstride, acc, &pfv, vq);
-                    else
+                    else if (vf == KV_Q4_0)
                         dec_v_q4(vg, ng, b, w, wstride, acc, &pfv, vq);
+                    else if (vf == KV_MXFP4)
+                        dec_v_mx(vg, ng, b, w, wstride, acc, &pfv, vq);
+                    else
+                        dec_v_nv(vg, ng, b, w, wstride, acc, &pfv, vq);
                     for (int i = 0; i < 4; i++) {
-                        const int rb = (r + i) * DEC_NB + b;
-                        if (L.wc[rb] == 0.0f) continue;
+                        const int rb = (r + i) * nsv + sl, rb2 = vf == KV_NVFP4 ? rb + 1 : rb;
+                        if (L.wc[rb] == 0.0f && L.wc[rb2] == 0.0f) continue;
                         const __m512i off = _mm512_set1_epi32(voff * L.wsum[rb]);
-                        const __m512 cw = _mm512_set1_ps(L.wc[rb]);
+                        const __m512 cw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(L.wc[rb]), _mm512_set1_ps(L.wc[rb2]));
                         float *o = ws->o + (size_t)(r0 + r + i) * DEC_D + 32 * b;
                         _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * i], off)), cw,
                                                             _mm512_loadu_ps(o)));
@@ -339,16 +539,9 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
 #undef DEC_GROUP_ROWS
 
     for (int r = 0; r < RT; r++) {
-        const float *o = ws->o + (size_t)r * DEC_D;
-        if (it->part < 0) {
-            const int head = (it->head0 + r / R) * G + r % R;
-            float *dst = c->out + (qpos * c->n_heads + head) * DEC_D;
-            int_v_unpermute(c, o, dst, kv_row_done(c, qpos, head, ws->m[r], ws->l[r]));
-        } else {
-            pm[r] = ws->m[r];
-            pl[r] = ws->l[r];
-            int_v_unpermute(c, o, po + (size_t)r * DEC_D, 1.0f);
-        }
+        float *dst;
+        const float inv = kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst);
+        int_v_unpermute(c, ws->o + (size_t)r * DEC_D, dst, inv);
     }
     return 1;
 }

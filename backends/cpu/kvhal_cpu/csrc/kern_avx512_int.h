@@ -16,7 +16,8 @@
  * and the V pair vectors in registers; other row counts stage them in L1 (kt, vx).
  */
 
-#define INT_PATH_K(fmt) ((fmt) >= KV_Q8_0 && (fmt) <= KV_Q5_1) /* the ggml formats; kern_v2.h's take the f32 path */
+#define INT_PATH_K(fmt) ((fmt) >= KV_Q8_0 && (fmt) <= KV_Q5_1) /* the ggml formats; kern_v2.h's take the f32 path
+                                                                 (mxfp4/nvfp4 decode: kern_avx512_decode.h) */
 #define INT_PATH_V(fmt) ((fmt) >= KV_Q8_0 && (fmt) <= KV_Q5_1)
 
 #define QI_MAX 32512.0f /* 127*256: qh and ql then both fit int8 */
@@ -36,12 +37,13 @@ _Static_assert(KV_Q8_0_BYTES == 34 && KV_Q4_0_BYTES == 18, "the scale permutes a
 typedef struct {
     int32_t *qh, *ql; /* [R][nb][8] 4-byte groups */
     int32_t *qoff;    /* [R][nb]: -offset * sum qi */
+    int32_t *qoffs;   /* [R][2 nb]: the same per 16-value half block (nvfp4's sub-blocks, decode path) */
     float *qsum;      /* [R][nb]: dq * sum qi over the block (min term of q4_1/q5_1) */
     float *dq;        /* [R] */
-    float *kd, *km, *vd, *vm; /* [nb][KV_T] per-token block scales and mins */
-    int16_t *w;               /* [R][nb][KV_T] quantized p*d_v */
-    float *wc;                /* [R][nb] weight scales */
-    int32_t *wsum;            /* [R][nb] sum of quantized weights */
+    float *kd, *km, *vd, *vm; /* [nb][KV_T] per-token block scales and mins (kd, vd: [2 nb], nvfp4) */
+    int16_t *w;               /* [R][nb][KV_T] quantized p*d_v ([2 nb]: nvfp4 in the decode path) */
+    float *wc;                /* [R][nb] weight scales ([2 nb]) */
+    int32_t *wsum;            /* [R][nb] sum of quantized weights ([2 nb]) */
     uint8_t *u8;              /* [KV_T][D] unpacked values (q4_1, q5_0, q5_1) */
     __m512i *kt;              /* [nb][8] K of 16 tokens, transposed: lane = token, vector = 4-byte group */
     __m512i *vx;              /* [KV_T/2][2] V of one block, token pairs interleaved as int16 */
@@ -58,15 +60,16 @@ static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     TAKE(qh, int32_t, r * nb * 8);
     TAKE(ql, int32_t, r * nb * 8);
     TAKE(qoff, int32_t, r * nb);
+    TAKE(qoffs, int32_t, r * 2 * nb);
     TAKE(qsum, float, r * nb);
     TAKE(dq, float, r);
-    TAKE(kd, float, nb * KV_T);
+    TAKE(kd, float, 2 * nb * KV_T);
     TAKE(km, float, nb * KV_T);
-    TAKE(vd, float, nb * KV_T);
+    TAKE(vd, float, 2 * nb * KV_T);
     TAKE(vm, float, nb * KV_T);
-    TAKE(w, int16_t, r * nb * KV_T);
-    TAKE(wc, float, r * nb);
-    TAKE(wsum, int32_t, r * nb);
+    TAKE(w, int16_t, r * 2 * nb * KV_T);
+    TAKE(wc, float, r * 2 * nb);
+    TAKE(wsum, int32_t, r * 2 * nb);
     TAKE(u8, uint8_t, (size_t)KV_T * c->head_dim);
     TAKE(kt, __m512i, nb * 8);
     TAKE(vx, __m512i, KV_T);
@@ -90,7 +93,9 @@ static inline int_ws int_get(const kv_call *c, kv_scratch *ws, int R) {
  * stored with +8/+16, and q4_1/q5_1 are centred the same way (d*n + m = d*(n-8) + (m + 8d)) so the
  * integer sums stay as small as the _0 formats' and keep their relative precision */
 static inline int int_koff(int fmt) {
-    return fmt == KV_Q8_0 ? 128 : (fmt == KV_Q4_0 || fmt == KV_Q4_1) ? 8 : (fmt == KV_Q5_0 || fmt == KV_Q5_1) ? 16 : 0;
+    return fmt == KV_Q8_0 ? 128 : (fmt == KV_Q4_0 || fmt == KV_Q4_1) ? 8 : (fmt == KV_Q5_0 || fmt == KV_Q5_1) ? 16
+         : (fmt == KV_MXFP4 || fmt == KV_NVFP4) ? 12 /* doubled e2m1 values -12..12, +12 (decode path) */
+                                                 : 0;
 }
 static inline int int_has_min(int fmt) { return fmt == KV_Q4_1 || fmt == KV_Q5_1; }
 
@@ -647,7 +652,7 @@ static void int_v_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, 
  * block is dims 0-7, 16-23, 8-15, 24-31; q4_0 keeps natural order */
 static void int_v_unpermute(const kv_call *c, const float *o, float *dst, float inv) {
     const int D = c->head_dim;
-    if (c->vfmt == KV_Q4_0) {
+    if (c->vfmt == KV_Q4_0 || c->vfmt == KV_MXFP4) { /* nvfp4 (decode path) is in q8_0's order */
         for (int j = 0; j < D; j++) dst[j] = o[j] * inv;
         return;
     }

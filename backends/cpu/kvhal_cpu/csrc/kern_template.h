@@ -376,11 +376,11 @@ static size_t FN(extra_bytes)(const kv_call *c, int rows) {
  * back (a page holds every head's rows contiguously) and the hardware prefetchers can follow.
  * Rows: r = head_in_group * R + position * G + gqa_head, R = npos * G rows per KV head. */
 static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
+#ifdef DECODE_ITEM
+    if (DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* the ISA's decode fast path took it (mxfp4/nvfp4 too) */
+#endif
 #ifdef V2_DECODE_ITEM
     if (V2_DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* kern_v2.h's decode path took it */
-#endif
-#ifdef DECODE_ITEM
-    if (DECODE_ITEM(c, it, ws, pm, pl, po)) return; /* the ISA's decode fast path took it */
 #endif
     const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, R = it->npos * G, RT = R * it->nheads;
     const int s = it->seq;
@@ -486,18 +486,7 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
     for (int r = 0; r < RT; r++) {
         const float *o = ws->o + (size_t)r * D;
         float *dst;
-        float inv;
-        if (it->part < 0) {
-            int hh = r / R, i = (r % R) / G, g = r % G, head = (it->head0 + hh) * G + g;
-            const int64_t qrow = c->q_start[s] + it->pos0 + i;
-            dst = c->out + (qrow * c->n_heads + head) * D;
-            inv = kv_row_done(c, qrow, head, ws->m[r], ws->l[r]);
-        } else {
-            dst = po + (size_t)r * D;
-            pm[r] = ws->m[r];
-            pl[r] = ws->l[r];
-            inv = 1.0f;
-        }
+        const float inv = kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst);
 #ifdef INT_V_UNPERMUTE
         if (int_v) {
             INT_V_UNPERMUTE(c, o, dst, inv);

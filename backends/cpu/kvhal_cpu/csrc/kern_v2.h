@@ -14,6 +14,19 @@ static const float kv_e2m1x2[16] KV_ALIGN(64) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
 
 static inline int kv_is_v2(int fmt) { return fmt >= KV_FP8_E4M3 && fmt <= KV_KIVI2; }
 
+/* software prefetch (into L1, as kern_avx512_decode.h's; L2 only measured slower) of the rows of a later
+ * step, a token's rows at a time inside the work loops: the same lines requested in one burst per step
+ * filled the miss queues and stalled the core */
+typedef struct {
+    const uint8_t *row[16];
+    int n;         /* rows to prefetch (0: none) */
+    int64_t bytes; /* of a row */
+} kv_v2_pf;
+static inline void kv_v2_pf_rows(const kv_v2_pf *pf, int t, int count) {
+    for (int i = t; i < t + count && i < pf->n; i++)
+        for (int64_t o = 0; o < pf->bytes; o += 64) __builtin_prefetch(pf->row[i] + o, 0, 3);
+}
+
 /* fp8 with man mantissa bits, exponent bias `bias`: saturating round to nearest even of a finite float */
 static inline uint8_t kv_fp8_encode(float x, int man, int bias, uint32_t max_bits) {
     const uint32_t u = kv_f32_bits(x), a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
@@ -324,10 +337,12 @@ static int FN(v2_dequantize)(int fmt, const uint8_t *src, float *dst, int d) {
  * head, the 16 tokens' partial sums are reduced together (a 4-level shuffle tree: 2 ops per dot, not
  * ~8), and V is decoded once per token into a small buffer the query rows' accumulators stream over. */
 
-/* chunks 2*c2 and 2*c2 + 1 (values 32*c2 .. 32*c2 + 31) of a stored row as f32; fmt is a constant once
- * inlined. fp8 goes through f16: e5m2 is an f16's high byte; e4m3 moves its exponent/mantissa one bit
- * down, which times 2^8 is its value (subnormals included); the inf/NaN codes (never stored) read NaN. */
-KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m512 *b) {
+/* chunks 2*c2 and 2*c2 + 1 (values 32*c2 .. 32*c2 + 31) of a stored row as f32 times 1 / KV_V2_SCALE(fmt);
+ * fmt is a constant once inlined. fp8 goes through f16: e5m2 is an f16's high byte; e4m3's
+ * exponent/mantissa bits moved to an f16's are its value / 2^8 (subnormals included), the 2^8 applied to
+ * the scores and the output instead of every value; the inf/NaN codes (never stored) read NaN. */
+#define KV_V2_SCALE(fmt) ((fmt) == KV_FP8_E4M3 ? 256.0f : 1.0f)
+KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, int nan, __m512 *a, __m512 *b) {
     const __m512 tab = _mm512_load_ps(kv_e2m1x2);
     switch (fmt) {
     case KV_F32:
@@ -345,20 +360,22 @@ KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m51
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(row + 64 * c2 + 32))), 16));
         return;
     case KV_FP8_E4M3:
-    case KV_FP8_E5M2: {
-        __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * c2))), 8);
-        __m512 sc = _mm512_set1_ps(1.0f);
-        if (fmt == KV_FP8_E4M3) {
-            w = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16((short)0xbfff)); /* sign kept, its copy cleared */
-            const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x3f80));
-            w = _mm512_mask_mov_epi16(w, nan, _mm512_set1_epi16(0x7e00));
-            sc = _mm512_set1_ps(256.0f);
-        } else { /* e5m2 inf codes read NaN, as the spec's table */
-            const __mmask32 inf = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x7c00));
-            w = _mm512_mask_mov_epi16(w, inf, _mm512_set1_epi16(0x7e00));
+    case KV_FP8_E5M2: { /* the bytes sign-extended to 16 bits (x); with nan, an inf/NaN code (x + 4 for e5m2,
+                         * x + 1 for e4m3, has 7 low zero bits) reads NaN, as the spec's table; K rows skip
+                         * that test (v2_decode_item checks them whole: kv_v2_fp8_bad) */
+        const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * c2)));
+        __m512i w;
+        if (fmt == KV_FP8_E4M3) /* x << 7 with bit 14 (a sign copy) cleared: the value / 256 (KV_V2_SCALE) */
+            w = _mm512_and_si512(_mm512_slli_epi16(x, 7), _mm512_set1_epi16((short)0xbfff));
+        else
+            w = _mm512_slli_epi16(x, 8);
+        if (nan) {
+            const __m512i inc = _mm512_set1_epi16(fmt == KV_FP8_E4M3 ? 1 : 4);
+            const __mmask32 bad = _mm512_testn_epi16_mask(_mm512_add_epi16(x, inc), _mm512_set1_epi16(0x7f));
+            w = _mm512_mask_mov_epi16(w, bad, _mm512_set1_epi16(0x7e00));
         }
-        *a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w)), sc);
-        *b = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)), sc);
+        *a = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+        *b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
         return;
     }
     case KV_MXFP4: { /* VPERMPS reads the low 4 index bits: the low nibbles need no mask */
@@ -403,6 +420,16 @@ KV_INLINE void FN(v2_pair)(int fmt, const uint8_t *row, int c2, __m512 *a, __m51
 
 static inline int kv_v2_dec_fmt(int fmt) { return fmt <= KV_BF16 || kv_is_v2(fmt); }
 
+/* whether an fp8 row of d bytes holds an inf/NaN code (e4m3: exponent and mantissa all ones; e5m2:
+ * exponent all ones), which the spec reads as NaN: a byte with those bits set has none left by ANDNOT */
+static inline int kv_v2_fp8_bad(const uint8_t *row, int d, int fmt) {
+    const __m256i bits = _mm256_set1_epi8(fmt == KV_FP8_E4M3 ? 0x7f : 0x7c);
+    __m256i m = bits;
+    for (int j = 0; j < d; j += 32)
+        m = _mm256_min_epu8(m, _mm256_andnot_si256(_mm256_loadu_si256((const __m256i *)(const void *)(row + j)), bits));
+    return _mm256_testn_epi8_mask(m, m) != 0;
+}
+
 /* sum of each of 16 vectors s[t*16 ..] into lane t */
 static inline __m512 kv_v2_reduce16(const float *s) {
     __m512 x[8], y[4], z[2];
@@ -420,13 +447,14 @@ static inline __m512 kv_v2_reduce16(const float *s) {
 }
 
 /* scores of G query rows (qf, [G][D]) against 16 K rows into S [G][16 tokens][16 partials] */
-KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S) {
+KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S, const kv_v2_pf *pf) {
     if (NC <= 8) { /* two tokens at a time: four independent FMA chains per query row */
         for (int t = 0; t < 16; t += 2) {
+            kv_v2_pf_rows(pf, t, 2);
             __m512 k0[8], k1[8];
             for (int ch = 0; ch < NC; ch += 2) {
-                FN(v2_pair)(kfmt, kr[t], ch / 2, &k0[ch], &k0[ch + 1]);
-                FN(v2_pair)(kfmt, kr[t + 1], ch / 2, &k1[ch], &k1[ch + 1]);
+                FN(v2_pair)(kfmt, kr[t], ch / 2, 0, &k0[ch], &k0[ch + 1]);
+                FN(v2_pair)(kfmt, kr[t + 1], ch / 2, 0, &k1[ch], &k1[ch + 1]);
             }
             for (int r = 0; r < G; r++) {
                 const float *q = qf + (size_t)r * NC * 16;
@@ -448,8 +476,9 @@ KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_
         return;
     }
     for (int t = 0; t < 16; t++) {
+        kv_v2_pf_rows(pf, t, 1);
         __m512 kv[16];
-        for (int ch = 0; ch < NC; ch += 2) FN(v2_pair)(kfmt, kr[t], ch / 2, &kv[ch], &kv[ch + 1]);
+        for (int ch = 0; ch < NC; ch += 2) FN(v2_pair)(kfmt, kr[t], ch / 2, 0, &kv[ch], &kv[ch + 1]);
         for (int r = 0; r < G; r++) {
             const float *q = qf + (size_t)r * NC * 16;
             __m512 a0 = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q)), a1 = _mm512_mul_ps(kv[1], _mm512_loadu_ps(q + 16));
@@ -462,11 +491,12 @@ KV_INLINE void FN(v2_k16)(int kfmt, int NC, const float *qf, int G, const uint8_
     }
 }
 
-KV_INLINE void FN(v2_v16)(int vfmt, int NC, const uint8_t *const *vr, float *VB) {
+KV_INLINE void FN(v2_v16)(int vfmt, int NC, const uint8_t *const *vr, float *VB, const kv_v2_pf *pf) {
     for (int t = 0; t < 16; t++)
         for (int ch = 0; ch < NC; ch += 2) {
+            if (ch == 0) kv_v2_pf_rows(pf, t, 1);
             __m512 a, b;
-            FN(v2_pair)(vfmt, vr[t], ch / 2, &a, &b);
+            FN(v2_pair)(vfmt, vr[t], ch / 2, 1, &a, &b);
             _mm512_store_ps(VB + (size_t)(t * NC + ch) * 16, a);
             _mm512_store_ps(VB + (size_t)(t * NC + ch + 1) * 16, b);
         }
@@ -474,15 +504,17 @@ KV_INLINE void FN(v2_v16)(int vfmt, int NC, const uint8_t *const *vr, float *VB)
 
 /* G = 4 query rows: V chunks decoded straight into the FMAs, four chunks of the four rows' outputs (16
  * registers) at a time, so no V buffer is written and read back */
-KV_INLINE void FN(v2_pv4)(int vfmt, int NC, const uint8_t *const *vr, const float *P, float *o, int D, int nt) {
+KV_INLINE void FN(v2_pv4)(int vfmt, int NC, const uint8_t *const *vr, const float *P, float *o, int D, int nt,
+                          const kv_v2_pf *pf) {
     for (int ch = 0; ch < NC; ch += 4) {
         __m512 a[4][4];
         for (int r = 0; r < 4; r++)
             for (int k = 0; k < 4; k++) a[r][k] = _mm512_loadu_ps(o + (size_t)r * D + 16 * (ch + k));
         for (int t = 0; t < nt; t++) {
+            if (ch == 0) kv_v2_pf_rows(pf, t, 1);
             __m512 v[4];
-            FN(v2_pair)(vfmt, vr[t], ch / 2, &v[0], &v[1]);
-            FN(v2_pair)(vfmt, vr[t], ch / 2 + 1, &v[2], &v[3]);
+            FN(v2_pair)(vfmt, vr[t], ch / 2, 1, &v[0], &v[1]);
+            FN(v2_pair)(vfmt, vr[t], ch / 2 + 1, 1, &v[2], &v[3]);
             for (int r = 0; r < 4; r++) {
                 const __m512 pt = _mm512_set1_ps(P[16 * r + t]);
                 for (int k = 0; k < 4; k++) a[r][k] = _mm512_fmadd_ps(pt, v[k], a[r][k]);
@@ -498,14 +530,15 @@ KV_INLINE void FN(v2_pv4)(int vfmt, int NC, const uint8_t *const *vr, const floa
     X(KV_KIVI4, NC) X(KV_KIVI2, NC)
 #define KV_V2_K_CASE(F, NC)                                                                                      \
     case F:                                                                                                      \
-        FN(v2_k16)(F, NC, qf, G, kr, S);                                                                         \
+        FN(v2_k16)(F, NC, qf, G, kr, S, pf);                                                                      \
         break;
 #define KV_V2_V_CASE(F, NC)                                                                                      \
     case F:                                                                                                      \
-        FN(v2_v16)(F, NC, vr, VB);                                                                               \
+        FN(v2_v16)(F, NC, vr, VB, pf);                                                                             \
         break;
 
-static void FN(v2_k16_any)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S) {
+static void FN(v2_k16_any)(int kfmt, int NC, const float *qf, int G, const uint8_t *const *kr, float *S,
+                            const kv_v2_pf *pf) {
     if (NC == 8) {
         switch (kfmt) { KV_V2_FMT_CASES(KV_V2_K_CASE, 8) }
     } else {
@@ -514,16 +547,17 @@ static void FN(v2_k16_any)(int kfmt, int NC, const float *qf, int G, const uint8
 }
 #define KV_V2_PV4_CASE(F, NC)                                                                                    \
     case F:                                                                                                      \
-        FN(v2_pv4)(F, NC, vr, P, o, D, nt);                                                                      \
+        FN(v2_pv4)(F, NC, vr, P, o, D, nt, pf);                                                                   \
         break;
-static void FN(v2_pv4_any)(int vfmt, int NC, const uint8_t *const *vr, const float *P, float *o, int D, int nt) {
+static void FN(v2_pv4_any)(int vfmt, int NC, const uint8_t *const *vr, const float *P, float *o, int D, int nt,
+                            const kv_v2_pf *pf) {
     if (NC == 8) {
         switch (vfmt) { KV_V2_FMT_CASES(KV_V2_PV4_CASE, 8) }
     } else {
         switch (vfmt) { KV_V2_FMT_CASES(KV_V2_PV4_CASE, NC) }
     }
 }
-static void FN(v2_v16_any)(int vfmt, int NC, const uint8_t *const *vr, float *VB) {
+static void FN(v2_v16_any)(int vfmt, int NC, const uint8_t *const *vr, float *VB, const kv_v2_pf *pf) {
     if (NC == 8) {
         switch (vfmt) { KV_V2_FMT_CASES(KV_V2_V_CASE, 8) }
     } else {
@@ -531,15 +565,19 @@ static void FN(v2_v16_any)(int vfmt, int NC, const uint8_t *const *vr, float *VB
     }
 }
 
-/* software prefetch (L2) of the K and V rows of tokens [t0, t0 + n) of head h */
-static void FN(v2_prefetch)(const kv_call *c, int s, int h, int t0, int n) {
+/* the K and V rows of tokens [t0, t0 + n) of head h, to prefetch */
+static void FN(v2_pf_set)(const kv_call *c, int s, int h, int t0, int n, kv_v2_pf *pk, kv_v2_pf *pv) {
+    pk->n = pv->n = n;
+    pk->bytes = c->krow;
+    pv->bytes = c->vrow;
     for (int t = 0; t < n;) {
         int j = t0 + t, run = c->block_size - j % c->block_size;
         if (run > n - t) run = n - t;
         const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j), *vp = kv_row(c, c->vpool, c->vrow, s, h, j);
-        for (int64_t o = 0; o < run * c->krow; o += 64) __builtin_prefetch(kp + o, 0, 1);
-        for (int64_t o = 0; o < run * c->vrow; o += 64) __builtin_prefetch(vp + o, 0, 1);
-        t += run;
+        for (int u = 0; u < run; u++, t++) {
+            pk->row[t] = kp + (int64_t)u * c->krow;
+            pv->row[t] = vp + (int64_t)u * c->vrow;
+        }
     }
 }
 
@@ -589,7 +627,8 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
     if (lo < it->lo) lo = it->lo;
     if (hi > it->hi) hi = it->hi;
     const int RT = G * it->nheads;
-    const __m512 sc = _mm512_set1_ps(c->scale2);
+    const __m512 sc = _mm512_set1_ps(c->scale2), ksc = _mm512_set1_ps(KV_V2_SCALE(c->kfmt));
+    const int kfp8 = c->kfmt == KV_FP8_E4M3 || c->kfmt == KV_FP8_E5M2;
     for (int hh = 0; hh < it->nheads; hh++) {
         const float *src = c->q + (qrow * c->n_heads + (int64_t)(it->head0 + hh) * G) * D;
         float *dst = ws->qf + (size_t)hh * G * D;
@@ -619,20 +658,32 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
                 kr[t] = kr[0];
                 vr[t] = vr[0];
             }
-            if (c->prefetch) { /* the rows two steps ahead (next heads of this chunk, then the next chunk), into L2 */
+            kv_v2_pf pk, pv; /* the rows two steps ahead (next heads of this chunk, then the next chunk) */
+            pk.n = pv.n = 0;
+            if (c->prefetch) {
                 int ph = hh + 2, pt = t0;
                 if (ph >= it->nheads) {
                     ph -= it->nheads;
                     pt += 16;
                 }
-                if (ph < it->nheads && pt <= hi) FN(v2_prefetch)(c, s, it->head0 + ph, pt, hi - pt + 1 < 16 ? hi - pt + 1 : 16);
+                if (ph < it->nheads && pt <= hi) FN(v2_pf_set)(c, s, it->head0 + ph, pt, hi - pt + 1 < 16 ? hi - pt + 1 : 16, &pk, &pv);
             }
+            if (kfp8) /* a NaN K value makes every score of the token NaN and with it the rows' outputs, as in
+                       * float64: the rows are marked by l = NaN and o = NaN, which every later step keeps */
+                for (int t = 0; t < nt; t++)
+                    if (kv_v2_fp8_bad(kr[t], D, c->kfmt)) {
+                        for (int r = hh * G; r < hh * G + G; r++) {
+                            ws->l[r] = NAN;
+                            for (int j = 0; j < D; j++) ws->o[(size_t)r * D + j] = NAN;
+                        }
+                        break;
+                    }
             const float *qf = ws->qf + (size_t)hh * G * D;
-            FN(v2_k16_any)(c->kfmt, NC, qf, G, kr, S);
+            FN(v2_k16_any)(c->kfmt, NC, qf, G, kr, S, &pk);
             float *P = ws->s;
             for (int g = 0; g < G; g++) {
                 const int r = hh * G + g;
-                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, kv_v2_reduce16(S + (size_t)g * 256));
+                __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, kv_v2_reduce16(S + (size_t)g * 256), ksc);
                 const float mt = _mm512_reduce_max_ps(sv);
                 if (mt > ws->m[r]) {
                     const float corr = ws->m[r] == -INFINITY ? 0.0f : exp2f(ws->m[r] - mt);
@@ -646,27 +697,18 @@ static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *w
                 _mm512_storeu_ps(P + 16 * g, p);
             }
             if (G == 4 && NC % 4 == 0) {
-                FN(v2_pv4_any)(c->vfmt, NC, vr, P, ws->o + (size_t)hh * G * D, D, nt);
+                FN(v2_pv4_any)(c->vfmt, NC, vr, P, ws->o + (size_t)hh * G * D, D, nt, &pv);
                 continue;
             }
-            FN(v2_v16_any)(c->vfmt, NC, vr, VB);
+            FN(v2_v16_any)(c->vfmt, NC, vr, VB, &pv);
             for (int g = 0; g < G; g++) FN(v2_pv)(ws->o + (size_t)(hh * G + g) * D, P + 16 * g, VB, nt, NC);
         }
     }
-    for (int r = 0; r < RT; r++) {
+    for (int r = 0; r < RT; r++) { /* o holds V / KV_V2_SCALE(vfmt) weighted */
         const float *o = ws->o + (size_t)r * D;
-        float *dst, inv;
-        if (it->part < 0) {
-            const int head = it->head0 * G + r;
-            dst = c->out + (qrow * c->n_heads + head) * D;
-            inv = kv_row_done(c, qrow, head, ws->m[r], ws->l[r]);
-        } else {
-            dst = po + (size_t)r * D;
-            pm[r] = ws->m[r];
-            pl[r] = ws->l[r];
-            inv = 1.0f;
-        }
-        for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), _mm512_set1_ps(inv)));
+        float *dst;
+        const __m512 f = _mm512_set1_ps(kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst) * KV_V2_SCALE(c->vfmt));
+        for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), f));
     }
     return 1;
 }

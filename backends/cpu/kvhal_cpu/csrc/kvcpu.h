@@ -152,8 +152,30 @@ KV_INLINE const uint8_t *kv_row(const kv_call *c, const uint8_t *pool, int64_t r
  * scale*log2 e) and sum l: its log-sum-exp into c->lse when wanted, and the factor its output takes
  * (1/l; 0 for a row that saw no key, so it reads 0 rather than 0/0) */
 KV_INLINE float kv_row_done(const kv_call *c, int64_t qrow, int head, float m, float l) {
+    if (l != l) { /* a NaN score (kern_v2.h: an fp8 K inf/NaN code): lse and output NaN, as in float64 */
+        if (c->lse) c->lse[qrow * c->n_heads + head] = NAN;
+        return NAN;
+    }
     if (c->lse) c->lse[qrow * c->n_heads + head] = l > 0.0f ? (double)m * 0.6931471805599453 + log((double)l) : -INFINITY;
     return l > 0.0f ? 1.0f / l : 0.0f;
+}
+
+/* Where row r of an item ends (rows r = head_in_group * R + position * G + gqa_head, R = npos * G): a final
+ * item's output row, with kv_row_done's lse and factor 1/l; a split's partial slot po[r], with m and l kept
+ * for the merge and factor 1. Every kernel's epilogue writes o times the returned factor to *dst. */
+KV_INLINE float kv_item_row_end(const kv_call *c, const kv_item *it, int r, const float *m, const float *l,
+                                float *pm, float *pl, float *po, float **dst) {
+    const int G = c->n_heads / c->n_kv_heads, R = it->npos * G;
+    if (it->part >= 0) {
+        *dst = po + (size_t)r * c->head_dim;
+        pm[r] = m[r];
+        pl[r] = l[r];
+        return 1.0f;
+    }
+    const int head = (it->head0 + r / R) * G + r % G;
+    const int64_t qrow = c->q_start[it->seq] + it->pos0 + (r % R) / G;
+    *dst = c->out + (qrow * c->n_heads + head) * c->head_dim;
+    return kv_row_done(c, qrow, head, m[r], l[r]);
 }
 
 #endif
