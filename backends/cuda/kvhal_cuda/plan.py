@@ -22,9 +22,9 @@ MAX_ROWS_PER_WARP = 4  # KV_RPW_MAX
 ELEMENTWISE_THREADS = 256
 SMEM_LIMIT = 48 * 1024  # static limit on every CUDA arch and AMD's 64 KiB LDS; no opt-in attribute needed
 GRID_YZ_MAX = 65535
-# CTAs resident per SM, as the kernels' __launch_bounds__ allow: a split-KV grid aims to fill them
-DECODE_CTAS_PER_SM = 4
-PREFILL_CTAS_PER_SM = 4
+# CTAs resident per SM, as the attention kernels' __launch_bounds__(KV_NW * 32, 4) allow: a split-KV grid aims to
+# fill them
+CTAS_PER_SM = 4
 DECODE_LANE_VALUES = 16  # q and output values per lane a grouped decode CTA keeps in registers (kvhal_attn_decode)
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (launch, merge) outweighs its parallelism
 WORKSPACE_LIMIT = 256 << 20  # bytes of split partials one call may allocate
@@ -188,15 +188,14 @@ def choose_splits(
     n_rows: int,
     n_heads: int,
     head_dim: int,
-    ctas_per_sm: int = PREFILL_CTAS_PER_SM,
 ) -> tuple[int, int]:
     """(n_splits, split_pages): split KV across CTAs only when rows x heads alone leave the GPU idle.
 
-    Aim for ``ctas_per_sm`` CTAs per SM; each split keeps at least MIN_SPLIT_TOKENS tokens and the partials
+    Aim for CTAS_PER_SM CTAs per SM; each split keeps at least MIN_SPLIT_TOKENS tokens and the partials
     (n_splits x rows x heads x (head_dim + 1) f32) stay under WORKSPACE_LIMIT.
     """
     max_pages = max(1, _ceil(max_kv, block_size))
-    want = _ceil(ctas_per_sm * n_sm, max(1, n_ctas))
+    want = _ceil(CTAS_PER_SM * n_sm, max(1, n_ctas))
     by_len = max(1, max_kv // MIN_SPLIT_TOKENS)
     by_mem = max(1, WORKSPACE_LIMIT // max(1, 4 * n_rows * n_heads * (head_dim + 1)))
     n = max(1, min(want, by_len, by_mem, max_pages, GRID_YZ_MAX))
@@ -295,10 +294,7 @@ def plan_attention(
     _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
     group = decode_group(n_heads, n_kv_heads or n_heads, head_dim)
     n_ctas = len(decode) * (n_heads // group) + len(tiles) * n_heads
-    per_sm = PREFILL_CTAS_PER_SM if tiles else DECODE_CTAS_PER_SM  # one split count serves both kernels of a call
-    n_splits, split_pages = choose_splits(
-        n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim, per_sm
-    )
+    n_splits, split_pages = choose_splits(n_ctas, int(seq_lens.max()), block_size, n_sm, n_rows, n_heads, head_dim)
     dec = np.asarray(decode, np.int32).reshape(-1)
     til = np.asarray(tiles, np.int32).reshape(-1)
     meta = np.concatenate([table.reshape(-1), seq_lens, q_lens, q_start, lo, hi, dec, til]).astype(np.int32)

@@ -272,6 +272,18 @@ static void int_k_transpose(int fmt, const uint8_t *const *rg, const uint8_t *u8
     }
 }
 
+/* row R of the 4 (r0 + R): its 8 VNNI pairs over block b's kt[8] (dk: the block's K scales) into SACC */
+#define INT_K_ROW(SACC, R)                                                                                 \
+    do {                                                                                                   \
+        const int32_t *qh = L->qh + ((size_t)(r0 + R) * nb + b) * 8, *ql = L->ql + ((size_t)(r0 + R) * nb + b) * 8; \
+        __m512i ah = _mm512_setzero_si512(), al = _mm512_set1_epi32(L->qoff[(r0 + R) * nb + b]);            \
+        for (int j = 0; j < 8; j++) {                                                                      \
+            DPBUSD_B(ah, kt[j], qh[j]);                                                                    \
+            DPBUSD_B(al, kt[j], ql[j]);                                                                    \
+        }                                                                                                  \
+        SACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al)), dk, SACC); \
+    } while (0)
+
 /* decode, 4 rows per KV head (GQA 4): K of 16 tokens x one block stays in registers for all 4 rows */
 static __attribute__((noinline)) void int_k_fused4(int fmt, const uint8_t *const *rg, const int_ws *L, int r0, int nb,
                                                    int g, float *s) {
@@ -292,21 +304,10 @@ static __attribute__((noinline)) void int_k_fused4(int fmt, const uint8_t *const
             for (int j = 0; j < 8; j++) kt[j] = _mm512_xor_si512(kt[j], flip);
         }
         const __m512 dk = _mm512_loadu_ps(L->kd + b * KV_T + 16 * g);
-#define INT_K_ROW(SACC, R)                                                                                 \
-    do {                                                                                                   \
-        const int32_t *qh = L->qh + ((size_t)(r0 + R) * nb + b) * 8, *ql = L->ql + ((size_t)(r0 + R) * nb + b) * 8; \
-        __m512i ah = _mm512_setzero_si512(), al = _mm512_set1_epi32(L->qoff[(r0 + R) * nb + b]);            \
-        for (int j = 0; j < 8; j++) {                                                                      \
-            DPBUSD_B(ah, kt[j], qh[j]);                                                                    \
-            DPBUSD_B(al, kt[j], ql[j]);                                                                    \
-        }                                                                                                  \
-        SACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al)), dk, SACC); \
-    } while (0)
         INT_K_ROW(s0, 0);
         INT_K_ROW(s1, 1);
         INT_K_ROW(s2, 2);
         INT_K_ROW(s3, 3);
-#undef INT_K_ROW
     }
     _mm512_storeu_ps(s + 16 * g, _mm512_mul_ps(s0, _mm512_set1_ps(L->dq[r0])));
     _mm512_storeu_ps(s + KV_T + 16 * g, _mm512_mul_ps(s1, _mm512_set1_ps(L->dq[r0 + 1])));
@@ -324,21 +325,10 @@ static __attribute__((noinline)) void int_k_rows4(const __m512i *ktall, const in
         __m512i kt[8];
         for (int j = 0; j < 8; j++) kt[j] = _mm512_load_si512(ktall + 8 * b + j);
         const __m512 dk = _mm512_loadu_ps(L->kd + b * KV_T + 16 * g);
-#define INT_K_ROW(SACC, R)                                                                                 \
-    do {                                                                                                   \
-        const int32_t *qh = L->qh + ((size_t)(r0 + R) * nb + b) * 8, *ql = L->ql + ((size_t)(r0 + R) * nb + b) * 8; \
-        __m512i ah = _mm512_setzero_si512(), al = _mm512_set1_epi32(L->qoff[(r0 + R) * nb + b]);            \
-        for (int j = 0; j < 8; j++) {                                                                      \
-            DPBUSD_B(ah, kt[j], qh[j]);                                                                    \
-            DPBUSD_B(al, kt[j], ql[j]);                                                                    \
-        }                                                                                                  \
-        SACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al)), dk, SACC); \
-    } while (0)
         INT_K_ROW(s0, 0);
         INT_K_ROW(s1, 1);
         INT_K_ROW(s2, 2);
         INT_K_ROW(s3, 3);
-#undef INT_K_ROW
         if (has_min) {
             const __m512 km = _mm512_loadu_ps(L->km + b * KV_T + 16 * g);
             m0 = _mm512_fmadd_ps(km, _mm512_set1_ps(L->qsum[r0 * nb + b]), m0);
@@ -352,6 +342,8 @@ static __attribute__((noinline)) void int_k_rows4(const __m512i *ktall, const in
     _mm512_storeu_ps(s + 2 * KV_T + 16 * g, _mm512_fmadd_ps(s2, _mm512_set1_ps(L->dq[r0 + 2]), m2));
     _mm512_storeu_ps(s + 3 * KV_T + 16 * g, _mm512_fmadd_ps(s3, _mm512_set1_ps(L->dq[r0 + 3]), m3));
 }
+
+#undef INT_K_ROW
 
 static void int_k_tile(const kv_call *c, kv_scratch *ws, int RT, int r0, int R, const uint8_t *const *rows) {
     const int D = c->head_dim, nb = D / KV_QK, fmt = c->kfmt, bb = kv_block_bytes[fmt];
