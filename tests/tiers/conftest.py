@@ -84,7 +84,8 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         r = subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True)
         if r.returncode != 0:
             unavailable(f"redis-cli --cluster create failed here: {(r.stdout + r.stderr).strip()[-300:]}")
-        _wait_cluster_ok(nodes[0].port)
+        for n in nodes:  # every node, not one: a client may be redirected to any of them at once
+            _wait_cluster_ok(n.port, len(nodes))
         yield nodes[0].url
     finally:
         for n in nodes:
@@ -108,12 +109,16 @@ def cluster_port() -> int:
     pytest.fail("no free port pair (p, p + 10000) for a cluster node on loopback")
 
 
-def _wait_cluster_ok(port: int) -> None:
+def _wait_cluster_ok(port: int, n_nodes: int) -> None:
+    """Until the node says the cluster is up, every slot assigned, and it knows all ``n_nodes`` nodes (a node
+    still learning the others over the bus answers CLUSTERDOWN to a client it is redirected to)."""
     import time
 
-    for _ in range(200):
+    want = ("cluster_state:ok", "cluster_slots_assigned:16384", "cluster_slots_ok:16384", f"cluster_known_nodes:{n_nodes}")
+    for _ in range(400):
         out = subprocess.run(["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout
-        if "cluster_state:ok" in out:
+        lines = set(out.split())
+        if all(w in lines for w in want):
             return
         time.sleep(0.05)
-    pytest.fail(f"cluster on port {port} never reached cluster_state:ok")
+    pytest.fail(f"cluster node on port {port} never reported {', '.join(want)}")
