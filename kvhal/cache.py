@@ -28,6 +28,11 @@ from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .spec import CacheSpec
 from .streaming import HostBlocks
 
+# a "calibrate" scale of a per-value format (fp8) is searched over this many fractions of a power of two,
+# on at most this many values per head of the layer's first store (strided tokens)
+CALIBRATION_STEPS = 16
+CALIBRATION_VALUES = 16384
+
 
 def _is_int(x: Any) -> bool:
     """A real integer: int or numpy integer, never a bool (True is not layer 1) nor an integral float."""
@@ -246,17 +251,37 @@ class KVCache:
         return np.ones(self.spec.n_kv_heads) if sc is None else sc
 
     def _calibrate(self, which: str, x: np.ndarray) -> np.ndarray:
-        """Per-head scale: the first store's rotated |x| max over the format's calibration_max, rounded up to
-        a power of two (dividing by one is exact in a float format, so the scale only moves values out of
-        saturation and subnormals; an arbitrary factor re-rounds every value, which measured worse)."""
+        """Per-head scales from a layer's first store ``x [n, H, D]`` (rotated first where the spec rotates).
+
+        The power of two that brings the largest ``|x|`` to at most the format's calibration_max; a
+        per-value format (fp8) then multiplies it by whichever of CALIBRATION_STEPS fractions
+        ``2**(i/steps)`` reads the store back with the least squared error. Dividing by a power of
+        two is exact in a float format, so it only moves values out of saturation and subnormals;
+        the fraction moves where every value falls between the format's steps (SmolLM2's keys in
+        fp8_e4m3: 10% lower attention KL than scale 1; vLLM's ``amax / 448`` was 3% higher).
+        """
         fmt = self.spec.k_fmt if which == "k" else self.spec.v_fmt
         if fmt.calibration_max is None:
             return np.ones(self.spec.n_kv_heads)
         if getattr(self.spec, f"{which}_rotation") is not None:
             x = transforms.rotate(x)
-        amax = np.abs(np.asarray(x, np.float64)).max(axis=(0, 2))
+        x = np.asarray(x, np.float64)
+        amax = np.abs(x).max(axis=(0, 2))
         ratio = np.where(amax > 0, amax, fmt.calibration_max) / fmt.calibration_max
-        return np.exp2(np.ceil(np.log2(ratio)))
+        base = np.exp2(np.ceil(np.log2(ratio)))
+        if fmt.round_values is None:
+            return base
+        n, n_heads, d = x.shape
+        sample = x[:: max(1, n * d // CALIBRATION_VALUES)].transpose(1, 0, 2).reshape(n_heads, -1)
+        scales = base[:, None] * np.exp2(np.arange(CALIBRATION_STEPS) / CALIBRATION_STEPS)[None, :]
+        err = np.stack(
+            [
+                ((fmt.round_values((sample / sc[:, None]).astype(np.float32)) * sc[:, None] - sample) ** 2).sum(1)
+                for sc in scales.T
+            ],
+            axis=1,
+        )  # [H, steps]
+        return scales[np.arange(n_heads), err.argmin(axis=1)]
 
     def _forward(self, which: str, x: np.ndarray, sc: np.ndarray) -> np.ndarray:
         """What is stored for values ``x [n, H, D]``: ``R (x / scale)``, f32."""

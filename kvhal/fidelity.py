@@ -43,7 +43,7 @@ DEFAULT_TOKENS = 512
 # the default list: every format family, plus the CacheSpec options (scale, rotation, tail) where this build has them
 DEFAULT_FORMATS = (
     "f16,q8_0,q8_0:rot,q8_0/q4_0,q5_0,q5_0:rot,q4_0,q4_0:rot,q4_0:tail64,q4_0:rot:tail64,fp8_e4m3,fp8_e4m3:scale,"
-    "fp8_e4m3:rot,fp8_e5m2,mxfp4,mxfp4:rot,nvfp4,nvfp4:rot,kivi4,kivi2,q8_0/kivi4,q8_0/kivi2"
+    "fp8_e4m3:rot,fp8_e4m3:rot:scale,fp8_e5m2,mxfp4,mxfp4:rot,nvfp4,nvfp4:rot,kivi4,kivi2,q8_0/kivi4,q8_0/kivi2"
 )
 
 # descriptor modifiers: name -> CacheSpec keyword arguments

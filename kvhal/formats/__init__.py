@@ -57,6 +57,9 @@ class Format:
     # what a calibrated cache scale maps the first store's |x| max to; None: the format's own block
     # scales make a cache scale pointless, and calibration picks 1.0
     calibration_max: float | None = None
+    # per-value formats without block scales (fp8): finite f32 values -> the values read back, fast; a
+    # calibrated scale is then searched on it (see KVCache), not only rounded to a power of two
+    round_values: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
     # K quantized per channel over the tokens of a page (KIVI); V and this format's rows are per token
     k_page: KPageCodec | None = field(default=None, repr=False)
 

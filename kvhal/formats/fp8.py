@@ -54,6 +54,19 @@ class _Fp8:
     def decode(self, b: np.ndarray) -> np.ndarray:
         return self.table[b]
 
+    def round(self, x: np.ndarray) -> np.ndarray:
+        """``decode(encode(x))`` for finite f32 ``x``, ~10x faster (f32 bit moves instead of float64 logs): the
+        values a cache would read back, for calibration to compare candidate scales on."""
+        a = np.minimum(np.abs(np.asarray(x, np.float32)), np.float32(self.max_finite))
+        u = a.view(np.uint32)
+        sh = 23 - self.man_bits  # normals: round the f32 mantissa to man_bits, half to even
+        r = ((u + np.uint32((1 << (sh - 1)) - 1) + ((u >> sh) & np.uint32(1))) & ~np.uint32((1 << sh) - 1)).view(
+            np.float32
+        )
+        quantum = np.float32(2.0 ** (self.min_exp - self.man_bits))  # subnormals: multiples of the smallest one
+        r = np.where(a < np.float32(2.0**self.min_exp), np.rint(a / quantum) * quantum, r)
+        return np.copysign(np.minimum(r, np.float32(self.max_finite)), x).astype(np.float32)
+
 
 _E4M3 = _Fp8(4, 3, 448.0)
 _E5M2 = _Fp8(5, 2, 57344.0)
@@ -69,6 +82,7 @@ FP8_E4M3 = register(
         None,
         saturates=True,
         calibration_max=_E4M3.max_finite,
+        round_values=_E4M3.round,
     )
 )
 FP8_E5M2 = register(
@@ -82,5 +96,6 @@ FP8_E5M2 = register(
         None,
         saturates=True,
         calibration_max=_E5M2.max_finite,
+        round_values=_E5M2.round,
     )
 )

@@ -117,6 +117,36 @@ def test_scale_reaches_the_kernel_fp8(rng):
     assert np.abs(out[None][0]).max() == 448  # the same values saturate without the scale
 
 
+def fp8_calibrated(x: np.ndarray) -> np.ndarray:
+    """The spec of fp8_e4m3 calibration by brute force on the format's own quantizer: per head, the power of
+    two taking max |x| to at most 448 times 2**(i/16), i < 16, whichever reads x back closest (x small
+    enough that every value is sampled)."""
+    x64 = x.astype(np.float64)
+    out = []
+    for h in range(x.shape[1]):
+        base = 2.0 ** np.ceil(np.log2(np.abs(x64[:, h]).max() / 448.0))
+        cands = [base * 2.0 ** (i / 16) for i in range(16)]
+        errs = [((dq("fp8_e4m3", (x64[:, h] / s).astype(np.float32)) * s - x64[:, h]) ** 2).sum() for s in cands]
+        out.append(cands[int(np.argmin(errs))])
+    return np.array(out)
+
+
+def test_calibrated_fp8_scale_reads_back_closer_than_scale_one(rng):
+    """The searched scale never reads a store back worse than scale 1 (or its power of two)."""
+    x = (rng.standard_normal((256, 4, 64)) * np.array([0.3, 3.0, 30.0, 300.0])[None, :, None]).astype(np.float32)
+    spec = kvhal.CacheSpec(1, 4, 64, "fp8_e4m3", "f16", BS, k_scale="calibrate")
+    c = kvhal.KVCache(spec, 512, backend="reference")
+    s = c.new_seq()
+    c.store(s, 0, x, x)
+    sc = np.asarray(c.scales()["k"][0])
+    k2 = kvhal.to_numpy(c.load(s, 0)[0]).astype(np.float64)
+    unit = dq("fp8_e4m3", x).astype(np.float64)
+    for h in range(4):
+        err = ((k2[:, h] - x[:, h]) ** 2).sum()
+        assert err <= ((unit[:, h] - x[:, h]) ** 2).sum(), (h, sc[h])
+    np.testing.assert_allclose(sc, fp8_calibrated(x))
+
+
 def test_per_head_and_calibrated_scales(rng):
     k = rng.standard_normal((24, 2, 64)).astype(np.float32) * np.array([1.0, 1000.0], np.float32)[None, :, None]
     v = rng.standard_normal((24, 2, 64)).astype(np.float32)
@@ -126,8 +156,9 @@ def test_per_head_and_calibrated_scales(rng):
     assert c.scales()["k"] == (None,)
     s = c.new_seq()
     c.store(s, 0, k[:10], v[:10])
-    want = 2.0 ** np.ceil(np.log2(np.abs(k[:10]).max(axis=(0, 2)).astype(np.float64) / 448.0))
+    want = fp8_calibrated(k[:10])
     np.testing.assert_allclose(c.scales()["k"][0], want)
+    assert not np.allclose(np.log2(want), np.round(np.log2(want)))  # a fraction of a power of two here
     assert c.root_hash != root  # calibrated scales name the cache's bytes
     c.store(s, 0, k[10:], v[10:])  # fixed after the first store
     np.testing.assert_allclose(c.scales()["k"][0], want)
@@ -160,7 +191,7 @@ def test_calibration_is_per_layer(rng, tmp_path):
     c.store(s, 1, big, big)
     assert not c.calibrating()
     for layer, x in ((0, small), (1, big)):
-        want = 2.0 ** np.ceil(np.log2(np.abs(x).max(axis=(0, 2)).astype(np.float64) / 448.0))
+        want = fp8_calibrated(x)
         np.testing.assert_allclose(c.scales()["k"][layer], want)
         sk = want[None, :, None]
         kp, _ = pools(c, layer)
