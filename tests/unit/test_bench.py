@@ -162,7 +162,7 @@ def test_cli_prefill_shorter_than_its_queries_is_a_clear_error(capsys):
 
 def test_cli_bench_k_v_pairs_and_row_only_formats(capsys):
     """A K/V pair benches both formats' bytes; a per-channel K format runs as itself where the backend takes
-    it as K (the reference), and as ``f16/fmt`` where only its V rows run (the cpu backend)."""
+    it as K (the reference, the cpu backend), and as ``f16/fmt`` where only its V rows run."""
     rc = main(["bench", "--backend", "reference", "--format", "q8_0/q4_0", "--format", "kivi4", "--contexts", "32",
                "--no-prefill", "--repeats", "1", "--no-sdpa", "--json"])  # fmt: skip
     assert rc == 0
@@ -173,4 +173,4 @@ def test_cli_bench_k_v_pairs_and_row_only_formats(capsys):
     r = decode["q8_0/q4_0"]
     assert r["gbps"] * r["median_ms"] * 1e6 == pytest.approx(32 * per_token, rel=1e-6)
     if any(b.name == "cpu" and b.available for b in backends()):
-        assert bench.job_format("cpu", "kivi4") == "f16/kivi4" and bench.job_format("cpu", "q4_0") == "q4_0"
+        assert bench.job_format("cpu", "kivi4") == "kivi4" and bench.job_format("cpu", "q4_0") == "q4_0"

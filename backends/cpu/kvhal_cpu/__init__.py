@@ -28,6 +28,7 @@ from kvhal.backend_util import (
     non_negative,
     one_of,
     parse_options,
+    whole_pages,
 )
 from kvhal.errors import BackendUnavailableError, KVHalError
 from kvhal.spec import CacheSpec
@@ -136,8 +137,7 @@ def _ptr(a: np.ndarray) -> int:
 
 class CpuBackend(HostPoolsBackend):
     name = "cpu"
-    # what its kernels implement; supports() also refuses any a built library lacks, and K stored per
-    # channel over whole pages (kivi4/kivi2 as k_format): the kernels run those formats' per-token rows (V)
+    # what its kernels implement; supports() also refuses any a built library lacks
     formats = frozenset(formats.names())
     # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits) measure <= 1.65e-4 on the contract
     # cases; the f32 paths (scalar, AVX2, NEON, and the float formats everywhere) stay near 1e-6.
@@ -168,11 +168,6 @@ class CpuBackend(HostPoolsBackend):
 
     def supports(self, spec: CacheSpec, op: Op) -> str | None:
         why = super().supports(spec, op)
-        if why is None and spec.k_paged:
-            why = (
-                f"k_format={spec.k_format!r} stores K per channel over whole pages, which its kernels do not run "
-                f"(they run {spec.k_format} per-token rows, as v_format); use it as v_format, or a per-token K format"
-            )
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"
@@ -191,7 +186,8 @@ class CpuBackend(HostPoolsBackend):
             Args(
                 isa=isa, threads=self.threads, kv_split=self.kv_split, tile=self.tile,
                 kfmt=format_id(spec.k_format), vfmt=format_id(spec.v_format), n_kv_heads=spec.n_kv_heads,
-                head_dim=spec.head_dim, block_size=spec.block_size, krow=spec.k_row_bytes, vrow=spec.v_row_bytes,
+                head_dim=spec.head_dim, block_size=spec.block_size, kpaged=spec.k_paged, krow=spec.k_row_bytes,
+                vrow=spec.v_row_bytes,
                 kpool=_ptr(kp), vpool=_ptr(vp),
             )
             for kp, vp in zip(k, v)
@@ -211,6 +207,8 @@ class CpuBackend(HostPoolsBackend):
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if pools.spec.k_paged:
+            whole_pages(slots, pools.spec.block_size)  # says why the library would refuse them
         a = Args.from_buffer_copy(pools.state[layer])
         a.k, a.v, a.slots, a.n = _ptr(k), _ptr(v), _ptr(slots), k.shape[0]
         self._check(self._lib.kvc_store(a), "store")

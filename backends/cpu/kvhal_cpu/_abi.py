@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvhal.backend_util import format_table
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISAS = ("scalar", "avx2", "avx512", "neon")  # enum order of csrc/kvcpu.h
 ERRORS = {-1: "the requested ISA is not supported by this CPU", -2: "out of memory", -3: "invalid arguments"}
 
@@ -24,7 +24,7 @@ class Args(ctypes.Structure):
 
     _fields_ = [
         *((name, _i32) for name in ("isa", "threads", "kv_split", "tile", "kfmt", "vfmt")),
-        *((name, _i32) for name in ("n_kv_heads", "head_dim", "block_size", "n_heads")),
+        *((name, _i32) for name in ("n_kv_heads", "head_dim", "block_size", "n_heads", "kpaged")),
         ("krow", _i64),
         ("vrow", _i64),
         *((name, _p) for name in ("kpool", "vpool", "k", "v", "slots", "dst_slots", "blocks", "kout", "vout")),

@@ -41,7 +41,7 @@ DECODE_INT_FORMATS = ("q8_0", "q4_0", "mxfp4", "nvfp4")
 
 def k_of(fmt: str) -> str:
     """The K format a test pairs with ``fmt`` as V: itself, or f16 where ``fmt`` stores K per channel
-    over whole pages (kivi), which the kernels do not run (test_paged_k_is_refused)."""
+    over whole pages (kivi), whose pages test_paged_k_pages_and_attention covers."""
     return "f16" if formats.get(fmt).k_page is not None else fmt
 
 
@@ -88,7 +88,7 @@ def takes_decode_path(n_heads: int, n_kv: int, dim: int, q_lens: list[int], bs: 
 def path_tolerance(isa: str, kf: str, vf: str, decode_path: bool = False) -> float:
     """The integer kernels run on AVX-512 when K or V is quantized (``decode_path``: a call the decode
     path takes, where mxfp4/nvfp4 run them too); every other path computes in f32."""
-    quantized = kf in INT_FORMATS or vf in INT_FORMATS
+    quantized = kf in INT_FORMATS or vf in INT_FORMATS or vf == "kivi4"  # kivi4 V rows are q4_1's bytes and kernels
     quantized |= decode_path and kf in DECODE_INT_FORMATS and vf in DECODE_INT_FORMATS
     return CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
 
@@ -429,7 +429,8 @@ def test_neon_kernels_under_qemu(tmp_path):
     if cc is None or qemu is None:
         pytest.skip("needs gcc-aarch64-linux-gnu and qemu-user (Debian)")
     out = _build_and_run(cc, [qemu, "-L", "/usr/aarch64-linux-gnu"], tmp_path)
-    assert f"{len(FORMATS)} format x isa combinations checked, 0 failures" in out
+    paged = [f for f in FORMATS if formats.get(f).k_page is not None]  # checked twice: K rows, then K pages
+    assert f"{len(FORMATS) + len(paged)} format x isa combinations checked, 0 failures" in out
 
 
 def test_library_struct_layout_matches_python():
@@ -686,12 +687,40 @@ def test_fp8_inf_nan_codes_attend_as_nan(isa, side, fmt, code):
     assert float(np.abs(out[ok] - want[ok]).max(initial=0.0)) <= path_tolerance(isa, fmt, fmt)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if formats.get(f).k_page is not None])
-def test_paged_k_is_refused_with_the_reason(fmt):
-    """The kernels run kivi rows (V); K per channel over whole pages they refuse, saying so."""
-    why = CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, fmt, fmt), "store")
-    assert why is not None and "per channel over whole pages" in why and "v_format" in why
-    assert CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, "f16", fmt), "attention") is None
+@pytest.mark.parametrize(("bs", "dim", "gqa", "n_q"), [(16, 128, 4, 1), (8, 64, 2, 5), (32, 96, 1, 3)])
+def test_paged_k_pages_and_attention(isa, fmt, bs, dim, gqa, n_q):
+    """K per channel over whole pages (kivi): the pool bytes are the spec's (the numpy page codec), load
+    reads them back exactly, and attention over several pages plus the open page (the f16 tail) equals
+    float64 attention over those values, on one thread and on two with small split-KV slices."""
+    rng = np.random.default_rng(11)
+    n, heads = 5 * bs + 3, 2
+    k, v = awkward(rng, n, heads, dim), rng.standard_normal((n, heads, dim), dtype=np.float32)
+    spec = kvhal.CacheSpec(1, heads, dim, fmt, fmt, bs)
+    ours = [kvhal.KVCache(spec, 256, backend=CpuBackend(isa=isa, threads=t, kv_split=s)) for t, s in ((1, 0), (2, 16))]
+    ref = kvhal.KVCache(spec, 256, backend="reference")
+    for c in (*ours, ref):
+        s = c.new_seq()
+        c.store(s, 0, k[:3], v[:3])
+        c.store(s, 0, k[3:], v[3:])
+    full = n // bs * bs
+    codec = formats.get(fmt).k_page
+    pages = k[:full].astype(np.float16).astype(np.float32).reshape(-1, bs, heads, dim).transpose(0, 2, 1, 3)
+    want_pages = codec.quantize_page(np.ascontiguousarray(pages).reshape(-1, bs, dim))
+    blocks = ref._seqs[0].blocks[: full // bs]
+    for c in (*ours, ref):
+        kp = pools(c)[0][np.asarray(blocks)]  # [pages, heads, bs, row]
+        np.testing.assert_array_equal(kp.reshape(len(blocks) * heads, -1), want_pages)
+    k_want = kvhal.to_numpy(ref.load(0, 0)[0])
+    q = rng.standard_normal((n_q, heads * gqa, dim), dtype=np.float32)
+    want = attention_f64(q, [k_want], [kvhal.to_numpy(ref.load(0, 0)[1])], [n_q])
+    for c in ours:
+        np.testing.assert_array_equal(kvhal.to_numpy(c.load(0, 0)[0]), k_want)
+        err = np.abs(kvhal.to_numpy(c.attention(0, q, [0], [n_q])) - want).max()
+        assert err <= path_tolerance(isa, fmt, fmt), err
+    with pytest.raises(kvhal.FormatError, match="whole pages"):
+        ours[0].backend.store(ours[0].pools, 0, k[:bs], v[:bs], np.arange(1, bs + 1))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference on inf scales

@@ -33,7 +33,7 @@ static int kv_has_f16c(void) {
 }
 #endif
 
-KV_EXPORT int kvc_abi_version(void) { return 4; }
+KV_EXPORT int kvc_abi_version(void) { return 5; }
 
 /* kv_args as this build lays it out: "kv_args <size>" then "<name> <offset> <size> <kind>" per field in
  * declaration order (kind: i int32, q int64, f float, p pointer), ';'-separated. Python compares it
@@ -47,7 +47,8 @@ KV_EXPORT int kvc_args_layout(char *out, int cap) {
         char kind;
     } fields[] = {KV_FIELD(isa),        KV_FIELD(threads),     KV_FIELD(kv_split),  KV_FIELD(tile),
                   KV_FIELD(kfmt),       KV_FIELD(vfmt),        KV_FIELD(n_kv_heads), KV_FIELD(head_dim),
-                  KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(krow),      KV_FIELD(vrow),
+                  KV_FIELD(block_size), KV_FIELD(n_heads),     KV_FIELD(kpaged),    KV_FIELD(krow),
+                  KV_FIELD(vrow),
                   KV_FIELD(kpool),      KV_FIELD(vpool),       KV_FIELD(k),         KV_FIELD(v),
                   KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
                   KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(raw),       KV_FIELD(raw_stride),
@@ -167,7 +168,7 @@ static void store_task(void *p, int64_t task, int worker) {
     store_ctx *c = (store_ctx *)p;
     int64_t rows = c->n * c->H, r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
     if (r1 > rows) r1 = rows;
-    for (int w = 0; w < 2; w++)
+    for (int w = c->pool[0] ? 0 : 1; w < 2; w++) /* pool[0] NULL: K is stored by pages (kpage_task) */
         for (int64_t r = r0; r < r1; r++) {
             int64_t i = r / c->H, h = r % c->H, slot = c->slots[i];
             int64_t dst = ((slot / c->bs) * c->H + h) * c->bs + slot % c->bs;
@@ -175,11 +176,27 @@ static void store_task(void *p, int64_t task, int worker) {
         }
 }
 
+/* one (page, KV head) of a per-channel K store: slots [task / H * bs, +bs) fill that page in order */
+static void kpage_task(void *p, int64_t task, int worker) {
+    (void)worker;
+    const kv_args *a = (const kv_args *)p;
+    const int H = a->n_kv_heads, D = a->head_dim, bs = a->block_size;
+    const int64_t i0 = task / H * bs, h = task % H, page = a->slots[i0] / bs;
+    kv_kpage_quantize(a->kfmt, a->k + (i0 * H + h) * D, (int64_t)H * D, bs, D, a->kpool + (page * H + h) * bs * a->krow);
+}
+
 KV_EXPORT int kvc_store(const kv_args *a) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    store_ctx c = {isa, {a->kfmt, a->vfmt}, {a->k, a->v}, {a->kpool, a->vpool}, {a->krow, a->vrow}, a->slots, a->n,
-                   a->n_kv_heads, a->head_dim, a->block_size};
+    const int bs = a->block_size;
+    if (a->kpaged) { /* whole pages, each in token order (Python checks this first and says why) */
+        if (a->n % bs) return KV_EARG;
+        for (int64_t i = 0; i < a->n; i++)
+            if (a->slots[i] % bs != i % bs || a->slots[i] / bs != a->slots[i - i % bs] / bs) return KV_EARG;
+    }
+    store_ctx c = {isa, {a->kfmt, a->vfmt}, {a->k, a->v}, {a->kpaged ? NULL : a->kpool, a->vpool}, {a->krow, a->vrow},
+                   a->slots, a->n, a->n_kv_heads, a->head_dim, bs};
+    if (a->kpaged) kv_pool_run(kpage_task, (void *)a, a->n / bs * a->n_kv_heads, a->threads);
     kv_pool_run(store_task, &c, (a->n * a->n_kv_heads + ROWS_PER_TASK - 1) / ROWS_PER_TASK, a->threads);
     return KV_OK;
 }
@@ -203,6 +220,10 @@ static void load_task(void *p, int64_t task, int worker) {
         const int64_t row = w ? a->vrow : a->krow;
         const uint8_t *page = (w ? a->vpool : a->kpool) + a->blocks[task] * H * bs * row;
         float *out = (w ? a->vout : a->kout) + t0 * H * D;
+        if (!w && a->kpaged) {
+            for (int h = 0; h < H; h++) c->isa->kpage_rows(fmt, page + (int64_t)h * bs * row, bs, D, 0, nt, out + (int64_t)h * D, (int64_t)H * D);
+            continue;
+        }
         for (int t = 0; t < nt; t++)
             for (int h = 0; h < H; h++)
                 c->isa->dequantize(fmt, page + ((int64_t)h * bs + t) * row, out + ((int64_t)t * H + h) * D, D);
@@ -390,9 +411,11 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     const int G = a->n_heads / n_kv_heads;
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
     if (!q_start) return KV_ENOMEM;
-    kv_call c = {n_seqs, a->n_heads, n_kv_heads, D, a->block_size, a->max_blocks, a->kfmt, a->vfmt, a->causal,
+    /* kivi4's V rows are ggml's q4_1 bytes (kivi.py): they take q4_1's kernels (the integer P.V on AVX-512) */
+    const int vfmt = a->vfmt == KV_KIVI4 ? KV_Q4_1 : a->vfmt;
+    kv_call c = {n_seqs, a->n_heads, n_kv_heads, D, a->block_size, a->max_blocks, a->kfmt, vfmt, a->causal,
                  a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, a->out, a->lse, a->kpool, a->vpool,
-                 a->block_table, seq_lens, q_lens, q_start, 0};
+                 a->block_table, seq_lens, q_lens, q_start, 0, a->kpaged};
     int64_t acc = 0;
     for (int s = 0; s < n_seqs; s++) {
         q_start[s] = acc;

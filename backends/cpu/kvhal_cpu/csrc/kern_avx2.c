@@ -80,6 +80,19 @@ static int dequant_row_avx2(int fmt, const uint8_t *y, float *dst, int d) {
 }
 #define DEQUANT_ROW_OVERRIDE(fmt, src, dst, d) dequant_row_avx2(fmt, src, dst, d)
 
+/* one 32-channel group of a per-channel K page row (kern_template.h's kpage_rows): d * code + m, the
+ * multiply and the add rounded apart, as the spec */
+static inline void kpage_group_avx2(int four, const uint8_t *y, const float *d, const float *m, float *out) {
+    __m128i c[2];
+    kv_kpage_codes(four, y, &c[0], &c[1]);
+    for (int i = 0; i < 4; i++) {
+        const __m128i q8 = i & 1 ? _mm_srli_si128(c[i >> 1], 8) : c[i >> 1];
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8));
+        _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(d + 8 * i), q), _mm256_loadu_ps(m + 8 * i)));
+    }
+}
+#define KPAGE_GROUP(four, y, d, m, out) kpage_group_avx2(four, y, d, m, out)
+
 #include "kern_template.h"
 
 #if defined(__clang__)

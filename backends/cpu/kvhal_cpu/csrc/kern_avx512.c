@@ -299,6 +299,16 @@ static int v_tile_float_512(const kv_call *c, kv_scratch *ws, int r0, int R, con
         v4_bf16(ws->s, o, R, rows, D);
     return 1;
 }
+/* one 32-channel group of a per-channel K page row (kern_template.h's kpage_rows): codes as 32-bit lanes,
+ * then d * code + m with the multiply and the add rounded apart, as the spec */
+static inline void kpage_group_512(int four, const uint8_t *y, const float *d, const float *m, float *out) {
+    __m128i a, b;
+    kv_kpage_codes(four, y, &a, &b);
+    const __m512 qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(a)), qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(d), qa), _mm512_loadu_ps(m)));
+    _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(d + 16), qb), _mm512_loadu_ps(m + 16)));
+}
+#define KPAGE_GROUP(four, y, d, m, out) kpage_group_512(four, y, d, m, out)
 #define K_TILE_FLOAT(c, ws, r0, R, rows, tb) k_tile_float_512(c, ws, r0, R, rows, tb)
 #define V_TILE_FLOAT(c, ws, r0, R, rows, tb) v_tile_float_512(c, ws, r0, R, rows, tb)
 #include "kern_template.h"

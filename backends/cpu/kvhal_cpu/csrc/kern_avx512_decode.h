@@ -53,7 +53,7 @@ static const int8_t dec_e2m1_s[32] KV_ALIGN(32) = {DEC_E2M1_S, DEC_E2M1_S};
 
 static int dec_applies(const kv_call *c, const kv_item *it) {
     const int G = c->n_heads / c->n_kv_heads;
-    return it->npos == 1 && c->head_dim == DEC_D && dec_fmt(c->kfmt) && dec_fmt(c->vfmt) && G % 4 == 0 &&
+    return it->npos == 1 && !c->kpaged && c->head_dim == DEC_D && dec_fmt(c->kfmt) && dec_fmt(c->vfmt) && G % 4 == 0 &&
            c->block_size % 16 == 0;
 }
 

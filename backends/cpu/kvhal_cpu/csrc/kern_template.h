@@ -272,6 +272,41 @@ KV_INLINE float FN(dot)(const float *a, const float *b, int n) {
     return s;
 }
 
+/* rows [u0, u0 + n) of a per-channel K page (kivi_k.c's layout) -> f32 rows dst (stride dstride floats):
+ * d * code + m, two roundings as the spec's numpy; one 32-channel group at a time, its scales converted
+ * once for every row, fixed-length loops the compiler vectorizes for the ISA */
+static void FN(kpage_rows)(int fmt, const uint8_t *page, int bs, int D, int u0, int n, float *dst, int64_t dstride) {
+    const int four = fmt == KV_KIVI4, gb = four ? 16 : 8; /* code bytes per 32 channels */
+    const int64_t cb = (int64_t)D / 32 * gb;
+    const uint8_t *scales = page + bs * cb;
+    float d[32], m[32], q[32];
+    for (int e0 = 0; e0 < D; e0 += 32) {
+        F16_TO_F32(scales + 2 * e0, d, 32);
+        F16_TO_F32(scales + 2 * D + 2 * e0, m, 32);
+        for (int u = 0; u < n; u++) {
+            const uint8_t *y = page + (int64_t)(u0 + u) * cb + e0 / 32 * gb;
+#ifdef KPAGE_GROUP
+            KPAGE_GROUP(four, y, d, m, dst + u * dstride + e0); /* the ISA's vector version of the loops below */
+            continue;
+#endif
+            if (four)
+                for (int j = 0; j < 16; j++) {
+                    q[j] = (float)(y[j] & 15);
+                    q[j + 16] = (float)(y[j] >> 4);
+                }
+            else
+                for (int j = 0; j < 8; j++) {
+                    q[j] = (float)(y[j] & 3);
+                    q[j + 8] = (float)((y[j] >> 2) & 3);
+                    q[j + 16] = (float)((y[j] >> 4) & 3);
+                    q[j + 24] = (float)(y[j] >> 6);
+                }
+            float *out = dst + u * dstride + e0;
+            for (int i = 0; i < 32; i++) out[i] = d[i] * q[i] + m[i];
+        }
+    }
+}
+
 /* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e) */
 static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
@@ -367,8 +402,8 @@ static size_t FN(int_bytes)(const kv_call *c, int rows) {
 #endif
 }
 
-static size_t FN(extra_bytes)(const kv_call *c, int rows) {
-    return FN(int_bytes)(c, rows) + (size_t)KV_T * c->head_dim * sizeof(float);
+static size_t FN(extra_bytes)(const kv_call *c, int rows) { /* int scratch | tb | per-channel K's f32 tile */
+    return FN(int_bytes)(c, rows) + (size_t)(c->kpaged ? 2 : 1) * KV_T * c->head_dim * sizeof(float);
 }
 
 /* One item: query positions [pos0, pos0+npos) of a sequence for KV heads [head0, head0+nheads), over
@@ -408,6 +443,17 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
 
     float *tb = (float *)(void *)((uint8_t *)ws->extra + FN(int_bytes)(c, RT));
     const uint8_t *krows[KV_T], *vrows[KV_T];
+    /* per-channel K pages: each tile's K rows are made f32 rows in kt first (one page run at a time) and
+     * scored as f32 K, through a copy of the call that says so */
+    float *kt = tb + (size_t)KV_T * D;
+    kv_call kf32;
+    if (c->kpaged) {
+        kf32 = *c;
+        kf32.kfmt = KV_F32;
+        kf32.krow = (int64_t)D * (int64_t)sizeof(float);
+        kf32.kpaged = 0;
+    }
+    const kv_call *kc = c->kpaged ? &kf32 : c;
     for (int t0 = it->lo; t0 <= it->hi; t0 += KV_T) {
         int nt = it->hi - t0 + 1 < KV_T ? it->hi - t0 + 1 : KV_T;
         for (int hh = 0; hh < it->nheads; hh++) {
@@ -417,8 +463,13 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
                 int j = t0 + t, run = c->block_size - j % c->block_size;
                 if (run > nt - t) run = nt - t;
                 const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j), *vp = kv_row(c, c->vpool, c->vrow, s, h, j);
+                if (c->kpaged) {
+                    const int u0 = j % c->block_size;
+                    FN(kpage_rows)(c->kfmt, kp - u0 * c->krow, c->block_size, D, u0, run, kt + (size_t)t * D, D);
+                    kp = (const uint8_t *)(kt + (size_t)t * D);
+                }
                 for (int u = 0; u < run; u++, t++) {
-                    krows[t] = kp + (int64_t)u * c->krow;
+                    krows[t] = kp + (int64_t)u * kc->krow;
                     vrows[t] = vp + (int64_t)u * c->vrow;
                 }
             }
@@ -442,8 +493,8 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
                     const int64_t vstep = (int64_t)(ph - hh) * c->block_size * c->vrow;
                     for (int u = 0; u < m; u++) {
                         const uint8_t *kp, *vp;
-                        if (pt == t0) {
-                            kp = krows[u] + kstep;
+                        if (pt == t0) { /* krows of per-channel K pages point at f32 rows: the page's own */
+                            kp = c->kpaged ? kv_row(c, c->kpool, c->krow, s, it->head0 + ph, pt + u) : krows[u] + kstep;
                             vp = vrows[u] + vstep;
                         } else {
                             kp = kv_row(c, c->kpool, c->krow, s, it->head0 + ph, pt + u);
@@ -459,7 +510,7 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
                 INT_K_TILE(c, ws, RT, r0, R, krows);
             else
 #endif
-                FN(k_tile_f32)(c, ws, r0, R, krows, tb);
+                FN(k_tile_f32)(kc, ws, r0, R, krows, tb);
             for (int i = 0; i < it->npos; i++) {
                 int lo, hi;
                 kv_visible(c, n_kv, n_kv - n_q + it->pos0 + i, &lo, &hi);
@@ -499,4 +550,4 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
     (void)int_v;
 }
 
-const kv_isa FN(kv_isa) = {ISA_NAME, FN(quantize), FN(dequantize), FN(attn_item), FN(extra_bytes)};
+const kv_isa FN(kv_isa) = {ISA_NAME, FN(quantize), FN(dequantize), FN(kpage_rows), FN(attn_item), FN(extra_bytes)};

@@ -5,7 +5,7 @@
  * Each function is bit-exact with kvhal/formats/{fp8,fp4,kivi}.py, the spec: the same float32 operations
  * in the same order (the build keeps -ffp-contract=off), integer bit moves where numpy moves bits.
  * kivi4 rows are ggml's q4_1 bytes; kivi2 rows are {f16 d; f16 m; u8 qs[8]} per 32 values. K stored per
- * channel over whole pages (the KIVI K layout) is not run here: api.c stores and loads rows.
+ * channel over whole pages (the KIVI K layout) is kivi_k.c's.
  */
 #ifndef KV_V2_COMMON
 #define KV_V2_COMMON
@@ -615,7 +615,7 @@ static void FN(v2_pv)(float *o, const float *p, const float *VB, int nt, int NC)
 
 static int FN(v2_decode_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
     const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, NC = D / 16;
-    if (it->npos != 1 || !(kv_is_v2(c->kfmt) || kv_is_v2(c->vfmt)) || !kv_v2_dec_fmt(c->kfmt) ||
+    if (it->npos != 1 || c->kpaged || !(kv_is_v2(c->kfmt) || kv_is_v2(c->vfmt)) || !kv_v2_dec_fmt(c->kfmt) ||
         !kv_v2_dec_fmt(c->vfmt) || D % 32 || D > 256)
         return 0;
     if ((size_t)(G * 256 + 16 * D) * sizeof(float) + 64 > ws->extra_bytes) return 0;

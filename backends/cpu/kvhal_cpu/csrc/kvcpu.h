@@ -53,6 +53,7 @@ typedef struct {
     int32_t isa, threads, kv_split, tile; /* kv_split 0: never split; tile 0: chosen per call */
     int32_t kfmt, vfmt;                   /* format ids (formats.h) */
     int32_t n_kv_heads, head_dim, block_size, n_heads; /* n_heads: query heads of an attention call */
+    int32_t kpaged;                       /* K of kfmt (kivi4/kivi2) per channel over whole pages (kivi_k.c) */
     int64_t krow, vrow;                   /* bytes of one stored row (from kvhal's registry) */
     uint8_t *kpool, *vpool;               /* the layer's pools [n_blocks][n_kv_heads][block_size][row] */
     /* store: k, v [n][n_kv_heads][head_dim] into slots[n]; copy_slots: slots[n] into dst_slots[n];
@@ -89,6 +90,7 @@ typedef struct {
     const int32_t *block_table, *seq_lens, *q_lens;
     const int64_t *q_start; /* first q row of each sequence */
     int prefetch;           /* software prefetch of the rows ahead: the call's K/V outgrows the cache */
+    int kpaged;             /* K per channel over whole pages: attention turns each tile into f32 rows first */
 } kv_call;
 
 /* One unit of work: query positions [pos0, pos0+npos) of one sequence and KV heads
@@ -98,6 +100,11 @@ typedef struct {
     int seq, head0, nheads, pos0, npos, lo, hi;
     int part; /* -1: final output */
 } kv_item;
+
+/* per-channel K pages (kivi_k.c): a page's bytes are block_size rows of codes, then f16 d[D] and m[D] */
+int64_t kv_kpage_code_bytes(int fmt, int D);
+/* x rows u < bs (stride xstride floats) of one KV head -> its page */
+void kv_kpage_quantize(int fmt, const float *x, int64_t xstride, int bs, int D, uint8_t *page);
 
 /* Per-thread scratch, sized by the driver for the largest item of the call. */
 typedef struct {
@@ -114,6 +121,8 @@ typedef struct {
     const char *name;
     void (*quantize)(int fmt, const float *x, uint8_t *dst, int d);
     void (*dequantize)(int fmt, const uint8_t *src, float *dst, int d);
+    /* rows [u0, u0 + n) of a per-channel K page -> f32 rows dst (stride dstride floats) */
+    void (*kpage_rows)(int fmt, const uint8_t *page, int bs, int D, int u0, int n, float *dst, int64_t dstride);
     /* run one item; writes rows of out (part < 0) or its partial (m, l, o in natural dim order) */
     void (*attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *part_m, float *part_l,
                       float *part_o);

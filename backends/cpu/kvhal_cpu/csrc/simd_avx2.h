@@ -11,6 +11,21 @@ static inline float kv_hsum256(__m256 x) {
     return _mm_cvtss_f32(s);
 }
 
+/* one 32-channel group of a per-channel K page row (kivi_k.c's packing) as one code byte per channel:
+ * channels 0-15 into *a, 16-31 into *b. kivi4: ggml's q4_1 nibbles; kivi2: value j + 8i in bits 2i..2i+1
+ * of byte j */
+static inline void kv_kpage_codes(int four, const uint8_t *y, __m128i *a, __m128i *b) {
+    if (four) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(const void *)y), m4 = _mm_set1_epi8(15);
+        *a = _mm_and_si128(x, m4);
+        *b = _mm_and_si128(_mm_srli_epi16(x, 4), m4);
+    } else {
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(const void *)y), m2 = _mm_set1_epi8(3);
+        *a = _mm_unpacklo_epi64(_mm_and_si128(x, m2), _mm_and_si128(_mm_srli_epi16(x, 2), m2));
+        *b = _mm_unpacklo_epi64(_mm_and_si128(_mm_srli_epi16(x, 4), m2), _mm_and_si128(_mm_srli_epi16(x, 6), m2));
+    }
+}
+
 static inline float kv_hmax256(__m256 x) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));

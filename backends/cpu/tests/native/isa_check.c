@@ -49,21 +49,24 @@ int main(void) {
         if (!kvc_isa_supported(isa)) continue;
         int32_t table[3 * KV_NFMT];
         const int n_fmt = kvc_format_table(table, 3 * KV_NFMT); /* the formats the kernels implement */
-        for (int t = 0; t < n_fmt; t++) {
+        for (int t = 0; t < n_fmt; t++)
+        for (int paged = 0; paged <= (table[3 * t] == KV_KIVI4 || table[3 * t] == KV_KIVI2); paged++) {
+            /* kivi formats twice: K as rows, then K per channel over whole pages (kivi_k.c) */
             const int fmt = table[3 * t];
-            size_t n = (size_t)NB * H * BS * row_bytes(fmt, D);
+            const int64_t krow = paged ? kv_kpage_code_bytes(fmt, D) + 4 * D / BS : row_bytes(fmt, D);
+            size_t n = (size_t)NB * H * BS * (size_t)(krow > row_bytes(fmt, D) ? krow : row_bytes(fmt, D));
             uint8_t *p[4];
             for (int j = 0; j < 4; j++) p[j] = calloc(n, 1);
             /* one layer of one cache, then each call's own fields */
             const kv_args layer = {.threads = 1, .kfmt = fmt, .vfmt = fmt, .n_kv_heads = H, .head_dim = D, .block_size = BS,
-                                   .krow = row_bytes(fmt, D), .vrow = row_bytes(fmt, D), .kpool = p[0], .vpool = p[1]};
+                                   .kpaged = paged, .krow = krow, .vrow = row_bytes(fmt, D), .kpool = p[0], .vpool = p[1]};
             kv_args a = layer, b = layer;
             b.isa = isa, b.threads = 2, b.kpool = p[2], b.vpool = p[3];
             a.k = b.k = k, a.v = b.v = v, a.slots = b.slots = slots, a.n = b.n = N;
             kvc_store(&a);
             kvc_store(&b);
             if (memcmp(p[0], p[2], n) || memcmp(p[1], p[3], n)) {
-                printf("isa %d fmt %d: stored bytes differ\n", isa, fmt);
+                printf("isa %d fmt %d%s: stored bytes differ\n", isa, fmt, paged ? " (K pages)" : "");
                 fails++;
             }
             a = layer, b = layer;
@@ -72,12 +75,12 @@ int main(void) {
             kvc_load(&a);
             kvc_load(&b);
             if (memcmp(l0, l1, sizeof l0) || memcmp(v0, v1, sizeof v0)) {
-                printf("isa %d fmt %d: loads differ\n", isa, fmt);
+                printf("isa %d fmt %d%s: loads differ\n", isa, fmt, paged ? " (K pages)" : "");
                 fails++;
             }
             /* attention on unit-scale K (the edge-case blocks above are for the quantizers only) */
             a = layer;
-            a.k = k + 4 * 32, a.v = v, a.slots = slots, a.n = N - 1;
+            a.k = k + 4 * 32, a.v = v, a.slots = slots, a.n = paged ? N - BS : N - 1; /* paged: whole pages */
             kvc_store(&a);
             a = layer;
             a.q = q, a.block_table = table, a.seq_lens = lens, a.q_lens = qlens, a.n_seqs = 2, a.max_blocks = NB;
@@ -92,8 +95,10 @@ int main(void) {
                     kvc_attention(&b);
                     float err = 0.0f;
                     for (int i = 0; i < 3 * HQ * D; i++) err = fmaxf(err, fabsf(o0[i] - o1[i]));
-                    if (!(err <= (isa == KV_ISA_AVX512 && kv_is_quant(fmt) ? 3e-4f : 1e-5f))) { /* avx512: integer kernels */
-                        printf("isa %d fmt %d causal %d tile %d: attention differs by %g\n", isa, fmt, causal, tile, err);
+                    /* avx512: integer kernels (kivi4 V rows are q4_1 bytes and take its kernels) */
+                    if (!(err <= (isa == KV_ISA_AVX512 && (kv_is_quant(fmt) || fmt == KV_KIVI4) ? 3e-4f : 1e-5f))) {
+                        printf("isa %d fmt %d%s causal %d tile %d: attention differs by %g\n", isa, fmt,
+                               paged ? " (K pages)" : "", causal, tile, err);
                         fails++;
                     }
                 }
