@@ -661,13 +661,15 @@ def test_v2_edge_values_bytes_and_loads_equal_numpy(isa, fmt):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
-@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx512") if i in ISAS])  # AVX2's f32 path weights NaN 0
-@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("side,n_q", [("k", 1), ("v", 1), ("k", 30)])
 @pytest.mark.parametrize("fmt,code", [("fp8_e4m3", 0x7F), ("fp8_e4m3", 0xFF), ("fp8_e5m2", 0x7C), ("fp8_e5m2", 0xFD)])
-def test_fp8_inf_nan_codes_attend_as_nan(isa, side, fmt, code):
+def test_fp8_inf_nan_codes_attend_as_nan(isa, side, n_q, fmt, code):
     """A never-stored fp8 inf/NaN code written into a page reads NaN, as the spec's table: in K every output
     of the query rows that see its token is NaN, in V the output dim that holds it, as float64
-    attention gives; the other dims stay within tolerance (decode, where AVX-512 takes kern_v2.h's path)."""
+    attention gives; the other rows and dims stay within tolerance. Decode (AVX-512: kern_v2.h's path)
+    and, for K, a causal prefill of 30 queries, of which the first 11 do not see the token. (A NaN in V
+    also reaches the rows of its 64-token tile that do not see it: their weight 0 times NaN.)"""
     f = formats.get(fmt)
     rng = np.random.default_rng(12)
     c = cache(fmt, CpuBackend(isa=isa, kv_split=0), heads=1, dim=128, bs=16, cap=64)
@@ -678,11 +680,12 @@ def test_fp8_inf_nan_codes_attend_as_nan(isa, side, fmt, code):
     pool = pools(c)[0 if side == "k" else 1].reshape(-1, 128)
     pool[21, 7] = code  # token 21 (page 1, row 5), dim 7
     k, v = (f.dequantize(p.reshape(-1, 128)[:40]).reshape(40, 1, 128) for p in pools(c))
-    q = rng.standard_normal((1, 4, 128), dtype=np.float32)
-    want = attention_f64(q, [k], [v], [1])
-    out = c.attention(0, q, [s], [1])
+    q = rng.standard_normal((n_q, 4, 128), dtype=np.float32)
+    want = attention_f64(q, [k], [v], [n_q])
+    out = c.attention(0, q, [s], [n_q])
     np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
-    assert np.isnan(want).sum() == (4 * 128 if side == "k" else 4)
+    seeing = n_q - max(0, 21 - (40 - n_q))  # query rows at positions >= 21
+    assert np.isnan(want).sum() == seeing * (4 * 128 if side == "k" else 4)
     ok = ~np.isnan(want)
     assert float(np.abs(out[ok] - want[ok]).max(initial=0.0)) <= path_tolerance(isa, fmt, fmt)
 

@@ -48,11 +48,11 @@ typedef __m512 VF;
 #define vhmax _mm512_reduce_max_ps
 #define vexp2 kv_exp2_512
 
-/* 2^x for x <= 0; x < -126 (and -inf) give exactly 0 */
+/* 2^x for x <= 0; x < -126 (and -inf) give exactly 0, NaN gives NaN (as kv_exp2_256) */
 static inline __m512 kv_exp2_512(__m512 x) {
     __m512 lim = _mm512_set1_ps(-126.0f);
-    __mmask16 live = _mm512_cmp_ps_mask(x, lim, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lim);
+    __mmask16 live = _mm512_cmp_ps_mask(x, lim, _CMP_NLT_UQ);
+    x = _mm512_max_ps(lim, x);
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
     __m512 p = KV_EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps);

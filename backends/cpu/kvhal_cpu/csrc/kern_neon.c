@@ -25,10 +25,10 @@ typedef float32x4_t VF;
 
 static inline float32x4_t kv_exp2_mla(float32x4_t acc, float32x4_t f, float32x4_t c) { return vfmaq_f32(c, acc, f); }
 
-/* 2^x for x <= 0; x < -126 (and -inf) give exactly 0 */
+/* 2^x for x <= 0; x < -126 (and -inf) give exactly 0, NaN gives NaN (FMAX keeps a NaN; as kv_exp2_256) */
 static inline float32x4_t kv_exp2_neon(float32x4_t x) {
     float32x4_t lim = vdupq_n_f32(-126.0f);
-    uint32x4_t live = vcgeq_f32(x, lim);
+    uint32x4_t live = vmvnq_u32(vcltq_f32(x, lim));
     x = vmaxq_f32(x, lim);
     float32x4_t n = vrndnq_f32(x);
     float32x4_t f = vsubq_f32(x, n);

@@ -369,7 +369,10 @@ KV_INLINE void FN(softmax_row)(float *s, float *m, float *l, float *o, int D) {
     VF mx = vload(s);
     for (int t = VL; t < KV_T; t += VL) mx = vmax(mx, vload(s + t));
     float mt = vhmax(mx);
-    if (mt == -INFINITY) { /* nothing visible to this row in this tile */
+    if (mt == -INFINITY) { /* nothing visible to this row in this tile, unless a NaN score (a NaN in K) hid
+                            * from the max (maxps keeps one operand): then the row's sum, and output, is NaN */
+        for (int t = 0; t < KV_T; t++)
+            if (s[t] != s[t]) *l = NAN;
         memset(s, 0, KV_T * sizeof(float));
         return;
     }

@@ -44,11 +44,12 @@ static inline float kv_hmax256(__m256 x) {
                     F, SET1(6.931471805599453e-01f)),                                                      \
             F, SET1(1.0f))
 
-/* 2^x for x <= 0; x < -126 (and -inf) give exactly 0 */
+/* 2^x for x <= 0; x < -126 (and -inf) give exactly 0, NaN gives NaN (a NaN score, from a NaN in K, must
+ * reach the row's sum as it does in float64: maxps returns its second operand when one is NaN) */
 static inline __m256 kv_exp2_256(__m256 x) {
     __m256 lim = _mm256_set1_ps(-126.0f);
     __m256 dead = _mm256_cmp_ps(x, lim, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lim);
+    x = _mm256_max_ps(lim, x);
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n);
     __m256 p = KV_EXP2_POLY(f, _mm256_fmadd_ps, _mm256_set1_ps);
