@@ -19,6 +19,14 @@ __device__ __forceinline__ float kv_shfl(float v, int src) { return __shfl(v, sr
 __device__ __forceinline__ int kv_shfl(int v, int src) { return __shfl(v, src, 32); }
 __device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor(v, m, 32); }
 __device__ __forceinline__ int kv_shfl_xor(int v, int m) { return __shfl_xor(v, m, 32); }
+// orders the lanes' shared-memory writes before reads of other lanes of the group: a wavefront runs in
+// lockstep and its LDS operations complete in order, so a compiler barrier with a wavefront fence suffices
+__device__ __forceinline__ void kv_syncwarp() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
+__device__ __forceinline__ int kv_lane() { return (int)(threadIdx.x & 31); }
 
 // hip-clang contracts a*b+c across inlined calls unless told not to (-ffp-contract=fast-honor-pragmas)
 __device__ __forceinline__ float kv_fmul_rn(float a, float b) {
@@ -54,6 +62,14 @@ __device__ __forceinline__ float kv_shfl(float v, int src) { return __shfl_sync(
 __device__ __forceinline__ int kv_shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src, 32); }
 __device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m, 32); }
 __device__ __forceinline__ int kv_shfl_xor(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m, 32); }
+__device__ __forceinline__ void kv_syncwarp() { __syncwarp(); }  // all 32 lanes of the warp must reach it
+// the lane index, opaque to the optimizer (volatile): values derived from it inside a loop are recomputed there
+// rather than hoisted and kept in registers across it
+__device__ __forceinline__ int kv_lane() {
+  int l;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+  return l;
+}
 
 __device__ __forceinline__ float kv_fmul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float kv_fadd_rn(float a, float b) { return __fadd_rn(a, b); }
