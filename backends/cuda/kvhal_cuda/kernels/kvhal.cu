@@ -1047,7 +1047,9 @@ __device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int
         const float mu = smem[(u * G + g) * (D + 2) + D];
         if (mu != kv_neg_inf()) o += smem[(u * G + g) * (D + 2) + e] * expf(mu - M);
       }
-      const bool any = L > 0.0f;  // false only for a split past this row's visible range
+      // false only for a split past this row's visible range (L >= 1 otherwise); a NaN score makes L NaN,
+      // and the output NaN as float64 attention's
+      const bool any = L != 0.0f;
       emit(a, R, Hq, D, n_splits, p, r, h0 + g, e, any ? o / L : 0.0f, any ? M + logf(L) : kv_neg_inf(), e == 0);
     }
   }
@@ -1149,7 +1151,7 @@ extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
   for (int u = 0; u < KV_RPW_MAX; ++u) {
     const int k = warp + KV_NW * u;
     if (u >= rpw || k >= nr) continue;
-    const bool any = l[u] > 0.0f;
+    const bool any = l[u] != 0.0f;  // 0: nothing visible in this split; NaN (a NaN score) stays NaN
     const float lse = any ? m[u] + logf(l[u]) : kv_neg_inf();
 #pragma unroll
     for (int c = 0; c < KV_MAXC; ++c) {
@@ -1178,6 +1180,6 @@ extern "C" __global__ void kvhal_attn_merge(const float* __restrict__ part_o, co
       const float lse = part_lse[p * stride + rh];
       if (lse != kv_neg_inf()) o += expf(lse - M) * part_o[(p * stride + rh) * D + e];
     }
-    out[rh * D + e] = wsum > 0.0f ? o / wsum : 0.0f;
+    out[rh * D + e] = wsum != 0.0f ? o / wsum : 0.0f;  // a NaN split (NaN score) gives NaN
   }
 }
