@@ -575,9 +575,9 @@ __device__ __forceinline__ u32 lds32(const u8* p) {  // a 4-byte aligned 32-bit 
   kv_check_aligned(p, 4);
   return *reinterpret_cast<const u32*>(p);
 }
-// byte k of w as a float: 2^23 + byte - bias, exact
+// byte k of w as a float: 2^23 + byte - bias, exact; one PRMT ({byte k, 0, 0, 0x4B}) and one FADD
 __device__ __forceinline__ float byte_f(u32 w, int k, float bias) {
-  return kv_u32_as_f32(0x4B000000u | ((w >> (8 * k)) & 0xffu)) - bias;
+  return kv_u32_as_f32(kv_prmt(w, 0x4B000000u, 0x7540u | (u32)k)) - bias;
 }
 __device__ __forceinline__ float lo16_f16(u32 w) { return kv_f16_to_f32((u16)(w & 0xffffu)); }
 __device__ __forceinline__ float hi16_f16(u32 w) { return kv_f16_to_f32((u16)(w >> 16)); }
@@ -610,7 +610,10 @@ __device__ __forceinline__ void dot4(const QView<G>& q, int e, const float (&x)[
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const float4 v = q.at4(g, e);
-    t[g] += v.x * x[0] + v.y * x[1] + v.z * x[2] + v.w * x[3];
+    t[g] += v.x * x[0];  // one FMA each (a sum of the four products first would add an FADD)
+    t[g] += v.y * x[1];
+    t[g] += v.z * x[2];
+    t[g] += v.w * x[3];
   }
 }
 
@@ -852,7 +855,9 @@ __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const fl
   // tokens per step (their loads in flight together): 4 for the specialized formats, 1 for deq's, whose
   // unrolled loads would not fit in registers
   constexpr int VJ = (F == KV_Q8_0 || F == KV_Q4_0 || F == KV_FP8_E4M3 || F == KV_F16 || F == KV_F32) ? 4 : 1;
-  const bool fast = F != KV_F16 || (D & 1) == 0;
+  // D a multiple of VW (always for block formats): a lane's groups are wholly inside or outside the row, and a
+  // group past D reads group 0 instead (in bounds; its sums are never written), so no branch per token
+  const bool fast = D % VW == 0;
   for (int j0 = 0; j0 < nt; j0 += VJ) {
 #pragma unroll
     for (int jj = 0; jj < VJ; ++jj) {
@@ -861,8 +866,8 @@ __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const fl
 #pragma unroll
       for (int k = 0; k < C / VW; ++k) {
         const int e0 = k * 32 * VW + lane * VW;
-        if (fast && e0 + VW <= D) {
-          v_vals<F, VW>(row, e0, x + k * VW);
+        if (fast) {
+          v_vals<F, VW>(row, e0 < D ? e0 : 0, x + k * VW);
         } else {
 #pragma unroll
           for (int i = 0; i < VW; ++i) x[k * VW + i] = e0 + i < D ? deq<F>(row, e0 + i) : 0.0f;
@@ -879,7 +884,10 @@ __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const fl
 }
 
 // copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (4 when the row size
-// allows, else 2 or 1), consecutive lanes on consecutive units; four loads in flight per lane
+// allows, else 2 or 1), consecutive lanes on consecutive units, four loads in flight per lane. Unit i of the
+// tile is unit i - j W of row j = i / W (a multiply-high, div_w). When the
+// rows are consecutive in the pool (the tile inside one page, or pages in sequence), the source is one run
+// from the first row, otherwise each unit looks its row up.
 template <int U>
 struct Unit;
 template <>
@@ -894,33 +902,48 @@ template <>
 struct Unit<4> {
   typedef u32 T;
 };
-template <int U>
-__device__ __forceinline__ void stage_rows(const u8* kpool, const i64* rk, u8* dst, int S, int krb, int nt,
-                                           int lane) {
+// i / W for 0 <= i <= 32 W, W <= 4 * KV_DEC_STAGE_MAX: the high word of i * ceil(2^32 / W), exact as i * (the
+// rounding error of M, < W) stays below 2^32
+__device__ __forceinline__ int div_w(int i, u32 M, int W) {
+  return W == 1 ? i : (int)(((unsigned long long)(u32)i * M) >> 32);
+}
+template <int U, bool RUN>
+__device__ __forceinline__ void stage_units(const u8* kpool, const i64* rk, u8* dst, int S, int W, int total,
+                                            int lane) {
   typedef typename Unit<U>::T T;
-  const int W = krb / U, total = nt * W;
-  const int dj = 32 / W, dw = 32 - dj * W;
-  int j = lane / W, w = lane - (lane / W) * W;
-  for (int i0 = 0; i0 < total; i0 += 128) {
+  const T* run = reinterpret_cast<const T*>(kpool + rk[0]);
+  const u32 M = 0xffffffffu / (u32)W + 1u;  // ceil(2^32 / W) for W > 1
+  const int C1 = 4 * S - U * W;              // unit i of row j = i / W lands at byte j C1 + U i
+  int i0 = 0;
+  for (; i0 + 128 <= total; i0 += 128) {
     T v[4];
     int at[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      at[u] = -1;
-      if (i0 + 32 * u + lane < total) {
-        const u8* src = kpool + rk[j] + U * w;
-        kv_check_aligned(src, U);
-        v[u] = *reinterpret_cast<const T*>(src);
-        at[u] = 4 * S * j + U * w;
-      }
-      w += dw;
-      j += dj;
-      if (w >= W) w -= W, ++j;
+      const int i = i0 + 32 * u + lane, j = div_w(i, M, W);
+      const T* src = RUN ? run + i : reinterpret_cast<const T*>(kpool + rk[j]) + (i - j * W);
+      kv_check_aligned(src, U);
+      v[u] = *src;
+      at[u] = j * C1 + U * i;
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (at[u] >= 0) *reinterpret_cast<T*>(dst + at[u]) = v[u];
+    for (int u = 0; u < 4; ++u) *reinterpret_cast<T*>(dst + at[u]) = v[u];
   }
+  for (int i = i0 + lane; i < total; i += 32) {
+    const int j = div_w(i, M, W);
+    const T* src = RUN ? run + i : reinterpret_cast<const T*>(kpool + rk[j]) + (i - j * W);
+    kv_check_aligned(src, U);
+    *reinterpret_cast<T*>(dst + j * C1 + U * i) = *src;
+  }
+}
+template <int U>
+__device__ __forceinline__ void stage_rows(const u8* kpool, const i64* rk, u8* dst, int S, int krb, int nt,
+                                           int lane) {
+  const int W = krb / U;
+  if (rk[nt - 1] - rk[0] == (i64)(nt - 1) * krb)
+    stage_units<U, true>(kpool, rk, dst, S, W, nt * W, lane);
+  else
+    stage_units<U, false>(kpool, rk, dst, S, W, nt * W, lane);
 }
 
 template <int G, int C>

@@ -27,6 +27,9 @@ __device__ __forceinline__ void kv_syncwarp() {
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 }
 __device__ __forceinline__ int kv_lane() { return (int)(threadIdx.x & 31); }
+__device__ __forceinline__ unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
+  return __byte_perm(x, y, s);
+}
 
 // hip-clang contracts a*b+c across inlined calls unless told not to (-ffp-contract=fast-honor-pragmas)
 __device__ __forceinline__ float kv_fmul_rn(float a, float b) {
@@ -63,6 +66,10 @@ __device__ __forceinline__ int kv_shfl(int v, int src) { return __shfl_sync(0xff
 __device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m, 32); }
 __device__ __forceinline__ int kv_shfl_xor(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m, 32); }
 __device__ __forceinline__ void kv_syncwarp() { __syncwarp(); }  // all 32 lanes of the warp must reach it
+// byte i of the result is byte (s >> 4i) & 7 of {y, x} (x the low four); one PRMT instruction
+__device__ __forceinline__ unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
+  return __byte_perm(x, y, s);
+}
 // the lane index, opaque to the optimizer (volatile): values derived from it inside a loop are recomputed there
 // rather than hoisted and kept in registers across it
 __device__ __forceinline__ int kv_lane() {

@@ -146,6 +146,13 @@ static inline int kv_shfl_xor(int v, int m) { return kv_shfl(v, (int)(threadIdx.
 // __syncwarp: a warp-wide rendezvous, as strict as a shuffle (every lane of the warp must reach it)
 static inline void kv_syncwarp() { (void)emu::exchange(0u, 0); }
 static inline int kv_lane() { return (int)(threadIdx.x & 31); }
+// __byte_perm with the selector's low 3 bits per result byte (kvhal.cu sets no sign-replicate bit)
+static inline unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t b = (uint64_t)y << 32 | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned int)((b >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
 struct alignas(16) float4 {
   float x, y, z, w;
 };
