@@ -852,9 +852,9 @@ template <int G, int C, int F>
 __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const float* ps, int nt, int lane, int D,
                                         float (&acc)[G][C]) {
   constexpr int VW = C < 4 ? C : 4;
-  // tokens per step (their loads in flight together): 4 for the specialized formats, 1 for deq's, whose
-  // unrolled loads would not fit in registers
-  constexpr int VJ = (F == KV_Q8_0 || F == KV_Q4_0 || F == KV_FP8_E4M3 || F == KV_F16 || F == KV_F32) ? 4 : 1;
+  // tokens per step (their loads in flight together): 2 for the specialized formats, 1 for deq's; more do not
+  // fit in registers beside the accumulators
+  constexpr int VJ = (F == KV_Q8_0 || F == KV_Q4_0 || F == KV_FP8_E4M3 || F == KV_F16 || F == KV_F32) ? 2 : 1;
   // D a multiple of VW (always for block formats): a lane's groups are wholly inside or outside the row, and a
   // group past D reads group 0 instead (in bounds; its sums are never written), so no branch per token
   const bool fast = D % VW == 0;
@@ -959,30 +959,22 @@ __device__ __forceinline__ void v_dispatch(int fmt, const u8* vpool, const i64* 
 // [32][S words] (S odd: lane j reading word i of row j hits bank (jS + i) mod 32, all distinct; none when
 // the rows exceed KV_DEC_STAGE_MAX and lanes read them from the pool); the warp merge [KV_NW][G][D + 2]
 // reuses it from offset 0 after a barrier.
+// noinline, one function per G: inlined into one kernel, ptxas allocates registers over the four variants together
+// and spills where each alone fits; the call costs nothing once per CTA (arguments in registers, no stack)
 template <int G, int C>
-__device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int tstride, int range_off, int dec_off,
+__device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tstride, int range_off, int dec_off,
                                              int R, int Hq, int Hkv, int D, int bs, int krb, int vrb, int kfmt,
                                              int vfmt, float scale, int split_pages, int n_splits) {
   const int w = blockIdx.x, h0 = blockIdx.y * G, p = blockIdx.z;
-  const int warp = threadIdx.x >> 5;
-  const int s = a.meta[dec_off + 2 * w], r = a.meta[dec_off + 2 * w + 1];
+  const int r = a.meta[dec_off + 2 * w + 1];  // the sequence, meta[dec_off + 2 w], is read per tile
   const int lo = a.meta[range_off + r], hi = a.meta[range_off + R + r];
   const int a0 = max(lo, p * split_pages * bs), b0 = min(hi, (p + 1) * split_pages * bs);
-  const int hk = h0 / (Hq / Hkv);
-  const int* trow = a.meta + (i64)s * tstride;
-  const int Dq = (D + 3) & ~3;
-  const bool staged = krb <= KV_DEC_STAGE_MAX;
-  const int S = staged ? ((krb + 3) >> 2) | 1 : 0;
-
-  float* qs = smem;
-  float* ps = qs + G * Dq + warp * (G * 32 + 128 + 32 * S);
-  i64* rk = reinterpret_cast<i64*>(ps + G * 32);
-  i64* rv = rk + 32;
-  u8* ks = reinterpret_cast<u8*>(rv + 32);
-
-  for (int i = threadIdx.x; i < G * Dq; i += blockDim.x) {
-    const int g = i / Dq, e = i - g * Dq;
-    qs[i] = e < D ? a.q[((i64)r * Hq + h0 + g) * D + e] * scale : 0.0f;
+  {
+    const int Dq = (D + 3) & ~3;
+    for (int i = threadIdx.x; i < G * Dq; i += blockDim.x) {
+      const int g = i / Dq, e = i - g * Dq;
+      smem[i] = e < D ? a.q[((i64)r * Hq + h0 + g) * D + e] * scale : 0.0f;
+    }
   }
   // head g's running max and sum live in lane g (registers are what the K and V loops need)
   float acc[G][C], ml = kv_neg_inf(), ll = 0.0f;
@@ -992,13 +984,23 @@ __device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int
     for (int c = 0; c < C; ++c) acc[g][c] = 0.0f;
   }
   __syncthreads();
-  const QView<G> qv{qs, Dq};
 
-  for (int t0 = a0 + 32 * warp; t0 < b0; t0 += 32 * KV_NW) {
+  for (int t0 = a0 + 32 * (int)(threadIdx.x >> 5); t0 < b0; t0 += 32 * KV_NW) {
     const int nt = min(32, b0 - t0);  // >= 1, and every token of [t0, t0 + nt) is visible to row r
-    // lane-derived values are recomputed per tile (kv_lane is opaque): hoisted out of the loop for every format's
-    // path, they would not fit in registers beside the accumulators
-    const int lane = kv_lane();
+    // Everything below that does not change over the loop is rederived per tile from opaque sources (kv_lane and
+    // co., platform.h; a few instructions per 32 tokens): hoisted for every format's path, it would not fit in
+    // registers beside the accumulators.
+    const int lane = kv_lane(), warp = kv_tid_x() >> 5, kb = kv_opaque(krb);
+    const int Dq = (kv_opaque(D) + 3) & ~3;
+    const bool staged = kb <= KV_DEC_STAGE_MAX;
+    const int S = staged ? ((kb + 3) >> 2) | 1 : 0;
+    const int hk = kv_ctaid_y() * G / (Hq / Hkv);
+    const int* trow = a.meta + (i64)a.meta[dec_off + 2 * kv_ctaid_x()] * tstride;
+    float* ps = smem + G * Dq + warp * (G * 32 + 128 + 32 * S);  // see above: q | per warp p, rk, rv, K rows
+    i64* rk = reinterpret_cast<i64*>(ps + G * 32);
+    i64* rv = rk + 32;
+    u8* ks = reinterpret_cast<u8*>(rv + 32);
+    const QView<G> qv{smem, Dq};
     {  // lane j: token t0 + j's row, clamped to the tile's last token
       const int t = t0 + min(lane, nt - 1), page = t / bs;
       const i64 row = ((i64)trow[page] * Hkv + hk) * bs + (t - page * bs);
@@ -1008,12 +1010,12 @@ __device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int
     kv_syncwarp();
     const u8* krow;
     if (staged) {
-      if ((krb & 3) == 0)
-        stage_rows<4>(a.kpool, rk, ks, S, krb, nt, lane);
-      else if ((krb & 1) == 0)
-        stage_rows<2>(a.kpool, rk, ks, S, krb, nt, lane);
+      if ((kb & 3) == 0)
+        stage_rows<4>(a.kpool, rk, ks, S, kb, nt, lane);
+      else if ((kb & 1) == 0)
+        stage_rows<2>(a.kpool, rk, ks, S, kb, nt, lane);
       else
-        stage_rows<1>(a.kpool, rk, ks, S, krb, nt, lane);
+        stage_rows<1>(a.kpool, rk, ks, S, kb, nt, lane);
       kv_syncwarp();
       krow = ks + 4 * S * min(lane, nt - 1);
     } else {
@@ -1041,7 +1043,7 @@ __device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int
 
   // merge the warps: smem [KV_NW][G][D + 2] = acc, m, l
   __syncthreads();  // the merge area overlaps the tile buffers
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     float* mine = smem + (warp * G + g) * (D + 2);

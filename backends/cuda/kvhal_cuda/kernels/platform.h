@@ -27,6 +27,10 @@ __device__ __forceinline__ void kv_syncwarp() {
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 }
 __device__ __forceinline__ int kv_lane() { return (int)(threadIdx.x & 31); }
+__device__ __forceinline__ int kv_opaque(int x) { return x; }
+__device__ __forceinline__ int kv_tid_x() { return (int)threadIdx.x; }
+__device__ __forceinline__ int kv_ctaid_x() { return (int)blockIdx.x; }
+__device__ __forceinline__ int kv_ctaid_y() { return (int)blockIdx.y; }
 __device__ __forceinline__ unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
   return __byte_perm(x, y, s);
 }
@@ -70,12 +74,32 @@ __device__ __forceinline__ void kv_syncwarp() { __syncwarp(); }  // all 32 lanes
 __device__ __forceinline__ unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
   return __byte_perm(x, y, s);
 }
-// the lane index, opaque to the optimizer (volatile): values derived from it inside a loop are recomputed there
-// rather than hoisted and kept in registers across it
+// the lane index, a copy of x, threadIdx.x, blockIdx.x / .y, opaque to the optimizer (volatile): values derived
+// from them inside a loop are recomputed there rather than hoisted and kept in registers (or spilled) across it
 __device__ __forceinline__ int kv_lane() {
   int l;
   asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
   return l;
+}
+__device__ __forceinline__ int kv_opaque(int x) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ int kv_tid_x() {
+  int r;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ int kv_ctaid_x() {
+  int r;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ int kv_ctaid_y() {
+  int r;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(r));
+  return r;
 }
 
 __device__ __forceinline__ float kv_fmul_rn(float a, float b) { return __fmul_rn(a, b); }

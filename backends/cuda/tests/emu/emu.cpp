@@ -22,6 +22,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 
 struct emu_dim3 {
@@ -146,6 +147,10 @@ static inline int kv_shfl_xor(int v, int m) { return kv_shfl(v, (int)(threadIdx.
 // __syncwarp: a warp-wide rendezvous, as strict as a shuffle (every lane of the warp must reach it)
 static inline void kv_syncwarp() { (void)emu::exchange(0u, 0); }
 static inline int kv_lane() { return (int)(threadIdx.x & 31); }
+static inline int kv_opaque(int x) { return x; }
+static inline int kv_tid_x() { return (int)threadIdx.x; }
+static inline int kv_ctaid_x() { return (int)blockIdx.x; }
+static inline int kv_ctaid_y() { return (int)blockIdx.y; }
 // __byte_perm with the selector's low 3 bits per result byte (kvhal.cu sets no sign-replicate bit)
 static inline unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
   const uint64_t b = (uint64_t)y << 32 | x;
