@@ -884,10 +884,8 @@ __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const fl
 }
 
 // copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (4 when the row size
-// allows, else 2 or 1), consecutive lanes on consecutive units, four loads in flight per lane. Unit i of the
-// tile is unit i - j W of row j = i / W (a multiply-high, div_w). When the
-// rows are consecutive in the pool (the tile inside one page, or pages in sequence), the source is one run
-// from the first row, otherwise each unit looks its row up.
+// allows, else 2 or 1), consecutive lanes on consecutive units of a run of consecutive rows, four loads in flight
+// per lane; unit i of a run is unit i - j W of its row j = i / W (a multiply-high, div_w)
 template <int U>
 struct Unit;
 template <>
@@ -907,43 +905,42 @@ struct Unit<4> {
 __device__ __forceinline__ int div_w(int i, u32 M, int W) {
   return W == 1 ? i : (int)(((unsigned long long)(u32)i * M) >> 32);
 }
-template <int U, bool RUN>
-__device__ __forceinline__ void stage_units(const u8* kpool, const i64* rk, u8* dst, int S, int W, int total,
-                                            int lane) {
+template <int U>
+__device__ __forceinline__ void stage_units(const u8* src0, u8* dst, int S, int W, int total, int lane) {
   typedef typename Unit<U>::T T;
-  const T* run = reinterpret_cast<const T*>(kpool + rk[0]);
+  const T* run = reinterpret_cast<const T*>(src0);
   const u32 M = 0xffffffffu / (u32)W + 1u;  // ceil(2^32 / W) for W > 1
   const int C1 = 4 * S - U * W;              // unit i of row j = i / W lands at byte j C1 + U i
   int i0 = 0;
   for (; i0 + 128 <= total; i0 += 128) {
     T v[4];
-    int at[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int i = i0 + 32 * u + lane, j = div_w(i, M, W);
-      const T* src = RUN ? run + i : reinterpret_cast<const T*>(kpool + rk[j]) + (i - j * W);
-      kv_check_aligned(src, U);
-      v[u] = *src;
-      at[u] = j * C1 + U * i;
+      kv_check_aligned(run + i0 + 32 * u + lane, U);
+      v[u] = run[i0 + 32 * u + lane];
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) *reinterpret_cast<T*>(dst + at[u]) = v[u];
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + 32 * u + lane;
+      *reinterpret_cast<T*>(dst + div_w(i, M, W) * C1 + U * i) = v[u];
+    }
   }
   for (int i = i0 + lane; i < total; i += 32) {
-    const int j = div_w(i, M, W);
-    const T* src = RUN ? run + i : reinterpret_cast<const T*>(kpool + rk[j]) + (i - j * W);
-    kv_check_aligned(src, U);
-    *reinterpret_cast<T*>(dst + j * C1 + U * i) = *src;
+    kv_check_aligned(run + i, U);
+    *reinterpret_cast<T*>(dst + div_w(i, M, W) * C1 + U * i) = run[i];
   }
 }
+// the tile's rows in runs of consecutive rows (one per page it touches: rows of one head are contiguous within a
+// page), each copied as one contiguous source
 template <int U>
-__device__ __forceinline__ void stage_rows(const u8* kpool, const i64* rk, u8* dst, int S, int krb, int nt,
-                                           int lane) {
+__device__ __forceinline__ void stage_rows(const u8* kpool, const i64* rk, u8* dst, int S, int krb, int nt, int t0,
+                                           int bs, int lane) {
   const int W = krb / U;
-  if (rk[nt - 1] - rk[0] == (i64)(nt - 1) * krb)
-    stage_units<U, true>(kpool, rk, dst, S, W, nt * W, lane);
-  else
-    stage_units<U, false>(kpool, rk, dst, S, W, nt * W, lane);
+  for (int ja = 0; ja < nt;) {
+    const int jb = min(nt, ja + bs - (t0 + ja) % bs);
+    stage_units<U>(kpool + rk[ja], dst + 4 * S * ja, S, W, (jb - ja) * W, lane);
+    ja = jb;
+  }
 }
 
 template <int G, int C>
@@ -1011,11 +1008,11 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
     const u8* krow;
     if (staged) {
       if ((kb & 3) == 0)
-        stage_rows<4>(a.kpool, rk, ks, S, kb, nt, lane);
+        stage_rows<4>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
       else if ((kb & 1) == 0)
-        stage_rows<2>(a.kpool, rk, ks, S, kb, nt, lane);
+        stage_rows<2>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
       else
-        stage_rows<1>(a.kpool, rk, ks, S, kb, nt, lane);
+        stage_rows<1>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
       kv_syncwarp();
       krow = ks + 4 * S * min(lane, nt - 1);
     } else {
