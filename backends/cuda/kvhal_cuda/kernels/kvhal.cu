@@ -883,7 +883,7 @@ __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const fl
   }
 }
 
-// copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (4 when the row size
+// copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (8 or 4 when the row size
 // allows, else 2 or 1), consecutive lanes on consecutive units of a run of consecutive rows, four loads in flight
 // per lane; unit i of a run is unit i - j W of its row j = i / W (a multiply-high, div_w)
 template <int U>
@@ -900,10 +900,24 @@ template <>
 struct Unit<4> {
   typedef u32 T;
 };
+template <>
+struct Unit<8> {
+  typedef uint2 T;
+};
 // i / W for 0 <= i <= 32 W, W <= 4 * KV_DEC_STAGE_MAX: the high word of i * ceil(2^32 / W), exact as i * (the
 // rounding error of M, < W) stays below 2^32
 __device__ __forceinline__ int div_w(int i, u32 M, int W) {
   return W == 1 ? i : (int)(((unsigned long long)(u32)i * M) >> 32);
+}
+// a unit into a staged row (4-byte aligned: 8-byte units as two words)
+template <class T>
+__device__ __forceinline__ void put_unit(u8* p, T v) {
+  *reinterpret_cast<T*>(p) = v;
+}
+__device__ __forceinline__ void put_unit(u8* p, uint2 v) {
+  kv_check_aligned(p, 4);
+  reinterpret_cast<u32*>(p)[0] = v.x;
+  reinterpret_cast<u32*>(p)[1] = v.y;
 }
 template <int U>
 __device__ __forceinline__ void stage_units(const u8* src0, u8* dst, int S, int W, int total, int lane) {
@@ -922,12 +936,12 @@ __device__ __forceinline__ void stage_units(const u8* src0, u8* dst, int S, int 
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int i = i0 + 32 * u + lane;
-      *reinterpret_cast<T*>(dst + div_w(i, M, W) * C1 + U * i) = v[u];
+      put_unit(dst + div_w(i, M, W) * C1 + U * i, v[u]);
     }
   }
   for (int i = i0 + lane; i < total; i += 32) {
     kv_check_aligned(run + i, U);
-    *reinterpret_cast<T*>(dst + div_w(i, M, W) * C1 + U * i) = run[i];
+    put_unit(dst + div_w(i, M, W) * C1 + U * i, run[i]);
   }
 }
 // the tile's rows in runs of consecutive rows (one per page it touches: rows of one head are contiguous within a
@@ -1007,7 +1021,9 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
     kv_syncwarp();
     const u8* krow;
     if (staged) {
-      if ((kb & 3) == 0)
+      if ((kb & 7) == 0)
+        stage_rows<8>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
+      else if ((kb & 3) == 0)
         stage_rows<4>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
       else if ((kb & 1) == 0)
         stage_rows<2>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);

@@ -161,6 +161,9 @@ static inline unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int 
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
 // built with -ffp-contract=off: plain IEEE single-precision operations
 static inline float kv_fmul_rn(float a, float b) { return a * b; }
 static inline float kv_fadd_rn(float a, float b) { return a + b; }
