@@ -178,7 +178,7 @@ class CudaBackend(Backend):
             block = (plan.NUM_WARPS * 32, 1, 1)
             ptrs = (qd, pools.k[layer], pools.v[layer], meta, out, part_o, part_lse)
             g = pl.prefill
-            for name, grid, smem in plan.attention_launches(pl, Hq, D):
+            for name, grid, smem in plan.attention_launches(pl, Hq, D, cp.k.row_bytes):
                 if name == "kvhal_attn_decode":
                     args = (*ptrs, _i32(pl.tstride), _i32(pl.range_off), _i32(pl.decode_off), *shape,
                             _i32(pl.decode_group))  # fmt: skip

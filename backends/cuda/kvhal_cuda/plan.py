@@ -26,6 +26,10 @@ GRID_YZ_MAX = 65535
 # fill them
 CTAS_PER_SM = 4
 DECODE_LANE_VALUES = 16  # q and output values per lane a grouped decode CTA keeps in registers (kvhal_attn_decode)
+# KV_DEC_STAGE_MAX: decode K rows of at most this many bytes are staged in shared memory per 32-token tile (every
+# block format and fp8 up to head_dim 256, f16/bf16 to 136); wider rows (f32, f16/bf16 past 136) are read by each
+# lane straight from the pool
+DECODE_STAGE_ROW_BYTES = 272
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (launch, merge) outweighs its parallelism
 WORKSPACE_LIMIT = 256 << 20  # bytes of split partials one call may allocate
 
@@ -170,9 +174,20 @@ def decode_group(n_heads: int, n_kv_heads: int, head_dim: int) -> int:
     return next(g for g in (8, 4, 2, 1) if group % g == 0 and (g == 1 or g * chunks <= DECODE_LANE_VALUES))
 
 
-def decode_smem_bytes(head_dim: int, group: int = 1) -> int:
-    """Per-warp softmax states merged at the end of kvhal_attn_decode: [NUM_WARPS][group][head_dim + 2] f32."""
-    return 4 * NUM_WARPS * group * (head_dim + 2)
+def decode_stage_words(k_row_bytes: int) -> int:
+    """32-bit words per staged K row of kvhal_attn_decode: odd, so lane j reading word i of row j hits bank
+    (j * words + i) % 32, distinct over the 32 lanes; 0 when the rows are too wide to stage."""
+    return (_ceil(k_row_bytes, 4) | 1) if k_row_bytes <= DECODE_STAGE_ROW_BYTES else 0
+
+
+def decode_smem_bytes(head_dim: int, group: int, k_row_bytes: int) -> int:
+    """kvhal_attn_decode's shared memory: the group's pre-scaled q rows [group][head_dim rounded up to 4] f32, and
+    per warp its tile's weights [group][32] f32, K and V row offsets [32] i64 each and staged K rows
+    [32][decode_stage_words] u32; the warps' softmax states [NUM_WARPS][group][head_dim + 2] f32, merged at the
+    end, reuse the same bytes."""
+    q = 4 * group * (_ceil(head_dim, 4) * 4)
+    per_warp = 4 * group * 32 + 2 * 8 * 32 + 4 * 32 * decode_stage_words(k_row_bytes)
+    return max(q + NUM_WARPS * per_warp, 4 * NUM_WARPS * group * (head_dim + 2))
 
 
 def split_range(p: int, split_pages: int, block_size: int) -> tuple[int, int]:
@@ -369,12 +384,15 @@ def choose_hip_binary(gcn_arch: str, manifest: dict) -> KernelChoice:
     return KernelChoice("compile", base, None, f"no prebuilt code object for {base}")
 
 
-def attention_launches(plan: AttentionPlan, n_heads: int, head_dim: int) -> list[tuple[str, tuple[int, int, int], int]]:
+def attention_launches(
+    plan: AttentionPlan, n_heads: int, head_dim: int, k_row_bytes: int
+) -> list[tuple[str, tuple[int, int, int], int]]:
     """(kernel, grid, dynamic shared memory bytes) for one attention call, in launch order."""
     out = []
     if plan.n_decode:
         g = plan.decode_group
-        out.append(("kvhal_attn_decode", (plan.n_decode, n_heads // g, plan.n_splits), decode_smem_bytes(head_dim, g)))
+        smem = decode_smem_bytes(head_dim, g, k_row_bytes)
+        out.append(("kvhal_attn_decode", (plan.n_decode, n_heads // g, plan.n_splits), smem))
     if plan.n_tiles:
         out.append(("kvhal_attn_prefill", (plan.n_tiles, n_heads, plan.n_splits), plan.prefill.smem_bytes))
     if plan.n_splits > 1:
@@ -396,6 +414,7 @@ __all__ = [
     "choose_splits",
     "decode_group",
     "decode_smem_bytes",
+    "decode_stage_words",
     "grid_1d",
     "merge_splits",
     "pack_block_table",

@@ -30,6 +30,7 @@ def constants_header() -> str:
         f"#define KV_NW {plan.NUM_WARPS}  // warps per attention CTA",
         f"#define KV_MAXC {plan.MAX_HEAD_DIM // 32}  // head_dim <= 32 * KV_MAXC: output elements per lane",
         f"#define KV_RPW_MAX {plan.MAX_ROWS_PER_WARP}  // prefill query rows per warp",
+        f"#define KV_DEC_STAGE_MAX {plan.DECODE_STAGE_ROW_BYTES}  // decode K rows up to this many bytes are staged",
     ]
     return "\n".join(lines) + "\n"
 

@@ -175,6 +175,14 @@ CASES = [
     (8, 1, 64, "q4_0", "q8_0", [300, 9], [1, 1], True, None),
     (16, 2, 128, "q8_0", "q4_0", [400, 70], [1, 1], True, 50),
     (6, 2, 64, "f16", "q8_0", [300], [1], True, None),
+    # decode inner loops (kvhal_attn_decode): K rows too wide to stage read from the pool (f32 as float4, f16),
+    # an odd head_dim, odd block counts (q8_0 / q4_0 block pairs), one block per row, eight heads per CTA
+    (4, 1, 128, "f32", "fp8_e4m3", [300], [1], True, None),
+    (2, 1, 256, "f16", "f16", [100], [1], True, None),
+    (3, 1, 33, "f16", "f32", [70, 40], [1, 1], False, None),
+    (8, 1, 96, "q8_0", "q4_0", [130], [1], True, None),
+    (8, 1, 32, "q4_0", "q8_0", [200], [1], True, 77),
+    (16, 2, 64, "q8_0", "f16", [90], [1], True, None),
 ]
 
 
@@ -202,11 +210,50 @@ def test_attention(case, n_sm):
     names = [name for name, *_ in rt.launches]
     from kvhal_cuda import plan
 
-    assert all(g[1] == hq // plan.decode_group(hq, hkv, d) for name, g, *_ in rt.launches if name == "kvhal_attn_decode")
+    assert all(
+        g[1] == hq // plan.decode_group(hq, hkv, d) for name, g, *_ in rt.launches if name == "kvhal_attn_decode"
+    )
     split = any(g[2] > 1 for name, g, *_ in rt.launches if name != "kvhal_attn_merge")
     assert ("kvhal_attn_merge" in names) == split
     if n_sm == 64 and max(lens) >= 2 * 256:
         assert split, "long context on a wide GPU should split KV"
+
+
+NAN_CODE = {"fp8_e4m3": (3, b"\x7f"), "q8_0": (0, b"\x00\x7e")}  # (byte offset in the row, bytes): value 3 / block 0
+
+
+@pytest.mark.parametrize("fk,fv", [("fp8_e4m3", "q8_0"), ("q8_0", "fp8_e4m3")])
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_attention_propagates_nan_codes(fk, fv, side, q_len):
+    """A NaN in stored K or V (an fp8 0x7f code, a q8_0 block whose f16 scale is NaN: bytes no store writes but
+    write_blocks can) makes decode and prefill outputs NaN exactly where float64 attention over the loaded rows
+    is: a NaN score poisons its whole head, a NaN V value its output element."""
+    rng = np.random.default_rng(4)
+    a, _ = make(fk, fv, heads=2, dim=64, bs=16, cap=640, n_sm=64)  # 600 tokens: split KV, merged
+    s = a.new_seq()
+    k, v = rng.standard_normal((600, 2, 64), dtype=np.float32), rng.standard_normal((600, 2, 64), dtype=np.float32)
+    a.store(s, 0, k, v)
+    spec = a.spec
+    off, code = NAN_CODE[fk if side == "k" else fv]
+    row = spec.k_row_bytes if side == "k" else spec.v_row_bytes
+    base = 0 if side == "k" else spec.page_nbytes("k")
+    ids = np.arange(a.n_blocks)
+    blocks = a.backend.read_blocks(a.pools, ids)
+    start = base + (spec.block_size + 5) * row + off  # head 1, offset 5 of every page: tokens 5, 21, ...
+    blocks[:, start : start + len(code)] = np.frombuffer(code, np.uint8)
+    a.backend.write_blocks(a.pools, ids, blocks)
+    kl, vl = (kvhal.to_numpy(x) for x in a.load(s, 0))
+    q = rng.standard_normal((q_len, 4, 64), dtype=np.float32)
+    rt = a.backend._rt
+    rt.launches.clear()
+    out = kvhal.to_numpy(a.attention(0, q, [s], [q_len]))
+    assert "kvhal_attn_merge" in [name for name, *_ in rt.launches]
+    want = attention_f64(q, [kl], [vl], [q_len])
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    fin = ~np.isnan(want)
+    assert float(np.abs(out[fin] - want[fin]).max()) <= 2e-6
 
 
 def test_splits_do_not_change_decode_beyond_rounding():

@@ -89,7 +89,6 @@ def test_prefill_geometry_fits_and_is_bank_conflict_free(d):
     banks = {(j * g.k_stride) % 32 for j in range(min(32, g.tile_tokens))}
     assert len(banks) == min(32, g.tile_tokens)
     assert 1 <= g.rows_per_warp <= plan.MAX_ROWS_PER_WARP and g.tile_tokens <= 32
-    assert plan.decode_smem_bytes(d) <= plan.SMEM_LIMIT
     if d <= 128:
         assert (g.tile_tokens, g.rows_per_warp) == (32, 4)
 
@@ -157,7 +156,7 @@ def test_plan_routes_every_row_once(seed):
     for s, r in u["decode"]:
         assert qls[s] == 1 and r == u["q_start"][s]
     assert p.meta.dtype == np.int32 and p.n_rows == qls.sum()
-    launches = plan.attention_launches(p, 8, 128)
+    launches = plan.attention_launches(p, 8, 128, 136)
     assert all(g[1] == 8 and g[2] <= plan.GRID_YZ_MAX for _, g, _ in launches)
     assert (launches[-1][0] == "kvhal_attn_merge") == (p.n_splits > 1)
 
@@ -169,7 +168,30 @@ def test_decode_group_shares_kv_rows_within_the_register_budget():
     for (hq, hkv, d), g in cases.items():
         assert plan.decode_group(hq, hkv, d) == g, (hq, hkv, d)
         assert g == 1 or g * -(-d // 32) <= plan.DECODE_LANE_VALUES
-    assert plan.decode_smem_bytes(128, 4) == 4 * plan.decode_smem_bytes(128) <= plan.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("d", [1, 8, 32, 33, 40, 64, 96, 128, 136, 160, 256])
+def test_decode_smem_fits_every_format_and_group(d):
+    """q rows, per-warp tile buffers and staged K rows (the warp merge reuses them) fit 48 KiB for every K format
+    and every group decode_group picks; staged rows have an odd word stride, so the 32 lanes reading word i of
+    their own row hit 32 distinct banks; rows past DECODE_STAGE_ROW_BYTES are not staged."""
+    for fmt in formats.names():
+        f = formats.get(fmt)
+        if f.k_page is not None or d % f.block_len:
+            continue
+        row = d // f.block_len * f.block_bytes
+        words = plan.decode_stage_words(row)
+        if row <= plan.DECODE_STAGE_ROW_BYTES:
+            assert words % 2 == 1 and 4 * words >= row
+            assert len({(j * words) % 32 for j in range(32)}) == 32
+        else:
+            assert words == 0 and fmt in ("f32", "f16", "bf16")
+        for hq in (8, 16, 32, 64):
+            g = plan.decode_group(hq, 1, d)
+            smem = plan.decode_smem_bytes(d, g, row)
+            q, warp = 4 * g * (-(-d // 4) * 4), 4 * g * 32 + 2 * 8 * 32 + 4 * 32 * words
+            assert smem == max(q + plan.NUM_WARPS * warp, 4 * plan.NUM_WARPS * g * (d + 2)) <= plan.SMEM_LIMIT
+            assert plan.CTAS_PER_SM * smem <= 228 * 1024  # 4 CTAs per SM stay viable (sm_90: 228 KiB per SM)
 
 
 def test_split_heuristic():

@@ -561,102 +561,513 @@ __device__ __forceinline__ void emit(const AttnArgs& a, int R, int Hq, int D, in
   }
 }
 
-// this lane's elements e = lane + 32c (c < C) of a stored row, 0 past D; the format resolved once per row
-template <int F, int C>
-__device__ __forceinline__ void row_lane_f(const u8* row, int lane, int D, float (&x)[C]) {
+// ---- decode ---------------------------------------------------------------------------------------------
+//
+// Per 32-token tile a warp (1) stages the tile's K rows in shared memory with a coalesced copy, (2) scores
+// with lanes over tokens: lane j takes token j's whole row against the G pre-scaled q vectors (broadcast
+// reads of shared memory), so a score needs no cross-lane reduction, (3) runs one online-softmax step per
+// head and (4) accumulates V with lanes over head_dim, VW consecutive elements per lane load. Block formats
+// multiply by their scale once per block (K) or per lane load (V). Integer codes become floats exactly
+// through the exponent trick: the bits 0x4B000000 | u are the float 2^23 + u (u < 2^23), so one byte
+// select / OR and one subtraction replace a conversion instruction (a quarter-rate pipe on NVIDIA GPUs).
+
+__device__ __forceinline__ u32 lds32(const u8* p) {  // a 4-byte aligned 32-bit load (global or shared)
+  kv_check_aligned(p, 4);
+  return *reinterpret_cast<const u32*>(p);
+}
+// byte k of w as a float: 2^23 + byte - bias, exact; one PRMT ({byte k, 0, 0, 0x4B}) and one FADD
+__device__ __forceinline__ float byte_f(u32 w, int k, float bias) {
+  return kv_u32_as_f32(kv_prmt(w, 0x4B000000u, 0x7540u | (u32)k)) - bias;
+}
+__device__ __forceinline__ float lo16_f16(u32 w) { return kv_f16_to_f32((u16)(w & 0xffffu)); }
+__device__ __forceinline__ float hi16_f16(u32 w) { return kv_f16_to_f32((u16)(w >> 16)); }
+// an fp8 e4m3 code as its value * 2^-120: sign, exponent and mantissa moved into place, subnormals included
+// (f32 subnormals, exact; callers scale by 2^120 once). 0x7f / 0xff (NaN in the spec) are caught by e4m3_nan.
+__device__ __forceinline__ float e4m3_scaled(u32 w, int k) {
+  const u32 b = (w >> (8 * k)) & 0xffu;
+  return kv_u32_as_f32(((b >> 7) << 31) | ((b & 0x7fu) << (23 - 3)));
+}
+// nonzero when a byte of w is 0x7f or 0xff
+__device__ __forceinline__ u32 e4m3_nan(u32 w) {
+  const u32 t = (w & 0x7f7f7f7fu) ^ 0x7f7f7f7fu;  // a zero byte where w's byte was x7f
+  return (t - 0x01010101u) & ~t & 0x80808080u;
+}
+#define KV_2P120 1.329227995784916e36f  // 2^120
+
+template <int G>
+struct QView {  // the G pre-scaled q rows in shared memory, [G][Dq] with Dq a multiple of 4
+  const float* q;
+  int Dq;
+  __device__ __forceinline__ float4 at4(int g, int e) const {
+    return *reinterpret_cast<const float4*>(q + g * Dq + e);
+  }
+  __device__ __forceinline__ float at(int g, int e) const { return q[g * Dq + e]; }
+};
+
+// t[g] += q[g][e..e+3] . x[0..3]
+template <int G>
+__device__ __forceinline__ void dot4(const QView<G>& q, int e, const float (&x)[4], float (&t)[G]) {
 #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int e = lane + 32 * c;
-    x[c] = 0.0f;
-    if (e < D) x[c] = deq<F>(row, e);
+  for (int g = 0; g < G; ++g) {
+    const float4 v = q.at4(g, e);
+    t[g] += v.x * x[0];  // one FMA each (a sum of the four products first would add an FADD)
+    t[g] += v.y * x[1];
+    t[g] += v.z * x[2];
+    t[g] += v.w * x[3];
   }
 }
-template <int C>
-__device__ __forceinline__ void row_lane(int fmt, const u8* row, int lane, int D, float (&x)[C]) {
-#define KV_ROW(F) row_lane_f<F, C>(row, lane, D, x); return
-  KV_DISPATCH(fmt, KV_ROW)
-#undef KV_ROW
+
+// scores of one K row (lane's own token) against the G heads, value by value through deq<F>: every format,
+// any alignment, elements [e0, D)
+template <int G, int F>
+__device__ __forceinline__ void k_generic(const u8* row, const QView<G>& q, int e0, int D, float (&sc)[G]) {
+#pragma unroll 1
+  for (int e = e0; e < D; ++e) {
+    const float x = deq<F>(row, e);
+#pragma unroll
+    for (int g = 0; g < G; ++g) sc[g] += q.at(g, e) * x;
+  }
 }
 
-// G query heads (h0 .. h0 + G - 1, one KV head's) of one decode row and split: every K and V row is read and
-// dequantized once for all G, its C 32-element chunks per lane in registers.
+// q8_0: 34-byte blocks, so a pair of blocks is 17 aligned words: block b's scale in the low half of word 0,
+// its codes from the high half of word 0 to the low half of word 8; block b+1's scale in the high half of
+// word 8, its codes in words 9..16. Needs a 4-byte aligned row (staged) and reads up to the pair's 68th byte
+// (inside the staged stride).
+static_assert(KV_Q8_0_BLOCK_BYTES == 2 + KV_Q8_0_BLOCK_LEN && KV_Q4_0_BLOCK_BYTES == 2 + KV_Q4_0_BLOCK_LEN / 2,
+              "k_q8_0 / k_q4_0 read block pairs as aligned words: an f16 scale then the codes");
+// code word i (bytes 4i .. 4i + 3) of a block whose codes start at p, 4-byte aligned or (HALF) 2 bytes past
+template <bool HALF>
+__device__ __forceinline__ u32 code_word(const u8* p, int i) {
+  if (!HALF) return lds32(p + 4 * i);
+  const u8* a = p - 2 + 4 * i;
+  return (lds32(a) >> 16) | (lds32(a + 4) << 16);
+}
+// the loops over a block's words stay (mostly) rolled: unrolled, the compiler hoists every q load of
+// the block and runs out of registers
+template <int G, bool HALF>
+__device__ __forceinline__ void k_q8_block(const u8* codes, float d, const QView<G>& q, int e, float (&sc)[G]) {
+  float t[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) t[g] = 0.0f;
+#pragma unroll 2
+  for (int i = 0; i < 8; ++i) {
+    const u32 w = code_word<HALF>(codes, i) ^ 0x80808080u;  // signed byte + 128
+    const float x[4] = {byte_f(w, 0, 8388736.0f), byte_f(w, 1, 8388736.0f), byte_f(w, 2, 8388736.0f),
+                        byte_f(w, 3, 8388736.0f)};
+    dot4(q, e + 4 * i, x, t);
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) sc[g] += t[g] * d;
+}
+template <int G>
+__device__ __forceinline__ void k_q8_0(const u8* row, const QView<G>& q, int D, float (&sc)[G]) {
+  const int nb = D >> 5;
+#pragma unroll 1
+  for (int b = 0; b < nb; b += 2) {
+    const u8* p = row + 2 * KV_Q8_0_BLOCK_BYTES * (b >> 1);
+    k_q8_block<G, true>(p + 2, lo16_f16(lds32(p)), q, 32 * b, sc);
+    if (b + 1 < nb) k_q8_block<G, false>(p + KV_Q8_0_BLOCK_BYTES + 2, hi16_f16(lds32(p + 32)), q, 32 * (b + 1), sc);
+  }
+}
+
+// q4_0: 18-byte blocks, a pair is 9 aligned words (scale, 16 code bytes; scale, 16 code bytes): block b's
+// codes from the high half of word 0 to the low half of word 4, block b+1's scale in the high half of word 4
+// and its codes in words 5..8. Value j in the low nibble of byte j, value j + 16 in its high nibble.
+template <int G, bool HALF>
+__device__ __forceinline__ void k_q4_block(const u8* codes, float d, const QView<G>& q, int e, float (&sc)[G]) {
+  float t[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) t[g] = 0.0f;
+#pragma unroll 1
+  for (int i = 0; i < 4; ++i) {
+    const u32 c = code_word<HALF>(codes, i);
+    const u32 lo = c & 0x0f0f0f0fu, hi = (c >> 4) & 0x0f0f0f0fu;
+    const float xl[4] = {byte_f(lo, 0, 8388616.0f), byte_f(lo, 1, 8388616.0f), byte_f(lo, 2, 8388616.0f),
+                         byte_f(lo, 3, 8388616.0f)};
+    const float xh[4] = {byte_f(hi, 0, 8388616.0f), byte_f(hi, 1, 8388616.0f), byte_f(hi, 2, 8388616.0f),
+                         byte_f(hi, 3, 8388616.0f)};
+    dot4(q, e + 4 * i, xl, t);
+    dot4(q, e + 16 + 4 * i, xh, t);
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) sc[g] += t[g] * d;
+}
+template <int G>
+__device__ __forceinline__ void k_q4_0(const u8* row, const QView<G>& q, int D, float (&sc)[G]) {
+  const int nb = D >> 5;
+#pragma unroll 1
+  for (int b = 0; b < nb; b += 2) {
+    const u8* p = row + 2 * KV_Q4_0_BLOCK_BYTES * (b >> 1);
+    k_q4_block<G, true>(p + 2, lo16_f16(lds32(p)), q, 32 * b, sc);
+    if (b + 1 < nb) k_q4_block<G, false>(p + KV_Q4_0_BLOCK_BYTES + 2, hi16_f16(lds32(p + 16)), q, 32 * (b + 1), sc);
+  }
+}
+
+// fp8_e4m3: four codes per word, products taken at 2^-120 scale (f32 subnormal codes stay exact; a product
+// that underflows loses at most 2^-149 * 2^120 = 2^-29 of the score), rescaled once; a NaN code makes the
+// score NaN as deq's would. Row 4-byte aligned (staged).
+template <int G>
+__device__ __forceinline__ void k_fp8_e4m3(const u8* row, const QView<G>& q, int D, float (&sc)[G]) {
+  float t[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) t[g] = 0.0f;
+  u32 nan = 0;
+  const int D4 = D & ~3;
+#pragma unroll 1
+  for (int e = 0; e < D4; e += 4) {
+    const u32 w = lds32(row + e);
+    nan |= e4m3_nan(w);
+    const float x[4] = {e4m3_scaled(w, 0), e4m3_scaled(w, 1), e4m3_scaled(w, 2), e4m3_scaled(w, 3)};
+    dot4(q, e, x, t);
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) sc[g] += nan ? kv_nan() : t[g] * KV_2P120;
+  k_generic<G, KV_FP8_E4M3>(row, q, D4, D, sc);
+}
+
+// f16: two values per word (the row is 4-byte aligned when D is even: staged, or straight from the pool)
+template <int G>
+__device__ __forceinline__ void k_f16(const u8* row, const QView<G>& q, int D, float (&sc)[G]) {
+  const int D4 = (D & 1) ? 0 : D & ~3;
+#pragma unroll 1
+  for (int e = 0; e < D4; e += 4) {
+    const u32 a = lds32(row + 2 * e), b = lds32(row + 2 * e + 4);
+    const float x[4] = {lo16_f16(a), hi16_f16(a), lo16_f16(b), hi16_f16(b)};
+    dot4(q, e, x, sc);
+  }
+  k_generic<G, KV_F16>(row, q, D4, D, sc);
+}
+
+// f32: float4 loads for a row read straight from the pool when 16-byte aligned, words otherwise (staged)
+template <int G>
+__device__ __forceinline__ void k_f32(const u8* row, const QView<G>& q, int D, bool vec, float (&sc)[G]) {
+  const int D4 = D & ~3;
+#pragma unroll 1
+  for (int e = 0; e < D4; e += 4) {
+    float x[4];
+    if (vec) {
+      kv_check_aligned(row + 4 * e, 16);
+      const float4 v = *reinterpret_cast<const float4*>(row + 4 * e);
+      x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = kv_u32_as_f32(lds32(row + 4 * (e + i)));
+    }
+    dot4(q, e, x, sc);
+  }
+  k_generic<G, KV_F32>(row, q, D4, D, sc);
+}
+
+template <int G>
+__device__ __forceinline__ void k_scores_g(int fmt, const u8* row, bool staged, const QView<G>& q, int D,
+                                           float (&sc)[G]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+  switch (fmt) {
+    case KV_Q8_0: k_q8_0(row, q, D, sc); return;
+    case KV_Q4_0: k_q4_0(row, q, D, sc); return;
+    case KV_FP8_E4M3: k_fp8_e4m3(row, q, D, sc); return;
+    case KV_F16: k_f16(row, q, D, sc); return;
+    case KV_F32: k_f32(row, q, D, !staged && (D & 3) == 0, sc); return;
+    default: break;
+  }
+#define KV_KGEN(F) k_generic<G, F>(row, q, 0, D, sc); return
+  KV_DISPATCH(fmt, KV_KGEN)
+#undef KV_KGEN
+}
+// eight heads take two passes of four over the row: one pass would hold twice the q values in flight, more
+// than the registers left beside the accumulators
+template <int G>
+__device__ __forceinline__ void k_scores(int fmt, const u8* row, bool staged, const QView<G>& q, int D,
+                                         float (&sc)[G]) {
+  if constexpr (G <= 4) {
+    k_scores_g<G>(fmt, row, staged, q, D, sc);
+  } else {
+#pragma unroll
+    for (int h = 0; h < G; h += 4) {
+      float s4[4];
+      k_scores_g<4>(fmt, row, staged, QView<4>{q.q + h * q.Dq, q.Dq}, D, s4);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) sc[h + g] = s4[g];
+    }
+  }
+}
+
+// V values e0 .. e0 + VW - 1 of a row (e0 a multiple of VW, VW in 1, 2, 4, all < D): one or two loads per
+// lane for the specialized formats, the block scale applied once per load
+template <int F, int VW>
+__device__ __forceinline__ void v_vals(const u8* row, int e0, float* x) {
+  if (F == KV_Q8_0 || F == KV_Q4_0) {
+    const bool q8 = F == KV_Q8_0;
+    const u8* b = row + (e0 >> 5) * (q8 ? KV_Q8_0_BLOCK_BYTES : KV_Q4_0_BLOCK_BYTES);
+    const float d = ldf16(b);
+    const int o = e0 & 31;
+    const u8* c = b + 2 + (q8 ? o : (o & 15));  // even for VW >= 2: blocks and rows are even-sized
+    const u32 w = VW == 4 ? ld32_2(c) : VW == 2 ? (u32)ld16(c) : (u32)c[0];
+    if (q8) {
+#pragma unroll
+      for (int i = 0; i < VW; ++i) x[i] = byte_f(w ^ 0x80808080u, i, 8388736.0f) * d;
+    } else {  // values o .. o + VW - 1: all low or all high nibbles of consecutive bytes
+      const u32 n = (w >> (4 * (o >> 4))) & 0x0f0f0f0fu;
+#pragma unroll
+      for (int i = 0; i < VW; ++i) x[i] = byte_f(n, i, 8388616.0f) * d;
+    }
+  } else if (F == KV_FP8_E4M3) {
+    const u8* c = row + e0;
+    const u32 w = VW == 4 ? ld32_2(c) : VW == 2 ? (u32)ld16(c) : (u32)c[0];  // bytes past VW are 0: not NaN
+#pragma unroll
+    for (int i = 0; i < VW; ++i) x[i] = e4m3_scaled(w, i) * KV_2P120;
+    if (e4m3_nan(w)) {
+#pragma unroll
+      for (int i = 0; i < VW; ++i) x[i] = deq<F>(row, e0 + i);
+    }
+  } else if (F == KV_F16 && VW > 1) {
+#pragma unroll
+    for (int i = 0; i < VW; i += 2) {
+      const u32 w = lds32(row + 2 * (e0 + i));
+      x[i] = lo16_f16(w);
+      x[i + 1] = hi16_f16(w);
+    }
+  } else if (F == KV_F32) {
+#pragma unroll
+    for (int i = 0; i < VW; ++i) x[i] = kv_u32_as_f32(lds32(row + 4 * (e0 + i)));
+  } else {
+#pragma unroll
+    for (int i = 0; i < VW; ++i) x[i] = deq<F>(row, e0 + i);
+  }
+}
+
+// the lane's V elements: group k of VW consecutive values at e = 32 VW k + VW lane (block formats: inside one
+// 32-value block, as D is a multiple of 32 for them)
+template <int C>
+__device__ __forceinline__ int v_elem(int lane, int c) {
+  constexpr int VW = C < 4 ? C : 4;
+  return (c / VW) * 32 * VW + lane * VW + c % VW;
+}
+
+// acc[g][c] += p_j[g] * V_j[c] over the tile's tokens; p in ps[g][32] (0 past nt), V row offsets in rv[32]
+// (clamped to a visible token past nt, so every load is in bounds); f16 needs an even D (4-byte aligned
+// rows), as every block format's V groups lie in one block
+template <int G, int C, int F>
+__device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const float* ps, int nt, int lane, int D,
+                                        float (&acc)[G][C]) {
+  constexpr int VW = C < 4 ? C : 4;
+  // tokens per step (their loads in flight together): 2 for the specialized formats, 1 for deq's; more do not
+  // fit in registers beside the accumulators
+  constexpr int VJ = (F == KV_Q8_0 || F == KV_Q4_0 || F == KV_FP8_E4M3 || F == KV_F16 || F == KV_F32) ? 2 : 1;
+  // D a multiple of VW (always for block formats): a lane's groups are wholly inside or outside the row, and a
+  // group past D reads group 0 instead (in bounds; its sums are never written), so no branch per token
+  const bool fast = D % VW == 0;
+  for (int j0 = 0; j0 < nt; j0 += VJ) {
+#pragma unroll
+    for (int jj = 0; jj < VJ; ++jj) {
+      const u8* row = vpool + rv[j0 + jj];
+      float x[C];
+#pragma unroll
+      for (int k = 0; k < C / VW; ++k) {
+        const int e0 = k * 32 * VW + lane * VW;
+        if (fast) {
+          v_vals<F, VW>(row, e0 < D ? e0 : 0, x + k * VW);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VW; ++i) x[k * VW + i] = e0 + i < D ? deq<F>(row, e0 + i) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = ps[32 * g + j0 + jj];
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[g][c] += p * x[c];
+      }
+    }
+  }
+}
+
+// copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (8 or 4 when the row size
+// allows, else 2 or 1), consecutive lanes on consecutive units of a run of consecutive rows, four loads in flight
+// per lane; unit i of a run is unit i - j W of its row j = i / W (a multiply-high, div_w)
+template <int U>
+struct Unit;
+template <>
+struct Unit<1> {
+  typedef u8 T;
+};
+template <>
+struct Unit<2> {
+  typedef u16 T;
+};
+template <>
+struct Unit<4> {
+  typedef u32 T;
+};
+template <>
+struct Unit<8> {
+  typedef uint2 T;
+};
+// i / W for 0 <= i <= 32 W, W <= 4 * KV_DEC_STAGE_MAX: the high word of i * ceil(2^32 / W), exact as i * (the
+// rounding error of M, < W) stays below 2^32
+__device__ __forceinline__ int div_w(int i, u32 M, int W) {
+  return W == 1 ? i : (int)(((unsigned long long)(u32)i * M) >> 32);
+}
+// a unit into a staged row (4-byte aligned: 8-byte units as two words)
+template <class T>
+__device__ __forceinline__ void put_unit(u8* p, T v) {
+  *reinterpret_cast<T*>(p) = v;
+}
+__device__ __forceinline__ void put_unit(u8* p, uint2 v) {
+  kv_check_aligned(p, 4);
+  reinterpret_cast<u32*>(p)[0] = v.x;
+  reinterpret_cast<u32*>(p)[1] = v.y;
+}
+template <int U>
+__device__ __forceinline__ void stage_units(const u8* src0, u8* dst, int S, int W, int total, int lane) {
+  typedef typename Unit<U>::T T;
+  const T* run = reinterpret_cast<const T*>(src0);
+  const u32 M = 0xffffffffu / (u32)W + 1u;  // ceil(2^32 / W) for W > 1
+  const int C1 = 4 * S - U * W;              // unit i of row j = i / W lands at byte j C1 + U i
+  int i0 = 0;
+  for (; i0 + 128 <= total; i0 += 128) {
+    T v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      kv_check_aligned(run + i0 + 32 * u + lane, U);
+      v[u] = run[i0 + 32 * u + lane];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + 32 * u + lane;
+      put_unit(dst + div_w(i, M, W) * C1 + U * i, v[u]);
+    }
+  }
+  for (int i = i0 + lane; i < total; i += 32) {
+    kv_check_aligned(run + i, U);
+    put_unit(dst + div_w(i, M, W) * C1 + U * i, run[i]);
+  }
+}
+// the tile's rows in runs of consecutive rows (one per page it touches: rows of one head are contiguous within a
+// page), each copied as one contiguous source
+template <int U>
+__device__ __forceinline__ void stage_rows(const u8* kpool, const i64* rk, u8* dst, int S, int krb, int nt, int t0,
+                                           int bs, int lane) {
+  const int W = krb / U;
+  for (int ja = 0; ja < nt;) {
+    const int jb = min(nt, ja + bs - (t0 + ja) % bs);
+    stage_units<U>(kpool + rk[ja], dst + 4 * S * ja, S, W, (jb - ja) * W, lane);
+    ja = jb;
+  }
+}
+
 template <int G, int C>
-__device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int tstride, int range_off, int dec_off,
+__device__ __forceinline__ void v_dispatch(int fmt, const u8* vpool, const i64* rv, const float* ps, int nt, int lane,
+                                           int D, float (&acc)[G][C]) {
+#define KV_VACC(F) v_accum<G, C, F>(vpool, rv, ps, nt, lane, D, acc); return
+  KV_DISPATCH(fmt, KV_VACC)
+#undef KV_VACC
+}
+
+// G query heads (h0 .. h0 + G - 1, one KV head's) of one decode row and split. Shared memory
+// (plan.decode_smem_bytes): q [G][Dq] | per warp: p [G][32], K and V row offsets [32] each, staged K rows
+// [32][S words] (S odd: lane j reading word i of row j hits bank (jS + i) mod 32, all distinct; none when
+// the rows exceed KV_DEC_STAGE_MAX and lanes read them from the pool); the warp merge [KV_NW][G][D + 2]
+// reuses it from offset 0 after a barrier.
+// noinline, one function per G: inlined into one kernel, ptxas allocates registers over the four variants together
+// and spills where each alone fits; the call costs nothing once per CTA (arguments in registers, no stack)
+template <int G, int C>
+__device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tstride, int range_off, int dec_off,
                                              int R, int Hq, int Hkv, int D, int bs, int krb, int vrb, int kfmt,
                                              int vfmt, float scale, int split_pages, int n_splits) {
   const int w = blockIdx.x, h0 = blockIdx.y * G, p = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int s = a.meta[dec_off + 2 * w], r = a.meta[dec_off + 2 * w + 1];
+  const int r = a.meta[dec_off + 2 * w + 1];  // the sequence, meta[dec_off + 2 w], is read per tile
   const int lo = a.meta[range_off + r], hi = a.meta[range_off + R + r];
   const int a0 = max(lo, p * split_pages * bs), b0 = min(hi, (p + 1) * split_pages * bs);
-  const int hk = h0 / (Hq / Hkv);
-  const int* trow = a.meta + (i64)s * tstride;
-
-  float qv[G][C], acc[G][C], m[G], l[G];
+  {
+    const int Dq = (D + 3) & ~3;
+    for (int i = threadIdx.x; i < G * Dq; i += blockDim.x) {
+      const int g = i / Dq, e = i - g * Dq;
+      smem[i] = e < D ? a.q[((i64)r * Hq + h0 + g) * D + e] * scale : 0.0f;
+    }
+  }
+  // head g's running max and sum live in lane g (registers are what the K and V loops need)
+  float acc[G][C], ml = kv_neg_inf(), ll = 0.0f;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const float* qr = a.q + ((i64)r * Hq + h0 + g) * D;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int e = lane + 32 * c;
-      qv[g][c] = e < D ? qr[e] * scale : 0.0f;
-      acc[g][c] = 0.0f;
-    }
-    m[g] = kv_neg_inf();
-    l[g] = 0.0f;
+    for (int c = 0; c < C; ++c) acc[g][c] = 0.0f;
   }
-  for (int t0 = a0 + 32 * warp; t0 < b0; t0 += 32 * KV_NW) {
+  __syncthreads();
+
+  for (int t0 = a0 + 32 * (int)(threadIdx.x >> 5); t0 < b0; t0 += 32 * KV_NW) {
     const int nt = min(32, b0 - t0);  // >= 1, and every token of [t0, t0 + nt) is visible to row r
-    float sc[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) sc[g] = kv_neg_inf();
-    for (int j = 0; j < nt; ++j) {
-      float x[C];
-      row_lane<C>(kfmt, a.kpool + token_offset(trow, t0 + j, hk, Hkv, bs, krb), lane, D, x);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float d = 0.0f;
-#pragma unroll
-        for (int c = 0; c < C; ++c) d += qv[g][c] * x[c];
-        d = warp_sum(d);
-        if (lane == j) sc[g] = d;
-      }
+    // Everything below that does not change over the loop is rederived per tile from opaque sources (kv_lane and
+    // co., platform.h; a few instructions per 32 tokens): hoisted for every format's path, it would not fit in
+    // registers beside the accumulators.
+    const int lane = kv_lane(), warp = kv_tid_x() >> 5, kb = kv_opaque(krb);
+    const int Dq = (kv_opaque(D) + 3) & ~3;
+    const bool staged = kb <= KV_DEC_STAGE_MAX;
+    const int S = staged ? ((kb + 3) >> 2) | 1 : 0;
+    const int hk = kv_ctaid_y() * G / (Hq / Hkv);
+    const int* trow = a.meta + (i64)a.meta[dec_off + 2 * kv_ctaid_x()] * tstride;
+    float* ps = smem + G * Dq + warp * (G * 32 + 128 + 32 * S);  // see above: q | per warp p, rk, rv, K rows
+    i64* rk = reinterpret_cast<i64*>(ps + G * 32);
+    i64* rv = rk + 32;
+    u8* ks = reinterpret_cast<u8*>(rv + 32);
+    const QView<G> qv{smem, Dq};
+    {  // lane j: token t0 + j's row, clamped to the tile's last token
+      const int t = t0 + min(lane, nt - 1), page = t / bs;
+      const i64 row = ((i64)trow[page] * Hkv + hk) * bs + (t - page * bs);
+      rk[lane] = row * (i64)(u32)krb;  // zero-extended: no register for a sign word
+      rv[lane] = row * (i64)(u32)vrb;
     }
-    float pr[G];  // lane j: token j's weight under each head's new running max
+    kv_syncwarp();
+    const u8* krow;
+    if (staged) {
+      if ((kb & 7) == 0)
+        stage_rows<8>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
+      else if ((kb & 3) == 0)
+        stage_rows<4>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
+      else if ((kb & 1) == 0)
+        stage_rows<2>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
+      else
+        stage_rows<1>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
+      kv_syncwarp();
+      krow = ks + 4 * S * min(lane, nt - 1);
+    } else {
+      krow = a.kpool + rk[lane];
+    }
+    float sc[G];
+    k_scores<G>(kfmt, krow, staged, qv, D, sc);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float mn = fmaxf(m[g], warp_max(sc[g]));
-      const float alpha = expf(m[g] - mn);  // m = -inf on the first tile: 0
-      pr[g] = expf(sc[g] - mn);
-      l[g] = l[g] * alpha + warp_sum(pr[g]);
+      if (lane >= nt) sc[g] = kv_neg_inf();
+      const float m = kv_shfl(ml, g);
+      const float mn = fmaxf(m, warp_max(sc[g]));
+      const float alpha = expf(m - mn);  // m = -inf on the first tile: 0
+      const float pr = expf(sc[g] - mn);  // lane j: token j's weight under the head's new running max
+      const float l = kv_shfl(ll, g) * alpha + warp_sum(pr);
 #pragma unroll
       for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
-      m[g] = mn;
+      if (lane == g) ml = mn, ll = l;
+      ps[32 * g + lane] = pr;
     }
-    for (int j = 0; j < nt; ++j) {
-      float x[C];
-      row_lane<C>(vfmt, a.vpool + token_offset(trow, t0 + j, hk, Hkv, bs, vrb), lane, D, x);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float pj = kv_shfl(pr[g], j);
-#pragma unroll
-        for (int c = 0; c < C; ++c) acc[g][c] += pj * x[c];
-      }
-    }
+    kv_syncwarp();
+    v_dispatch<G, C>(vfmt, a.vpool, rv, ps, nt, lane, D, acc);
+    kv_syncwarp();  // every lane is done with rk, rv, ps and the staged rows before the next tile
   }
 
   // merge the warps: smem [KV_NW][G][D + 2] = acc, m, l
+  __syncthreads();  // the merge area overlaps the tile buffers
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     float* mine = smem + (warp * G + g) * (D + 2);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int e = lane + 32 * c;
+      const int e = v_elem<C>(lane, c);
       if (e < D) mine[e] = acc[g][c];
     }
-    if (lane == 0) {
-      mine[D] = m[g];
-      mine[D + 1] = l[g];
+    if (lane == g) {
+      mine[D] = ml;
+      mine[D + 1] = ll;
     }
   }
   __syncthreads();
@@ -674,16 +1085,19 @@ __device__ __forceinline__ void decode_heads(const AttnArgs& a, float* smem, int
         const float mu = smem[(u * G + g) * (D + 2) + D];
         if (mu != kv_neg_inf()) o += smem[(u * G + g) * (D + 2) + e] * expf(mu - M);
       }
-      const bool any = L > 0.0f;  // false only for a split past this row's visible range
+      // false only for a split past this row's visible range (L >= 1 otherwise); a NaN score makes L NaN,
+      // and the output NaN as float64 attention's
+      const bool any = L != 0.0f;
       emit(a, R, Hq, D, n_splits, p, r, h0 + g, e, any ? o / L : 0.0f, any ? M + logf(L) : kv_neg_inf(), e == 0);
     }
   }
 }
 
 // Decode: one CTA per (query row, group of G query heads of one KV head, split); its warps take interleaved
-// 32-token tiles, read K/V straight from the pages (lanes over head_dim), each row once for the G heads, and
-// merge their softmax states at the end. grid (n_decode, Hq / G, n_splits), block KV_NW * 32, dynamic smem
-// plan.decode_smem_bytes(D, G); G = plan.decode_group(): 8, 4 or 2 with G * ceil(D / 32) <= 16, else 1.
+// 32-token tiles (decode_heads: K staged and scored lanes over tokens, V lanes over head_dim), each row read
+// once for the G heads, and merge their softmax states at the end. grid (n_decode, Hq / G, n_splits), block
+// KV_NW * 32, dynamic smem plan.decode_smem_bytes(D, G, k_row_bytes); G = plan.decode_group(): 8, 4 or 2 with
+// G * ceil(D / 32) <= 16, else 1.
 extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
     kvhal_attn_decode(const float* __restrict__ q, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
                       const int* __restrict__ meta, float* __restrict__ out, float* __restrict__ part_o,
@@ -775,7 +1189,7 @@ extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
   for (int u = 0; u < KV_RPW_MAX; ++u) {
     const int k = warp + KV_NW * u;
     if (u >= rpw || k >= nr) continue;
-    const bool any = l[u] > 0.0f;
+    const bool any = l[u] != 0.0f;  // 0: nothing visible in this split; NaN (a NaN score) stays NaN
     const float lse = any ? m[u] + logf(l[u]) : kv_neg_inf();
 #pragma unroll
     for (int c = 0; c < KV_MAXC; ++c) {
@@ -804,6 +1218,6 @@ extern "C" __global__ void kvhal_attn_merge(const float* __restrict__ part_o, co
       const float lse = part_lse[p * stride + rh];
       if (lse != kv_neg_inf()) o += expf(lse - M) * part_o[(p * stride + rh) * D + e];
     }
-    out[rh * D + e] = wsum > 0.0f ? o / wsum : 0.0f;
+    out[rh * D + e] = wsum != 0.0f ? o / wsum : 0.0f;  // a NaN split (NaN score) gives NaN
   }
 }

@@ -2,8 +2,8 @@
 // It includes "kvhal.cu" as kvhal_cuda.source.kernel_source() writes it (constants generated, platform.h
 // inlined, which adds nothing under KVHAL_EMULATE).
 //
-// Every GPU thread is a fiber (ucontext); one CTA runs at a time. Shuffles and __syncthreads are the
-// only points where fibers switch, so warp-synchronous code runs as on hardware. The emulator is
+// Every GPU thread is a fiber (ucontext); one CTA runs at a time. Shuffles, kv_syncwarp and __syncthreads
+// are the only points where fibers switch, so warp-synchronous code runs as on hardware. The emulator is
 // strict where CUDA is undefined: a shuffle that not all 32 lanes of a warp reach, or a barrier that
 // lanes of one warp reach while others wait on a shuffle, is an error, not a silent result.
 #include <ucontext.h>
@@ -22,6 +22,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 
 struct emu_dim3 {
@@ -143,6 +144,26 @@ static inline float kv_shfl(float v, int src) { return kv_u32_as_f32(emu::exchan
 static inline int kv_shfl(int v, int src) { return (int)emu::exchange((uint32_t)v, src); }
 static inline float kv_shfl_xor(float v, int m) { return kv_shfl(v, (int)(threadIdx.x & 31) ^ m); }
 static inline int kv_shfl_xor(int v, int m) { return kv_shfl(v, (int)(threadIdx.x & 31) ^ m); }
+// __syncwarp: a warp-wide rendezvous, as strict as a shuffle (every lane of the warp must reach it)
+static inline void kv_syncwarp() { (void)emu::exchange(0u, 0); }
+static inline int kv_lane() { return (int)(threadIdx.x & 31); }
+static inline int kv_opaque(int x) { return x; }
+static inline int kv_tid_x() { return (int)threadIdx.x; }
+static inline int kv_ctaid_x() { return (int)blockIdx.x; }
+static inline int kv_ctaid_y() { return (int)blockIdx.y; }
+// __byte_perm with the selector's low 3 bits per result byte (kvhal.cu sets no sign-replicate bit)
+static inline unsigned int kv_prmt(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t b = (uint64_t)y << 32 | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned int)((b >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
 // built with -ffp-contract=off: plain IEEE single-precision operations
 static inline float kv_fmul_rn(float a, float b) { return a * b; }
 static inline float kv_fadd_rn(float a, float b) { return a + b; }
