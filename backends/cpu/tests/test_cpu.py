@@ -178,7 +178,8 @@ def test_mixed_formats_all_isas(kf, vf):
 
 
 @pytest.mark.parametrize(
-    "kf,vf", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("mxfp4", "nvfp4"), ("nvfp4", "q8_0"), ("q4_0", "mxfp4")]
+    "kf,vf",
+    [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("mxfp4", "nvfp4"), ("nvfp4", "q8_0"), ("q4_0", "mxfp4"), ("q4_0", "q4_1")],
 )
 @pytest.mark.parametrize("split", [0, 100])
 def test_decode_fast_path_mixed_formats(kf, vf, split):
@@ -195,6 +196,33 @@ def test_decode_fast_path_mixed_formats(kf, vf, split):
         assert float(np.abs(outs[isa, tile] - want).max()) <= c.backend.attention_tolerance, (isa, tile)
     for path, out in outs.items():
         assert float(np.abs(out - outs[PATHS[0]]).max()) <= 2 * CpuBackend.INT_TOLERANCE, path
+
+
+@pytest.mark.parametrize("isa,tile", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("vf", ["kivi4", "q8_0", "nvfp4", "f16"])
+@pytest.mark.parametrize("shape", [name for name in SHAPES if name.startswith("decode")])
+def test_kivi4_k_decode(isa, tile, vf, shape):
+    """kivi4 K (per-channel pages, the AVX-512 decode path where it runs: q times each page's d, one
+    integer sum per token) against float64 over the values load gives, the open page's f16 tail included:
+    pages of 16-64 rows, GQA 4 and 8, windows starting mid-group, V of every decode-path kind (kivi4's
+    is q4_1's) and f16 (the general kernels). The integer path keeps ~1e-4 of the f32 result as the other
+    formats' (edge-case blocks near the fp16 limit are test_paged_k_pages_and_attention's)."""
+    n_heads, n_kv, dim, lens, q_lens, causal, window, bs = SHAPES[shape]
+    rng = np.random.default_rng(12)
+    be = CpuBackend(isa=isa, kv_split=32, tile=tile)
+    c = cache("kivi4", be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens), vfmt=vf)
+    seqs = []
+    for n in lens:
+        k = rng.standard_normal((n, n_kv, dim), dtype=np.float32)
+        k[:, :, 3] *= 8  # an outlier channel (a large d in its block) and an offset one (a large m)
+        k[:, :, 70] += 20
+        seqs.append(c.new_seq())
+        c.store(seqs[-1], 0, k, rng.standard_normal((n, n_kv, dim), dtype=np.float32))
+    kv = [tuple(kvhal.to_numpy(x) for x in c.load(s, 0)) for s in seqs]
+    q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
+    want = attention_f64(q, [k for k, _ in kv], [v for _, v in kv], q_lens, causal=causal, window=window)
+    out = c.attention(0, q, seqs, q_lens, causal=causal, window=window)
+    assert float(np.abs(out - want).max()) <= c.backend.attention_tolerance
 
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="only the AVX-512 kernels have two tile sizes")

@@ -35,14 +35,27 @@ enum { DEC_NB = 4, DEC_D = 128, DEC_Q8_RB = DEC_NB * KV_Q8_0_BYTES, DEC_Q4_RB = 
  * V weights one per sub-block (lanes 0-7 and 8-15), its output in q8_0's kernel order. */
 static inline int dec_fmt(int fmt) { return fmt == KV_Q8_0 || fmt == KV_Q4_0 || fmt == KV_MXFP4 || fmt == KV_NVFP4; }
 static inline int dec_rb(int fmt) {
-    return fmt == KV_Q8_0 ? DEC_Q8_RB : fmt == KV_Q4_0 ? DEC_Q4_RB
+    return fmt == KV_Q8_0 ? DEC_Q8_RB : fmt == KV_Q4_0 ? DEC_Q4_RB : fmt == KV_Q4_1 ? DEC_NB * KV_Q4_1_BYTES
          : fmt == KV_MXFP4 ? DEC_NB * KV_MXFP4_BYTES : 2 * KV_NVFP4_BYTES;
 }
 /* byte offset of block b's values (32 bytes, q8_0; 16 nibble bytes, the others) in a row */
 static inline int dec_qs(int fmt, int b) {
     return fmt == KV_Q8_0 ? KV_Q8_0_BYTES * b + 2 : fmt == KV_Q4_0 ? KV_Q4_0_BYTES * b + 2
+         : fmt == KV_Q4_1 ? KV_Q4_1_BYTES * b + 4
          : fmt == KV_MXFP4 ? KV_MXFP4_BYTES * b + 1 : KV_NVFP4_BYTES * (b >> 1) + 4 + 16 * (b & 1);
 }
+
+/* kivi4 K pages (kivi_k.c) take this path too. A page holds one scale d and one minimum m per channel, so
+ * d goes into q once per (page, KV head): q'_c = q_c * d_c, quantized to 16 bits per row as int_prep_q,
+ * and m into one f32 constant per row, sum q_c * m_c. A token's score is then dq' * (q' . codes) + C:
+ * one integer sum over all 128 channels of the unsigned nibbles (laid out as q4_0's), no offset, no
+ * per-block scale. The prep costs about as much as the codes' VNNI work at 16-token pages; pages of a
+ * multiple of 16 rows keep each 16-row group inside one page.
+ * V may be q4_1 (kivi4's V rows are its bytes): q4_0's kernels on its nibbles, d and m + 8d gathered per
+ * row, the centred min term (int_centre_min) a per-(row, block) sum of p * (m + 8d) added to the output. */
+enum { DEC_KIVI_CB = DEC_D / 2 }; /* code bytes per kivi4 page row */
+static inline int dec_kfmt(const kv_call *c) { return c->kpaged ? c->kfmt == KV_KIVI4 : dec_fmt(c->kfmt); }
+static inline int dec_vfmt(int fmt) { return dec_fmt(fmt) || fmt == KV_Q4_1; }
 /* scale slots per row: nvfp4's 8 sub-blocks, else 4 blocks */
 static inline int dec_ns(int fmt) { return fmt == KV_NVFP4 ? 2 * DEC_NB : DEC_NB; }
 /* the doubled e2m1 values in a 16-byte VPSHUFB table: +12 (unsigned, K) and as they are (V) */
@@ -53,7 +66,7 @@ static const int8_t dec_e2m1_s[32] KV_ALIGN(32) = {DEC_E2M1_S, DEC_E2M1_S};
 
 static int dec_applies(const kv_call *c, const kv_item *it) {
     const int G = c->n_heads / c->n_kv_heads;
-    return it->npos == 1 && !c->kpaged && c->head_dim == DEC_D && dec_fmt(c->kfmt) && dec_fmt(c->vfmt) && G % 4 == 0 &&
+    return it->npos == 1 && c->head_dim == DEC_D && dec_kfmt(c) && dec_vfmt(c->vfmt) && G % 4 == 0 &&
            c->block_size % 16 == 0;
 }
 
@@ -138,6 +151,19 @@ static inline void dec_scales16(int fmt, const uint8_t *p, float *dst) {
     _mm512_storeu_ps(dst + KV_T, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)));
     _mm512_storeu_ps(dst + 2 * KV_T, _mm512_cvtph_ps(_mm512_castsi512_si256(hi)));
     _mm512_storeu_ps(dst + 3 * KV_T, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)));
+}
+
+/* q4_1: d of the 16 rows' blocks into d[b * KV_T + i] and m + 8d into m[...], one dword gather per block */
+static inline void dec_q4_1_scales16(const uint8_t *p, float *d, float *m) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(DEC_NB * KV_Q4_1_BYTES));
+    for (int b = 0; b < DEC_NB; b++) {
+        const __m512i x = _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(KV_Q4_1_BYTES * b)), p, 1);
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+        const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+        _mm512_storeu_ps(d + b * KV_T, dv);
+        _mm512_storeu_ps(m + b * KV_T, _mm512_fmadd_ps(dv, _mm512_set1_ps(8.0f), mv));
+    }
 }
 
 /* 16 rows (stride rb) x 4 dwords at byte offset off -> 4 vectors, lane t = row t */
@@ -238,6 +264,102 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
     }
 }
 
+/* kivi4 K: q'_c = q_c * d_c of R rows (a multiple of 4) for one page (its f16 d[128] then m[128] at
+ * `scales`) as 16-bit halves qh/ql [R][4 blocks][8 dwords] with one scale per row and 32-channel block,
+ * dq [R][4] (per block, so an outlier channel's large d costs the precision of its block only), and the
+ * min terms C = sum q_c * m_c [R]. The 16 (row, block) maxima of 4 rows take one TREE16 of integer maxima
+ * of |q'| bits, which also finds a NaN or inf q': that block's dq is NaN, so the row's scores against the
+ * page are NaN, as float attention over d * code + m. */
+#define DEC_MAXU(a, b) _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32_t *qh, int32_t *ql, float *dq,
+                            float *cm) {
+    float d[DEC_D], m[DEC_D];
+    for (int i = 0; i < DEC_D; i += 16) {
+        _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * i))));
+        _mm512_storeu_ps(m + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * DEC_D + 2 * i))));
+    }
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const float *x = qf + (size_t)r0 * DEC_D;
+        __m512 mx[16];
+        for (int sl = 0; sl < 16; sl++) {
+            const int k = TREE_SLOT(sl), o = (k >> 2) * DEC_D + 32 * (k & 3), e = 32 * (k & 3);
+            const __m512i a = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(d + e)));
+            const __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + o + 16), _mm512_loadu_ps(d + e + 16)));
+            mx[sl] = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_and_si512(a, magnitude), _mm512_and_si512(b, magnitude)));
+        }
+        TREE16(DEC_MAXU, mx); /* lane i * 4 + b: row r0 + i, block b */
+        const __mmask16 finite = _mm512_cmplt_epu32_mask(_mm512_castps_si512(mx[0]), _mm512_set1_epi32(0x7f800000));
+        const __m512 qmax = _mm512_set1_ps(QI_MAX);
+        _mm512_storeu_ps(dq + (size_t)r0 * DEC_NB, _mm512_mask_div_ps(_mm512_set1_ps(NAN), finite, mx[0], qmax));
+        float inv[16];
+        _mm512_storeu_ps(inv, _mm512_maskz_div_ps(finite & _mm512_cmp_ps_mask(mx[0], _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                 qmax, mx[0]));
+        for (int i = 0; i < 4; i++) {
+            __m512 cs = _mm512_setzero_ps();
+            for (int e = 0; e < DEC_D; e += 16) {
+                const __m512 xe = _mm512_loadu_ps(x + i * DEC_D + e);
+                cs = _mm512_fmadd_ps(xe, _mm512_loadu_ps(m + e), cs);
+                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(xe, _mm512_loadu_ps(d + e)), _mm512_set1_ps(inv[i * 4 + e / 32]));
+                const __m512i qi = _mm512_cvtps_epi32(v);
+                const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(qi, _mm512_set1_epi32(128)), 8); /* qi - ql, / 256 */
+                const size_t at = (size_t)(r0 + i) * 32 + e / 4;
+                _mm_storeu_si128((__m128i *)(void *)(ql + at), _mm512_cvtepi32_epi8(qi)); /* the low byte, signed */
+                _mm_storeu_si128((__m128i *)(void *)(qh + at), _mm512_cvtepi32_epi8(hi));
+            }
+            cm[r0 + i] = _mm512_reduce_add_ps(cs);
+        }
+    }
+}
+#undef DEC_MAXU
+
+/* kivi4 K: scores of R rows (a multiple of 4) against the 16 rows of codes at `codes` (one group of a page,
+ * stride DEC_KIVI_CB): S[r][0 .. 16) = C[r] + sum over blocks of dq[r][b] * (q'_r . codes) over the block,
+ * 4 rows x (qh, ql) = 8 VNNI chains per block */
+static __attribute__((noinline)) void dec_k_group_kivi(const uint8_t *codes, const int32_t *qh, const int32_t *ql,
+                                                       const float *dq, const float *cm, int R, float *S, dec_pf *pf,
+                                                       int quota) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        __m512 s0 = _mm512_set1_ps(cm[r0]), s1 = _mm512_set1_ps(cm[r0 + 1]);
+        __m512 s2 = _mm512_set1_ps(cm[r0 + 2]), s3 = _mm512_set1_ps(cm[r0 + 3]);
+        for (int b = 0; b < DEC_NB; b++) {
+            dec_pf_pump(pf, quota);
+            __m512i n[4], kt[8];
+            dec_transpose(codes, DEC_KIVI_CB, 16 * b, n);
+            for (int j = 0; j < 4; j++) {
+                kt[j] = _mm512_and_si512(n[j], m4);
+                kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
+            }
+            const int32_t *a = qh + (size_t)r0 * 32 + 8 * b, *e = ql + (size_t)r0 * 32 + 8 * b;
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                DPBUSD_B(h0, kt[j], a[j]);
+                DPBUSD_B(h1, kt[j], a[32 + j]);
+                DPBUSD_B(h2, kt[j], a[64 + j]);
+                DPBUSD_B(h3, kt[j], a[96 + j]);
+                DPBUSD_B(l0, kt[j], e[j]);
+                DPBUSD_B(l1, kt[j], e[32 + j]);
+                DPBUSD_B(l2, kt[j], e[64 + j]);
+                DPBUSD_B(l3, kt[j], e[96 + j]);
+            }
+            const float *dqb = dq + (size_t)r0 * DEC_NB + b;
+#define DEC_KIVI_ACC(S, H, Lo, i) \
+    S = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(H, 8), Lo)), _mm512_set1_ps(dqb[(i) * DEC_NB]), S)
+            DEC_KIVI_ACC(s0, h0, l0, 0);
+            DEC_KIVI_ACC(s1, h1, l1, 1);
+            DEC_KIVI_ACC(s2, h2, l2, 2);
+            DEC_KIVI_ACC(s3, h3, l3, 3);
+#undef DEC_KIVI_ACC
+        }
+        _mm512_storeu_ps(S + (size_t)r0 * KV_T, s0);
+        _mm512_storeu_ps(S + (size_t)(r0 + 1) * KV_T, s1);
+        _mm512_storeu_ps(S + (size_t)(r0 + 2) * KV_T, s2);
+        _mm512_storeu_ps(S + (size_t)(r0 + 3) * KV_T, s3);
+    }
+}
+
 /* dec_k_unit for nvfp4: one row at a time, an integer sum per 16-value sub-block (kt[j] is sub-block
  * (j >> 1) & 1 of the block; q's groups were permuted to kt's order), 8 chains */
 static __attribute__((noinline)) void dec_k_unit_nv(const uint8_t *g0, const uint8_t *g1, const int_ws *L, int r0,
@@ -312,18 +434,19 @@ static __attribute__((noinline)) void dec_v_q8(const uint8_t *const *grp, int ng
     DEC_V_END(out);
 }
 
-/* q4_0: both rows' 16 nibble bytes interleaved, zero-extended to int16 pairs (a VBMI VPERMT2B
- * version measured no faster on Zen 5) */
-static __attribute__((noinline)) void dec_v_q4(const uint8_t *const *grp, int ng, int b, const int32_t *w,
+/* q4_0 (and q4_1's nibbles): both rows' 16 nibble bytes interleaved, zero-extended to int16 pairs (a VBMI
+ * VPERMT2B version measured no faster on Zen 5) */
+static __attribute__((noinline)) void dec_v_q4(int fmt, const uint8_t *const *grp, int ng, int b, const int32_t *w,
                                                size_t stride, __m512i *out, dec_pf *pf, int quota) {
     DEC_V_BEGIN(w, stride);
     const __m512i m4 = _mm512_set1_epi16(0x0f);
+    const int rb = dec_rb(fmt), qs = dec_qs(fmt, b);
     for (int g = 0; g < ng; g++) {
         dec_pf_pump(pf, quota);
-        const uint8_t *p = grp[g] + KV_Q4_0_BYTES * b + 2;
-        for (int u = 0; u < 8; u++, p += 2 * DEC_Q4_RB) {
+        const uint8_t *p = grp[g] + qs;
+        for (int u = 0; u < 8; u++, p += 2 * rb) {
             __m128i x = _mm_loadu_si128((const __m128i *)(const void *)p);
-            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(p + DEC_Q4_RB));
+            __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(p + rb));
             __m512i z = _mm512_cvtepu8_epi16(
                 _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(x, e)), _mm_unpackhi_epi8(x, e), 1));
             __m512i x0 = _mm512_and_si512(z, m4), x1 = _mm512_srli_epi16(z, 4);
@@ -404,10 +527,17 @@ static void dec_prep_q_nv(int_ws *L, int RT) {
     }
 }
 
+/* the codes of a 16-row group of a kivi4 K page for KV head h: `row` is the group's first row at head 0
+ * (page * n_kv_heads * block_size + u, u = j % block_size for its first token j) */
+static inline const uint8_t *dec_kivi_codes(const kv_call *c, int64_t row, int j, int h) {
+    const int u = j % c->block_size;
+    return c->kpool + (row - u + (int64_t)h * c->block_size) * c->krow + (int64_t)u * DEC_KIVI_CB;
+}
+
 static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
     if (!dec_applies(c, it)) return 0;
     const int G = c->n_heads / c->n_kv_heads, R = G, RT = R * it->nheads, s = it->seq;
-    const int kf = c->kfmt, vf = c->vfmt, krb = dec_rb(kf), vrb = dec_rb(vf);
+    const int kf = c->kfmt, vf = c->vfmt, kivi = c->kpaged, krb = kivi ? DEC_KIVI_CB : dec_rb(kf), vrb = dec_rb(vf);
     const int64_t qpos = c->q_start[s] + it->pos0;
     for (int hh = 0; hh < it->nheads; hh++) {
         const float *src = c->q + (qpos * c->n_heads + (int64_t)(it->head0 + hh) * G) * DEC_D;
@@ -420,7 +550,8 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     int_prep_q(c, ws, RT);
     int_ws L = int_get(c, ws, RT);
     if (kf == KV_NVFP4) dec_prep_q_nv(&L, RT);
-    const int voff = vf == KV_Q4_0 ? 8 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8; e2m1 values signed */
+    const int voff = vf == KV_Q4_0 || vf == KV_Q4_1 ? 8 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8, q4_1 centred;
+                                                                                  e2m1 values signed */
     const size_t wstride = (size_t)nsv * KV_T / 2;
     const int lo = it->lo, hi = it->hi, first = lo & ~15;
 
@@ -445,7 +576,8 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             const int h = it->head0 + hh, r0 = hh * R;
             const uint8_t *kg[KV_T / 16], *vg[KV_T / 16];
             for (int g = 0; g < KV_T / 16; g++) {
-                kg[g] = c->kpool + (cur[g] + h * head_rows) * krb;
+                kg[g] = kivi ? dec_kivi_codes(c, cur[g], t0 + 16 * (g < ng ? g : 0), h)
+                             : c->kpool + (cur[g] + h * head_rows) * krb;
                 vg[g] = c->vpool + (cur[g] + h * head_rows) * vrb;
             }
             /* the next step's rows (next head of this tile, else the next tile's first head): its K
@@ -456,13 +588,29 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                 const int last = hh + 1 == it->nheads, n = last ? ng1 : ng;
                 const int64_t *rows = last ? nxt : cur, ph = last ? it->head0 : h + 1;
                 for (int g = 0; g < n; g++) {
-                    pfk.p[pfk.n++] = c->kpool + (rows[g] + ph * head_rows) * krb;
+                    pfk.p[pfk.n++] = kivi ? dec_kivi_codes(c, rows[g], (last ? t1 : t0) + 16 * g, (int)ph)
+                                          : c->kpool + (rows[g] + ph * head_rows) * krb;
                     pfv.p[pfv.n++] = c->vpool + (rows[g] + ph * head_rows) * vrb;
                 }
-                kq = (pfk.n * 16 * krb / 64 + 2 * DEC_NB - 1) / (2 * DEC_NB);
+                const int kcalls = kivi ? ng * (R / 4) * DEC_NB : 2 * DEC_NB; /* dec_pf_pump calls of the K work */
+                kq = (pfk.n * 16 * krb / 64 + kcalls - 1) / kcalls;
                 vq = (pfv.n * 16 * vrb / 64 + DEC_NB * ng * (R / 4) - 1) / (DEC_NB * ng * (R / 4));
             }
-            /* K: scales, then scores of 32 tokens at a time */
+            if (kivi) { /* K: q prepared once per page, then scores of 16 tokens at a time */
+                const uint8_t *prev = NULL;
+                int slot = -1;
+                for (int g = 0; g < ng; g++) {
+                    const uint8_t *scales = kg[g] + (c->block_size - (t0 + 16 * g) % c->block_size) * DEC_KIVI_CB;
+                    if (scales != prev) {
+                        slot++;
+                        dec_prep_q_kivi(ws->qf + (size_t)r0 * DEC_D, R, scales, L.pqh + (size_t)slot * R * 32,
+                                        L.pql + (size_t)slot * R * 32, L.pdq + (size_t)slot * R * DEC_NB, L.pc + slot * R);
+                        prev = scales;
+                    }
+                    dec_k_group_kivi(kg[g], L.pqh + (size_t)slot * R * 32, L.pql + (size_t)slot * R * 32,
+                                     L.pdq + (size_t)slot * R * DEC_NB, L.pc + slot * R, R, ws->s + 16 * g, &pfk, kq);
+                }
+            } else { /* K: scales, then scores of 32 tokens at a time */
             for (int g = 0; g < KV_T / 16; g++) dec_scales16(kf, kg[g], L.kd + 16 * g);
             for (int u = 0; u < KV_T / 32; u++) {
                 if (kf == KV_NVFP4)
@@ -470,10 +618,11 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                 else
                     dec_k_unit(kf, kg[2 * u], kg[2 * u + 1], &L, r0, R, 32 * u, ws->s, &pfk, kq);
             }
+            }
             /* softmax: scale by dq, mask, online max/sum */
             for (int r = 0; r < R; r++) {
                 float *srow = ws->s + r * KV_T;
-                const __m512 dq = _mm512_set1_ps(L.dq[r0 + r]);
+                const __m512 dq = _mm512_set1_ps(kivi ? 1.0f : L.dq[r0 + r]); /* kivi: scores are final */
                 __m512 sv[KV_T / 16], mx = _mm512_set1_ps(-INFINITY);
                 for (int i = 0; i < KV_T / 16; i++) {
                     __mmask16 keep = 0xffff;
@@ -505,8 +654,21 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                 *l += _mm512_reduce_add_ps(sum);
             }
             /* V: scales, 16-bit weights p*d_v, P.V */
-            for (int g = 0; g < KV_T / 16; g++) dec_scales16(vf, vg[g], L.vd + 16 * g);
+            for (int g = 0; g < KV_T / 16; g++) {
+                if (vf == KV_Q4_1)
+                    dec_q4_1_scales16(vg[g], L.vd + 16 * g, L.vm + 16 * g);
+                else
+                    dec_scales16(vf, vg[g], L.vd + 16 * g);
+            }
             for (int k0 = 0; k0 < R * nsv; k0 += 16) int_v_weights16(ws->s, L.vd, nsv, k0, voff != 0, L.w, L.wc, L.wsum);
+            if (vf == KV_Q4_1) /* the min term: sum over the tile of p * (m + 8d), per row and block */
+                for (int r = 0; r < R; r++)
+                    for (int b = 0; b < DEC_NB; b++) {
+                        __m512 acc = _mm512_setzero_ps();
+                        for (int i = 0; i < KV_T; i += 16)
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(ws->s + r * KV_T + i), _mm512_loadu_ps(L.vm + b * KV_T + i), acc);
+                        L.vsum[r * DEC_NB + b] = _mm512_reduce_add_ps(acc);
+                    }
             for (int b = 0; b < DEC_NB; b++) {
                 const int sl = vf == KV_NVFP4 ? 2 * b : b; /* weight slot of the block (nvfp4: its first sub-block) */
                 for (int r = 0; r < R; r += 4) {
@@ -514,22 +676,24 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                     const int32_t *w = (const int32_t *)(const void *)(L.w + ((size_t)r * nsv + sl) * KV_T);
                     if (vf == KV_Q8_0)
                         dec_v_q8(vg, ng, b, w, wstride, acc, &pfv, vq);
-                    else if (vf == KV_Q4_0)
-                        dec_v_q4(vg, ng, b, w, wstride, acc, &pfv, vq);
+                    else if (vf == KV_Q4_0 || vf == KV_Q4_1)
+                        dec_v_q4(vf, vg, ng, b, w, wstride, acc, &pfv, vq);
                     else if (vf == KV_MXFP4)
                         dec_v_mx(vg, ng, b, w, wstride, acc, &pfv, vq);
                     else
                         dec_v_nv(vg, ng, b, w, wstride, acc, &pfv, vq);
                     for (int i = 0; i < 4; i++) {
                         const int rb = (r + i) * nsv + sl, rb2 = vf == KV_NVFP4 ? rb + 1 : rb;
-                        if (L.wc[rb] == 0.0f && L.wc[rb2] == 0.0f) continue;
+                        const float mt = vf == KV_Q4_1 ? L.vsum[(r + i) * DEC_NB + b] : 0.0f;
+                        if (L.wc[rb] == 0.0f && L.wc[rb2] == 0.0f && mt == 0.0f) continue;
                         const __m512i off = _mm512_set1_epi32(voff * L.wsum[rb]);
                         const __m512 cw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(L.wc[rb]), _mm512_set1_ps(L.wc[rb2]));
+                        const __m512 mv = _mm512_set1_ps(mt);
                         float *o = ws->o + (size_t)(r0 + r + i) * DEC_D + 32 * b;
                         _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * i], off)), cw,
-                                                            _mm512_loadu_ps(o)));
+                                                            _mm512_add_ps(_mm512_loadu_ps(o), mv)));
                         _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * i + 1], off)),
-                                                                 cw, _mm512_loadu_ps(o + 16)));
+                                                                 cw, _mm512_add_ps(_mm512_loadu_ps(o + 16), mv)));
                     }
                 }
             }
@@ -541,7 +705,10 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     for (int r = 0; r < RT; r++) {
         float *dst;
         const float inv = kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst);
-        int_v_unpermute(c, ws->o + (size_t)r * DEC_D, dst, inv);
+        if (vf == KV_Q4_1) /* dec_v_q4's natural order (the general kernels keep q4_1 permuted) */
+            for (int j = 0; j < DEC_D; j++) dst[j] = ws->o[(size_t)r * DEC_D + j] * inv;
+        else
+            int_v_unpermute(c, ws->o + (size_t)r * DEC_D, dst, inv);
     }
     return 1;
 }
