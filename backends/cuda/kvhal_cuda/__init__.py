@@ -16,7 +16,7 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, non_negative, parse_options
+from kvhal.backend_util import Option, check_block_data, non_negative, parse_options, whole_pages
 from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
@@ -43,7 +43,7 @@ class CacheState:
 class CudaBackend(Backend):
     name = "cuda"
     platform: ClassVar[str] = "cuda"
-    formats = frozenset(formats.names())  # every format; K of kivi4/kivi2 (per-channel pages) is refused by supports
+    formats = frozenset(formats.names())  # every format, K of kivi4/kivi2 per channel over whole pages included
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
@@ -120,10 +120,15 @@ class CudaBackend(Backend):
         cp: plan.CachePlan = pools.state.plan
         n = int(k.shape[0])
         H, D = cp.n_kv_heads, cp.head_dim
+        paged = pools.spec.k_paged
+        if paged:
+            whole_pages(slots, cp.block_size)  # says why the library would refuse them
+        if n == 0:
+            return
         with self._rt.device:
             slots_d = self._rt.to_device(np.ascontiguousarray(slots, np.int64))
             for x, pool, side in ((k, pools.k[layer], cp.k), (v, pools.v[layer], cp.v)):
-                name, grid, block = plan.store_launch(side.fmt, n, H, D)
+                name, grid, block = plan.store_launch(side.fmt, n, H, D, cp.block_size if paged and side is cp.k else 0)
                 args = (self._f32(x), slots_d, pool, _i32(n), _i32(H), _i32(D), _i32(cp.block_size),
                         _i32(side.row_bytes), _i32(side.fmt_id))  # fmt: skip
                 self._rt.launch(name, grid, block, args)
