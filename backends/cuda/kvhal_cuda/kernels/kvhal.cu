@@ -460,45 +460,58 @@ __device__ __forceinline__ float k_value(int kfmt, const u8* kpool, const int* t
   return kv_deq(kfmt, kpool + token_offset(table, t, hk, H, bs, krb), e);
 }
 
-// x [n, H, D] f32, n a multiple of bs: slots [i*bs, (i+1)*bs) fill one page in order (plan/whole_pages).
-// One CTA per (page i, head h); thread b owns code byte b of every row, so the 8/bits channels sharing that
-// byte are quantized by one thread and no two threads write one byte. Per channel, over the page's tokens:
-// lo, hi (the first occurrence wins ties, as ggml), d = (hi - lo) / top, q = trunc((x - lo) / d + 0.5).
+// code byte b of every row of one (page, head) page hp from its bs tokens xh (xs floats apart): the 8/BITS
+// channels sharing that byte, each over the page's tokens: lo, hi (the first occurrence wins ties, as ggml),
+// d = (hi - lo) / top, q = trunc((x - lo) * id + 0.5). BITS a template parameter: the per-channel lo and id
+// stay in registers (a runtime count would put them in local memory)
+template <int BITS>
+__device__ __forceinline__ void kpage_quant_byte(const float* xh, i64 xs, u8* hp, int b, int D, int bs) {
+  constexpr int PER = 8 / BITS, W = 4 * BITS, TOP = (1 << BITS) - 1;
+  const int cb = D * BITS / 8;
+  float lo[PER], id[PER];
+#pragma unroll
+  for (int f = 0; f < PER; ++f) {
+    const int e = (b / W) * 32 + b % W + W * f;
+    float l = xh[e], hi = xh[e];
+    for (int u = 1; u < bs; ++u) {
+      const float v = xh[u * xs + e];
+      if (v < l) l = v;
+      if (v > hi) hi = v;
+    }
+    const float d = kv_fdiv_rn(kv_fsub_rn(hi, l), (float)TOP);
+    lo[f] = l;
+    id[f] = kv_inverse(d);
+    st16(hp + (i64)bs * cb + 2 * e, kv_f32_to_f16(d));
+    st16(hp + (i64)bs * cb + 2 * D + 2 * e, kv_f32_to_f16(l));
+  }
+  for (int u = 0; u < bs; ++u) {
+    int byte = 0;
+#pragma unroll
+    for (int f = 0; f < PER; ++f) {
+      const int e = (b / W) * 32 + b % W + W * f;
+      const float t = truncf(kv_fadd_rn(kv_fmul_rn(kv_fsub_rn(xh[u * xs + e], lo[f]), id[f]), 0.5f));
+      byte |= (int)fminf(t, (float)TOP) << (BITS * f);
+    }
+    hp[(i64)u * cb + b] = (u8)byte;
+  }
+}
+
+// x [n, H, D] f32, n a multiple of bs: slots [i*bs, (i+1)*bs) fill one page in order (whole_pages checks it).
+// One CTA per (page i, head h); thread b owns code byte b of every row, so no two threads write one byte.
 extern "C" __global__ void kvhal_store_kpage(const float* __restrict__ x, const i64* __restrict__ slots,
                                              u8* __restrict__ pool, int n, int H, int D, int bs, int row_bytes,
                                              int fmt) {
   const int h = blockIdx.x % H;
   const i64 i0 = (i64)(blockIdx.x / H) * bs;
   if (i0 + bs > n) return;  // the grid covers n / bs pages (at least one CTA when n = 0)
-  const int bits = kpage_bits(fmt), top = (1 << bits) - 1, per = 8 / bits, w = 4 * bits, cb = D * bits / 8;
+  const int bits = kpage_bits(fmt);
   u8* hp = pool + (slots[i0] / bs * H + h) * bs * (i64)row_bytes;
   const float* xh = x + (i0 * H + h) * D;
-  const i64 xs = (i64)H * D;  // between tokens
-  for (int b = threadIdx.x; b < cb; b += blockDim.x) {
-    float lo[4], id[4];
-    for (int f = 0; f < per; ++f) {
-      const int e = (b / w) * 32 + b % w + w * f;
-      float l = xh[e], hi = xh[e];
-      for (int u = 1; u < bs; ++u) {
-        const float v = xh[u * xs + e];
-        if (v < l) l = v;
-        if (v > hi) hi = v;
-      }
-      const float d = kv_fdiv_rn(kv_fsub_rn(hi, l), (float)top);
-      lo[f] = l;
-      id[f] = kv_inverse(d);
-      st16(hp + (i64)bs * cb + 2 * e, kv_f32_to_f16(d));
-      st16(hp + (i64)bs * cb + 2 * D + 2 * e, kv_f32_to_f16(l));
-    }
-    for (int u = 0; u < bs; ++u) {
-      int byte = 0;
-      for (int f = 0; f < per; ++f) {
-        const int e = (b / w) * 32 + b % w + w * f;
-        const float t = truncf(kv_fadd_rn(kv_fmul_rn(kv_fsub_rn(xh[u * xs + e], lo[f]), id[f]), 0.5f));
-        byte |= (int)fminf(t, (float)top) << (bits * f);
-      }
-      hp[(i64)u * cb + b] = (u8)byte;
-    }
+  for (int b = threadIdx.x; b < D * bits / 8; b += blockDim.x) {
+    if (bits == 4)
+      kpage_quant_byte<4>(xh, (i64)H * D, hp, b, D, bs);
+    else
+      kpage_quant_byte<2>(xh, (i64)H * D, hp, b, D, bs);
   }
 }
 
