@@ -453,3 +453,58 @@ def test_attention_kivi_k(case, n_sm):
     names = {name for name, *_ in rt.launches}
     assert ("kvhal_attn_decode" in names) == (1 in qls)
     assert ("kvhal_attn_prefill" in names) == (max(qls) > 1)
+
+
+@pytest.mark.parametrize("case", [0, 2, 3])
+@pytest.mark.parametrize("n_sm", [1, 64])
+def test_cache_attention_kivi_k_uses_the_kernels_for_its_pages(case, n_sm):
+    """Through KVCache: the whole pages by the kernels (attention_lse, the kernels' own log-sum-exp), the open
+    page's f16 tail on the host, merged; against float64 over K as the cache holds it."""
+    hq, hkv, d, fk, fv, lens, qls, causal, window, bs = KPAGE_CASES[case]
+    rng = np.random.default_rng(200 + case)
+    a, _ = make(fk, fv, heads=hkv, dim=d, cap=sum(lens) + 4 * bs, n_sm=n_sm, bs=bs)
+    ks, vs, seqs = [], [], []
+    for n in lens:
+        k, v = rng.standard_normal((n, hkv, d), dtype=np.float32), rng.standard_normal((n, hkv, d), dtype=np.float32)
+        s = a.new_seq()
+        a.store(s, 0, k[: n // 2], v[: n // 2])  # two stores: pages complete across calls
+        a.store(s, 0, k[n // 2 :], v[n // 2 :])
+        seqs.append(s)
+        ks.append(kpage_expected(fk, k, bs))
+        full = n // bs * bs  # the open page's V sits in the f16 tail as well
+        fvq = formats.get(fv).dequantize(formats.get(fv).quantize(f16(v[:full])))
+        vs.append(np.concatenate([fvq, f16(v[full:])]))
+    q = rng.standard_normal((sum(qls), hq, d), dtype=np.float32)
+    rt = a.backend._rt
+    rt.launches.clear()
+    out = kvhal.to_numpy(a.attention(0, q, seqs, qls, causal=causal, window=window))
+    want = attention_f64(q, ks, vs, qls, causal=causal, window=window)
+    err = float(np.abs(out - want).max())
+    assert err <= 2e-6, err
+    names = {name for name, *_ in rt.launches}
+    assert "kvhal_attn_decode" in names or "kvhal_attn_prefill" in names
+    assert "kvhal_load" not in names  # not the default attention_lse (float64 over load)
+
+
+@pytest.mark.parametrize("n", [200, 600])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_attention_lse_matches_float64_over_load(n, q_len):
+    """The kernels' log-sum-exp against the default (backend_util.attention_lse: float64 over load): one split
+    announced as two (200 tokens) and a sequence split on a wide device (600), merged on the host."""
+    from kvhal.backend_util import attention_lse
+
+    rng = np.random.default_rng(7)
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="q8_0", v_format="q4_0", block_size=16)
+    be = cuda_emulator.EmulatedCudaBackend(n_sm=64)
+    pools = be.allocate(spec, 40)
+    k = rng.standard_normal((n, 2, 64), dtype=np.float32)
+    be.store(pools, 0, be.asarray(k, "k"), be.asarray(-k, "v"), np.arange(n, dtype=np.int64))
+    table = np.arange(-(-n // 16), dtype=np.int32)[None]
+    args = (pools, 0, table, np.array([n], np.int32), np.array([q_len], np.int32), 0.125, False, None)
+    q = rng.standard_normal((q_len, 4, 64), dtype=np.float32)
+    be._rt.launches.clear()
+    out, lse = be.attention_lse(be.asarray(q, "q"), *args)
+    assert ("kvhal_attn_merge" in [name for name, *_ in be._rt.launches]) == (n > 256)  # MIN_SPLIT_TOKENS
+    want_out, want_lse = attention_lse(be, q, *args)
+    np.testing.assert_allclose(out, want_out, atol=2e-6)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=1e-6)
