@@ -177,6 +177,7 @@ class CudaBackend(Backend):
     ) -> tuple[np.ndarray, np.ndarray]:
         """The kernels' own log-sum-exp (what the cache merges with its f16 tail, e.g. under a per-channel K
         format): every split's partial output and lse are kept, merged by the kernel and, for lse, here."""
+        q = self.asarray(q, "q")  # the cache passes host rows here: onto the device once, as attention takes them
         out, part_lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
         lse = self.to_numpy(part_lse).astype(np.float64)  # [n_splits, R, Hq]
         top = lse.max(axis=0)
