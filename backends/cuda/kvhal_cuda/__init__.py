@@ -16,7 +16,7 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, non_negative, parse_options
+from kvhal.backend_util import Option, check_block_data, non_negative, parse_options, whole_pages
 from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
@@ -43,7 +43,7 @@ class CacheState:
 class CudaBackend(Backend):
     name = "cuda"
     platform: ClassVar[str] = "cuda"
-    formats = frozenset(formats.names())  # every format; K of kivi4/kivi2 (per-channel pages) is refused by supports
+    formats = frozenset(formats.names())  # every format, K of kivi4/kivi2 per channel over whole pages included
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
@@ -120,10 +120,15 @@ class CudaBackend(Backend):
         cp: plan.CachePlan = pools.state.plan
         n = int(k.shape[0])
         H, D = cp.n_kv_heads, cp.head_dim
+        paged = pools.spec.k_paged
+        if paged:
+            whole_pages(slots, cp.block_size)  # says why the library would refuse them
+        if n == 0:
+            return
         with self._rt.device:
             slots_d = self._rt.to_device(np.ascontiguousarray(slots, np.int64))
             for x, pool, side in ((k, pools.k[layer], cp.k), (v, pools.v[layer], cp.v)):
-                name, grid, block = plan.store_launch(side.fmt, n, H, D)
+                name, grid, block = plan.store_launch(side.fmt, n, H, D, cp.block_size if paged and side is cp.k else 0)
                 args = (self._f32(x), slots_d, pool, _i32(n), _i32(H), _i32(D), _i32(cp.block_size),
                         _i32(side.row_bytes), _i32(side.fmt_id))  # fmt: skip
                 self._rt.launch(name, grid, block, args)
@@ -156,6 +161,44 @@ class CudaBackend(Backend):
         causal: bool,
         window: int | None,
     ) -> Any:
+        return self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, False)
+
+    def attention_lse(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The kernels' own log-sum-exp (what the cache merges with its f16 tail, e.g. under a per-channel K
+        format): every split's partial output and lse are kept, merged by the kernel and, for lse, here."""
+        q = self.asarray(q, "q")  # the cache passes host rows here: onto the device once, as attention takes them
+        out, part_lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
+        lse = self.to_numpy(part_lse).astype(np.float64)  # [n_splits, R, Hq]
+        top = lse.max(axis=0)
+        safe = np.where(np.isfinite(top), top, 0.0)
+        with np.errstate(divide="ignore"):
+            total = np.log(np.exp(lse - safe).sum(axis=0)) + safe  # -inf where no split saw a key; NaN stays NaN
+        return self.to_numpy(out), np.where(np.isneginf(top), -np.inf, total)
+
+    def _attention(
+        self,
+        q: Any,
+        pools: Pools,
+        layer: int,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        q_lens: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: int | None,
+        want_lse: bool,
+    ) -> Any:
         cp: plan.CachePlan = pools.state.plan
         R, Hq, D = (int(d) for d in q.shape)
         pl = plan.plan_attention(
@@ -167,14 +210,17 @@ class CudaBackend(Backend):
             qd = self._f32(q)
             out = xp.empty((R, Hq, D), xp.float32)
             meta = self._rt.to_device(pl.meta)
-            if pl.n_splits > 1:
+            # the kernels write partials (output and lse per split) when told of more than one split: with want_lse
+            # a single split is announced as two, so its lse is kept (the grid still has one; only p = 0 is written)
+            n_splits = max(pl.n_splits, 2) if want_lse else pl.n_splits
+            if n_splits > 1:
                 part_o = xp.empty((pl.n_splits, R, Hq, D), xp.float32)
-                part_lse = xp.empty((pl.n_splits, R, Hq), xp.float32)
+                part_lse = xp.full((pl.n_splits, R, Hq), -np.inf, xp.float32)  # rows without a tile stay -inf
             else:  # never written with one split
                 part_o, part_lse = out, out
             shape = (_i32(R), _i32(Hq), _i32(cp.n_kv_heads), _i32(D), _i32(cp.block_size), _i32(cp.k.row_bytes),
                      _i32(cp.v.row_bytes), _i32(cp.k.fmt_id), _i32(cp.v.fmt_id), _f32(scale), _i32(pl.split_pages),
-                     _i32(pl.n_splits))  # fmt: skip
+                     _i32(n_splits))  # fmt: skip
             block = (plan.NUM_WARPS * 32, 1, 1)
             ptrs = (qd, pools.k[layer], pools.v[layer], meta, out, part_o, part_lse)
             g = pl.prefill
@@ -189,7 +235,9 @@ class CudaBackend(Backend):
                     args = (part_o, part_lse, out, _i32(R), _i32(Hq), _i32(D), _i32(pl.n_splits))
                     block = (min(D, 256) + 31 & ~31, 1, 1)
                 self._rt.launch(name, grid, block, args, smem)
-        return out
+            if want_lse and pl.n_splits == 1:  # no merge launched: the one split's partial is the output
+                out[...] = part_o[0]
+        return (out, part_lse) if want_lse else out
 
     def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
         cp: plan.CachePlan = pools.state.plan

@@ -32,6 +32,7 @@ DECODE_LANE_VALUES = 16  # q and output values per lane a grouped decode CTA kee
 DECODE_STAGE_ROW_BYTES = 272
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (launch, merge) outweighs its parallelism
 WORKSPACE_LIMIT = 256 << 20  # bytes of split partials one call may allocate
+KPAGED = 1 << 8  # KV_KPAGED: or'ed into the K format id when K is stored per channel over whole pages (kivi4/kivi2)
 
 # CUDA 13 dropped sm_50..sm_72; CUDA 12 still builds sm_50+, kvhal's binaries start at sm_70
 MIN_ARCH = {12: 70, 13: 75}
@@ -46,13 +47,8 @@ def _ceil(a: int, b: int) -> int:
 
 def spec_refusal(spec: CacheSpec, op: str) -> str | None:
     """Why the kernels cannot run ``op`` for ``spec``, or None (``CudaBackend.supports``; nothing it passes
-    is refused later). Store, load and copies take any spec whose K is stored per row; attention has two
-    limits."""
-    if spec.k_paged:
-        return (
-            f"k_format {spec.k_format} quantizes K per channel over whole pages, which the CUDA/HIP kernels do not "
-            f"implement; use {spec.k_format} as v_format only (its V rows run here) or the reference backend"
-        )
+    is refused later). Store, load and copies take any spec (K per channel over whole pages too); attention
+    has two limits."""
     if op != "attention":
         return None
     if spec.head_dim > MAX_HEAD_DIM:
@@ -95,7 +91,8 @@ class CachePlan:
     @classmethod
     def of(cls, spec: CacheSpec) -> CachePlan:
         def side(fmt: str, row_bytes: int, which: str) -> PoolPlan:
-            return PoolPlan(fmt, format_id(fmt), row_bytes, spec.page_nbytes(which))
+            paged = which == "k" and spec.k_paged  # the kernels take such a K page whole (KV_KPAGED)
+            return PoolPlan(fmt, format_id(fmt) | (KPAGED if paged else 0), row_bytes, spec.page_nbytes(which))
 
         return cls(
             spec.n_kv_heads,
@@ -119,9 +116,18 @@ def grid_1d(n_threads: int, threads: int = ELEMENTWISE_THREADS) -> tuple[tuple[i
 
 
 def store_launch(
-    fmt: str, n: int, n_heads: int, head_dim: int
+    fmt: str, n: int, n_heads: int, head_dim: int, paged_bs: int = 0
 ) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
-    """kvhal_store_quant runs one 32-lane warp per 32-value block; kvhal_store_float one thread per value."""
+    """kvhal_store_quant runs one 32-lane warp per 32-value block; kvhal_store_float one thread per value;
+    kvhal_store_kpage (``paged_bs``: K per channel over whole pages of that many tokens) one CTA per (page,
+    head), a thread per code byte of a row."""
+    if paged_bs:
+        bits = formats.get(fmt).k_page.bits  # type: ignore[union-attr]
+        threads = min(ELEMENTWISE_THREADS, _ceil(head_dim * bits // 8, 32) * 32)
+        pages = n // paged_bs * n_heads
+        if pages > 2**31 - 1:
+            raise ShapeError(f"{pages} K pages exceed one kernel launch; store fewer tokens per call")
+        return "kvhal_store_kpage", (max(1, pages), 1, 1), (threads, 1, 1)
     if quantized(fmt):
         grid, block = grid_1d(n * n_heads * (head_dim // 32) * 32)
         return "kvhal_store_quant", grid, block

@@ -31,6 +31,7 @@ def constants_header() -> str:
         f"#define KV_MAXC {plan.MAX_HEAD_DIM // 32}  // head_dim <= 32 * KV_MAXC: output elements per lane",
         f"#define KV_RPW_MAX {plan.MAX_ROWS_PER_WARP}  // prefill query rows per warp",
         f"#define KV_DEC_STAGE_MAX {plan.DECODE_STAGE_ROW_BYTES}  // decode K rows up to this many bytes are staged",
+        f"#define KV_KPAGED {plan.KPAGED}  // or'ed into a K fmt id: K per channel over whole pages (kivi4/kivi2)",
     ]
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,8 @@ FMTS = sorted(cuda_emulator.EmulatedCudaBackend.formats, key=formats.names().ind
 
 
 def kv_formats(fmt):
-    """(K, V) formats that store ``fmt``: a per-channel K format (kivi) runs as V only, K then in f16."""
+    """(K, V) formats that store ``fmt`` row by row: a per-channel K format (kivi) as V beside f16 K (its K pages:
+    the kivi_k tests below)."""
     return ("f16", fmt) if formats.get(fmt).k_page is not None else (fmt, fmt)
 
 
@@ -335,3 +336,175 @@ def test_wide_heads_store_and_load_though_attention_refuses():
         )
     for a, r in zip(*got, strict=True):
         np.testing.assert_array_equal(a, r)
+
+
+# ---- K of kivi4/kivi2: per channel over whole pages (kvhal_store_kpage, k_value, k_kpage) ---------------------
+
+
+def f16(x):
+    return x.astype(np.float16).astype(np.float32)
+
+
+def kpage_deq(fmt, k, bs):
+    """k [pages * bs, H, D] through the numpy page codec, per (page, head)."""
+    codec = formats.get(fmt).k_page
+    n, h, d = k.shape
+    pages = k.reshape(-1, bs, h, d).transpose(0, 2, 1, 3).reshape(-1, bs, d)  # [(page, head), bs, d]
+    return (
+        codec.dequantize_page(codec.quantize_page(pages), bs)
+        .reshape(-1, h, bs, d)
+        .transpose(0, 2, 1, 3)
+        .reshape(n, h, d)
+    )
+
+
+def kpage_expected(fmt, k, bs):
+    """K as the cache holds it: whole pages through the numpy page codec, the open page's tokens as f16 (every
+    token passes through the cache's f16 tail first, so the pages quantize f16 values too)."""
+    k = f16(k)
+    full = k.shape[0] // bs * bs
+    return np.concatenate([kpage_deq(fmt, k[:full], bs), k[full:]])
+
+
+def kpage_bytes(fmt, k, bs):
+    """The spec's bytes of the whole pages of k [n, H, D], pool layout [page, head, bs * row]."""
+    codec = formats.get(fmt).k_page
+    k = f16(k)
+    n, h, d = k.shape
+    pages = k[: n // bs * bs].reshape(-1, bs, h, d).transpose(0, 2, 1, 3).reshape(-1, bs, d)
+    return codec.quantize_page(pages).reshape(-1, h, bs * d * codec.bits // 8 + 4 * d)
+
+
+@pytest.mark.parametrize("fmt", ["kivi4", "kivi2"])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_kivi_k_pages_store_bit_exact_and_load(fmt, bs):
+    """Pages with the hard values along the channels (ties, zeros, constant and subnormal channels, .5 boundaries,
+    near f16 max), stored in two calls, the last page left open in the cache's f16 tail."""
+    rng = np.random.default_rng(bs)
+    hard = hard_blocks(rng)  # [10, 64]
+    n = 3 * bs + 5
+    k = (rng.standard_normal((n, 2, 64)) * rng.uniform(0.01, 30, (1, 2, 64))).astype(np.float32)
+    k[:10, 0], k[bs : bs + 10, 1] = hard, hard[::-1]  # channels of page 0 head 0, page 1 head 1
+    k[2 * bs :, 1, 7] = 3.0  # a constant channel: d = 0
+    k[2 * bs : 3 * bs, 0, :5] = 1e-40  # subnormal inputs
+    k = np.clip(k, -60000, 60000)
+    a, b = make(fmt, "q8_0", bs=bs)
+    for c in (a, b):
+        s = c.new_seq()
+        c.store(s, 0, k[: bs + 3], -k[: bs + 3])
+        c.store(s, 0, k[bs + 3 :], -k[bs + 3 :])
+    for got, want in zip(pools(a), pools(b), strict=True):
+        np.testing.assert_array_equal(got, want)
+    blocks = np.asarray(a._seqs[0].blocks[:3])  # the three whole pages; the fourth is open (f16 tail)
+    want = kpage_bytes(fmt, k, bs)  # the spec itself, independent of the reference backend
+    np.testing.assert_array_equal(pools(a)[0][blocks].reshape(3, 2, -1), want)
+    lk, lv = (kvhal.to_numpy(x) for x in a.load(0, 0))
+    np.testing.assert_array_equal(lk, kpage_expected(fmt, k, bs))
+    q8 = formats.get("q8_0")
+    np.testing.assert_array_equal(lv[: 3 * bs], q8.dequantize(q8.quantize(f16(-k[: 3 * bs]))))
+    np.testing.assert_array_equal(lv[3 * bs :], f16(-k[3 * bs :]))  # V of the open page stays f16 too
+
+
+KPAGE_CASES = [
+    # heads, kv heads, dim, fmt k, fmt v, seq lens, q lens, causal, window, block size
+    (4, 2, 64, "kivi4", "kivi4", [700], [1], True, None, 16),  # split-KV decode, GQA, open last page
+    (8, 2, 128, "kivi2", "kivi2", [96, 300, 5], [1, 1, 1], True, None, 32),  # 4 heads per decode CTA
+    (4, 4, 64, "kivi4", "q8_0", [90, 64], [37, 64], True, None, 16),  # prefill tiles
+    (6, 2, 96, "kivi2", "f16", [200, 33], [20, 1], True, 40, 16),  # prefill + decode, window, a group of 3
+    (2, 1, 256, "kivi4", "kivi2", [130], [1], True, None, 32),  # largest head_dim
+]
+
+
+@pytest.mark.parametrize("case", range(len(KPAGE_CASES)))
+@pytest.mark.parametrize("n_sm", [1, 64])
+def test_attention_kivi_k(case, n_sm):
+    """The attention kernels over per-channel K pages, called as an engine would, on whole pages (the cache
+    itself attends its open page on the host): sequence lengths that end inside a page read only its first
+    tokens, the page's scales being those of all its bs tokens."""
+    hq, hkv, d, fk, fv, lens, qls, causal, window, bs = KPAGE_CASES[case]
+    rng = np.random.default_rng(100 + case)
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=hkv, head_dim=d, k_format=fk, v_format=fv, block_size=bs)
+    be = cuda_emulator.EmulatedCudaBackend(n_sm=n_sm)
+    n_pages = [-(-n // bs) for n in lens]
+    pools = be.allocate(spec, sum(n_pages) + 3)
+    order = rng.permutation(sum(n_pages) + 3)[: sum(n_pages)]  # pages scattered over the pool
+    table = np.zeros((len(lens), max(n_pages)), np.int32)
+    ks, vs, start = [], [], 0
+    for i, (n, p) in enumerate(zip(lens, n_pages, strict=True)):
+        table[i, :p] = order[start : start + p]
+        start += p
+        k = rng.standard_normal((p * bs, hkv, d), dtype=np.float32)
+        v = rng.standard_normal((p * bs, hkv, d), dtype=np.float32)
+        slots = (table[i, :p, None].astype(np.int64) * bs + np.arange(bs)).ravel()
+        for half in np.array_split(np.arange(p), 2):  # two stores, each of whole pages
+            rows = (half[:, None] * bs + np.arange(bs)).ravel()
+            be.store(pools, 0, be.asarray(k[rows], "k"), be.asarray(v[rows], "v"), slots[rows])
+        ks.append(kpage_deq(fk, k, bs)[:n])
+        vs.append(formats.get(fv).dequantize(formats.get(fv).quantize(v))[:n])
+    q = rng.standard_normal((sum(qls), hq, d), dtype=np.float32)
+    rt = be._rt
+    rt.launches.clear()
+    scale = float(d) ** -0.5
+    out = be.to_numpy(be.attention(be.asarray(q, "q"), pools, 0, table, np.array(lens, np.int32),
+                                   np.array(qls, np.int32), scale, causal, window))  # fmt: skip
+    want = attention_f64(q, ks, vs, qls, scale=scale, causal=causal, window=window)
+    err = float(np.abs(out - want).max())
+    assert err <= 2e-6, err
+    names = {name for name, *_ in rt.launches}
+    assert ("kvhal_attn_decode" in names) == (1 in qls)
+    assert ("kvhal_attn_prefill" in names) == (max(qls) > 1)
+
+
+@pytest.mark.parametrize("case", [0, 2, 3])
+@pytest.mark.parametrize("n_sm", [1, 64])
+def test_cache_attention_kivi_k_uses_the_kernels_for_its_pages(case, n_sm):
+    """Through KVCache: the whole pages by the kernels (attention_lse, the kernels' own log-sum-exp), the open
+    page's f16 tail on the host, merged; against float64 over K as the cache holds it."""
+    hq, hkv, d, fk, fv, lens, qls, causal, window, bs = KPAGE_CASES[case]
+    rng = np.random.default_rng(200 + case)
+    a, _ = make(fk, fv, heads=hkv, dim=d, cap=sum(lens) + 4 * bs, n_sm=n_sm, bs=bs)
+    ks, vs, seqs = [], [], []
+    for n in lens:
+        k, v = rng.standard_normal((n, hkv, d), dtype=np.float32), rng.standard_normal((n, hkv, d), dtype=np.float32)
+        s = a.new_seq()
+        a.store(s, 0, k[: n // 2], v[: n // 2])  # two stores: pages complete across calls
+        a.store(s, 0, k[n // 2 :], v[n // 2 :])
+        seqs.append(s)
+        ks.append(kpage_expected(fk, k, bs))
+        full = n // bs * bs  # the open page's V sits in the f16 tail as well
+        fvq = formats.get(fv).dequantize(formats.get(fv).quantize(f16(v[:full])))
+        vs.append(np.concatenate([fvq, f16(v[full:])]))
+    q = rng.standard_normal((sum(qls), hq, d), dtype=np.float32)
+    rt = a.backend._rt
+    rt.launches.clear()
+    out = kvhal.to_numpy(a.attention(0, q, seqs, qls, causal=causal, window=window))
+    want = attention_f64(q, ks, vs, qls, causal=causal, window=window)
+    err = float(np.abs(out - want).max())
+    assert err <= 2e-6, err
+    names = {name for name, *_ in rt.launches}
+    assert "kvhal_attn_decode" in names or "kvhal_attn_prefill" in names
+    assert "kvhal_load" not in names  # not the default attention_lse (float64 over load)
+
+
+@pytest.mark.parametrize("n", [200, 600])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_attention_lse_matches_float64_over_load(n, q_len):
+    """The kernels' log-sum-exp against the default (backend_util.attention_lse: float64 over load): one split
+    announced as two (200 tokens) and a sequence split on a wide device (600), merged on the host."""
+    from kvhal.backend_util import attention_lse
+
+    rng = np.random.default_rng(7)
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="q8_0", v_format="q4_0", block_size=16)
+    be = cuda_emulator.EmulatedCudaBackend(n_sm=64)
+    pools = be.allocate(spec, 40)
+    k = rng.standard_normal((n, 2, 64), dtype=np.float32)
+    be.store(pools, 0, be.asarray(k, "k"), be.asarray(-k, "v"), np.arange(n, dtype=np.int64))
+    table = np.arange(-(-n // 16), dtype=np.int32)[None]
+    args = (pools, 0, table, np.array([n], np.int32), np.array([q_len], np.int32), 0.125, False, None)
+    q = rng.standard_normal((q_len, 4, 64), dtype=np.float32)
+    be._rt.launches.clear()
+    out, lse = be.attention_lse(be.asarray(q, "q"), *args)
+    assert ("kvhal_attn_merge" in [name for name, *_ in be._rt.launches]) == (n > 256)  # MIN_SPLIT_TOKENS
+    want_out, want_lse = attention_lse(be, q, *args)
+    np.testing.assert_allclose(out, want_out, atol=2e-6)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=1e-6)

@@ -10,7 +10,7 @@ from kvhal_cuda import CudaBackend, plan, runtime, source
 
 import kvhal
 from kvhal import formats, registry
-from kvhal.backend_util import format_table, visible_range
+from kvhal.backend_util import format_id, format_table, visible_range
 from tests.oracle import attention_f64
 
 SRC = runtime.kernel_source()
@@ -45,20 +45,31 @@ def test_kernels_dispatch_every_registered_format():
 
 
 @pytest.mark.parametrize("fmt", [f for f in formats.names() if formats.get(f).k_page is not None])
-def test_per_channel_k_pages_are_refused_with_a_reason(fmt):
+def test_per_channel_k_pages_run_as_k_and_as_v(fmt):
     backend = CudaBackend.__new__(CudaBackend)  # supports() needs no device
-    paged = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt)
-    for op in ("store", "load", "attention"):
-        reason = backend.supports(paged, op) or ""
-        assert f"k_format {fmt}" in reason and "per channel" in reason and "v_format" in reason
-    v_only = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="f16", v_format=fmt)
-    assert all(backend.supports(v_only, op) is None for op in ("store", "load", "attention"))
+    for k in (fmt, "f16"):
+        spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=k, v_format=fmt)
+        assert all(backend.supports(spec, op) is None for op in ("store", "load", "attention"))
+        cp = plan.CachePlan.of(spec)
+        # only a per-channel K side carries KV_KPAGED; V rows of the same format are plain rows
+        assert cp.k.fmt_id == format_id(k) | (plan.KPAGED if k == fmt else 0)
+        assert cp.v.fmt_id == format_id(fmt)
+
+
+@pytest.mark.parametrize("fmt", [f for f in formats.names() if formats.get(f).k_page is not None])
+@pytest.mark.parametrize("n,h,d,bs", [(16, 1, 32, 16), (96, 3, 256, 32), (0, 2, 64, 16)])
+def test_store_launch_of_k_pages_is_a_cta_per_page_and_head_a_thread_per_code_byte(fmt, n, h, d, bs):
+    name, grid, block = plan.store_launch(fmt, n, h, d, bs)
+    assert name == "kvhal_store_kpage"
+    assert grid == (max(1, n // bs * h), 1, 1)  # one CTA when there is nothing: the kernel's guard returns
+    code_bytes = d * formats.get(fmt).k_page.bits // 8
+    assert block[0] % 32 == 0 and code_bytes <= block[0] < code_bytes + 32
 
 
 def test_every_launched_kernel_is_in_the_source():
     launched = set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "__init__.py").read_text()))
     launched |= set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "plan.py").read_text()))
-    assert len(source.kernel_names()) == 10 and launched == set(source.kernel_names())
+    assert len(source.kernel_names()) == 11 and launched == set(source.kernel_names())
 
 
 @pytest.mark.parametrize("fmt", formats.names())

@@ -1,6 +1,6 @@
 // kvhal kernels for CUDA and HIP: store (quantize + scatter), load (gather + dequantize), paged attention
-// (split-KV decode, tiled prefill, log-sum-exp merge) and copy_slots, over every kvhal format (per-channel
-// K pages of kivi excepted: plan.spec_refusal).
+// (split-KV decode, tiled prefill, log-sum-exp merge) and copy_slots, over every kvhal format (K of kivi4/kivi2,
+// per channel over whole pages, by kvhal_store_kpage and k_value / k_kpage: its fmt id carries KV_KPAGED).
 //
 // Pools are [n_blocks, n_kv_heads, block_size, row_bytes] bytes, a row being one token of one head in
 // its format's byte layout (the numpy references in kvhal/formats/ are the spec). Quantization is
@@ -431,6 +431,90 @@ extern "C" __global__ void kvhal_store_float(const float* __restrict__ x, const 
   }
 }
 
+// ---- K of kivi4/kivi2 per channel over whole pages (kvhal/formats/kivi.py's _page_codec) ----------------
+// The K fmt id carries KV_KPAGED. One (page, KV head) is bs rows of cb = D*bits/8 code bytes (packed as the
+// V rows, no scales), then f16 d[D], f16 m[D]: one scale and minimum per channel over the page's tokens.
+
+__device__ __forceinline__ int kpage_bits(int kfmt) { return (kfmt & ~KV_KPAGED) == KV_KIVI4 ? 4 : 2; }
+
+// byte of channel e in a code row and its field's shift: value j + w*i of a 32-group in field i of byte j,
+// w = 4*bits bytes per group (4 bits: q4_1's nibbles; 2 bits: four fields)
+__device__ __forceinline__ int kpage_byte(int e, int bits) { return (e >> 5) * 4 * bits + (e & 31) % (4 * bits); }
+__device__ __forceinline__ int kpage_shift(int e, int bits) { return bits * ((e & 31) / (4 * bits)); }
+
+// value e of token u of the page of one head starting at hp: d*q + m, rounded as the spec (no FMA)
+__device__ __forceinline__ float kpage_value(const u8* hp, int u, int e, int D, int bs, int bits) {
+  const int cb = D * bits / 8;
+  const u8* sc = hp + (i64)bs * cb;
+  const int q = (hp[(i64)u * cb + kpage_byte(e, bits)] >> kpage_shift(e, bits)) & ((1 << bits) - 1);
+  return kv_fadd_rn(kv_fmul_rn(ldf16(sc + 2 * e), (float)q), ldf16(sc + 2 * D + 2 * e));
+}
+
+// value e of token t of a sequence (pages table[0..]) from a K pool of either kind
+__device__ __forceinline__ float k_value(int kfmt, const u8* kpool, const int* table, int t, int hk, int H, int bs,
+                                         int krb, int D, int e) {
+  if (kfmt & KV_KPAGED) {
+    const int page = t / bs;
+    return kpage_value(kpool + ((i64)table[page] * H + hk) * bs * krb, t - page * bs, e, D, bs, kpage_bits(kfmt));
+  }
+  return kv_deq(kfmt, kpool + token_offset(table, t, hk, H, bs, krb), e);
+}
+
+// code byte b of every row of one (page, head) page hp from its bs tokens xh (xs floats apart): the 8/BITS
+// channels sharing that byte, each over the page's tokens: lo, hi (the first occurrence wins ties, as ggml),
+// d = (hi - lo) / top, q = trunc((x - lo) * id + 0.5). BITS a template parameter: the per-channel lo and id
+// stay in registers (a runtime count would put them in local memory)
+template <int BITS>
+__device__ __forceinline__ void kpage_quant_byte(const float* xh, i64 xs, u8* hp, int b, int D, int bs) {
+  constexpr int PER = 8 / BITS, W = 4 * BITS, TOP = (1 << BITS) - 1;
+  const int cb = D * BITS / 8;
+  float lo[PER], id[PER];
+#pragma unroll
+  for (int f = 0; f < PER; ++f) {
+    const int e = (b / W) * 32 + b % W + W * f;
+    float l = xh[e], hi = xh[e];
+    for (int u = 1; u < bs; ++u) {
+      const float v = xh[u * xs + e];
+      if (v < l) l = v;
+      if (v > hi) hi = v;
+    }
+    const float d = kv_fdiv_rn(kv_fsub_rn(hi, l), (float)TOP);
+    lo[f] = l;
+    id[f] = kv_inverse(d);
+    st16(hp + (i64)bs * cb + 2 * e, kv_f32_to_f16(d));
+    st16(hp + (i64)bs * cb + 2 * D + 2 * e, kv_f32_to_f16(l));
+  }
+  for (int u = 0; u < bs; ++u) {
+    int byte = 0;
+#pragma unroll
+    for (int f = 0; f < PER; ++f) {
+      const int e = (b / W) * 32 + b % W + W * f;
+      const float t = truncf(kv_fadd_rn(kv_fmul_rn(kv_fsub_rn(xh[u * xs + e], lo[f]), id[f]), 0.5f));
+      byte |= (int)fminf(t, (float)TOP) << (BITS * f);
+    }
+    hp[(i64)u * cb + b] = (u8)byte;
+  }
+}
+
+// x [n, H, D] f32, n a multiple of bs: slots [i*bs, (i+1)*bs) fill one page in order (whole_pages checks it).
+// One CTA per (page i, head h); thread b owns code byte b of every row, so no two threads write one byte.
+extern "C" __global__ void kvhal_store_kpage(const float* __restrict__ x, const i64* __restrict__ slots,
+                                             u8* __restrict__ pool, int n, int H, int D, int bs, int row_bytes,
+                                             int fmt) {
+  const int h = blockIdx.x % H;
+  const i64 i0 = (i64)(blockIdx.x / H) * bs;
+  if (i0 + bs > n) return;  // the grid covers n / bs pages (at least one CTA when n = 0)
+  const int bits = kpage_bits(fmt);
+  u8* hp = pool + (slots[i0] / bs * H + h) * bs * (i64)row_bytes;
+  const float* xh = x + (i0 * H + h) * D;
+  for (int b = threadIdx.x; b < D * bits / 8; b += blockDim.x) {
+    if (bits == 4)
+      kpage_quant_byte<4>(xh, (i64)H * D, hp, b, D, bs);
+    else
+      kpage_quant_byte<2>(xh, (i64)H * D, hp, b, D, bs);
+  }
+}
+
 // out [n, H, D] f32: the first n tokens of the pages block_ids, dequantized. One thread per value.
 extern "C" __global__ void kvhal_load(const u8* __restrict__ pool, const int* __restrict__ block_ids,
                                       float* __restrict__ out, int n, int H, int D, int bs, int row_bytes, int fmt) {
@@ -439,7 +523,7 @@ extern "C" __global__ void kvhal_load(const u8* __restrict__ pool, const int* __
   const int e = (int)(i % D);
   const i64 th = i / D;
   const int h = (int)(th % H);
-  out[i] = kv_deq(fmt, pool + token_offset(block_ids, (int)(th / H), h, H, bs, row_bytes), e);
+  out[i] = k_value(fmt, pool, block_ids, (int)(th / H), h, H, bs, row_bytes, D, e);  // V pools too (no KV_KPAGED)
 }
 
 // copy_slots in two launches, so overlapping src/dst (a sequence shifting down) read before any write
@@ -793,6 +877,21 @@ __device__ __forceinline__ void k_scores(int fmt, const u8* row, bool staged, co
   }
 }
 
+// scores of token u of a per-channel K page (hp: the page of the KV head) against the G heads, value by value:
+// the channel's scale and minimum are the page's, so a row alone cannot be staged and scored as the others
+template <int G>
+__device__ __forceinline__ void k_kpage(const u8* hp, int u, int bits, const QView<G>& q, int D, int bs,
+                                        float (&sc)[G]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+#pragma unroll 1
+  for (int e = 0; e < D; ++e) {
+    const float x = kpage_value(hp, u, e, D, bs, bits);
+#pragma unroll
+    for (int g = 0; g < G; ++g) sc[g] += q.at(g, e) * x;
+  }
+}
+
 // V values e0 .. e0 + VW - 1 of a row (e0 a multiple of VW, VW in 1, 2, 4, all < D): one or two loads per
 // lane for the specialized formats, the block scale applied once per load
 template <int F, int VW>
@@ -1003,7 +1102,8 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
     // registers beside the accumulators.
     const int lane = kv_lane(), warp = kv_tid_x() >> 5, kb = kv_opaque(krb);
     const int Dq = (kv_opaque(D) + 3) & ~3;
-    const bool staged = kb <= KV_DEC_STAGE_MAX;
+    const bool kpaged = (kfmt & KV_KPAGED) != 0;  // per-channel K pages are scored from the pool (k_kpage)
+    const bool staged = !kpaged && kb <= KV_DEC_STAGE_MAX;
     const int S = staged ? ((kb + 3) >> 2) | 1 : 0;
     const int hk = kv_ctaid_y() * G / (Hq / Hkv);
     const int* trow = a.meta + (i64)a.meta[dec_off + 2 * kv_ctaid_x()] * tstride;
@@ -1035,7 +1135,12 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
       krow = a.kpool + rk[lane];
     }
     float sc[G];
-    k_scores<G>(kfmt, krow, staged, qv, D, sc);
+    if (kpaged) {
+      const int u = (t0 + min(lane, nt - 1)) % bs;  // rk[lane] is row u of its page's head: the head starts u rows back
+      k_kpage<G>(a.kpool + rk[lane] - (i64)u * kb, u, kpage_bits(kfmt), qv, D, bs, sc);
+    } else {
+      k_scores<G>(kfmt, krow, staged, qv, D, sc);
+    }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (lane >= nt) sc[g] = kv_neg_inf();
@@ -1163,7 +1268,7 @@ extern "C" __global__ void __launch_bounds__(KV_NW * 32, 4)
     const int nt = min(bt, b0 - t0);
     for (int idx = threadIdx.x; idx < nt * D; idx += blockDim.x) {
       const int j = idx / D, e = idx - (idx / D) * D;
-      ks[j * kst + e] = kv_deq(kfmt, kpool + token_offset(trow, t0 + j, hk, Hkv, bs, krb), e);
+      ks[j * kst + e] = k_value(kfmt, kpool, trow, t0 + j, hk, Hkv, bs, krb, D, e);
       vs[j * D + e] = kv_deq(vfmt, vpool + token_offset(trow, t0 + j, hk, Hkv, bs, vrb), e);
     }
     __syncthreads();
