@@ -46,10 +46,10 @@ static inline int dec_qs(int fmt, int b) {
 }
 
 /* kivi4 K pages (kivi_k.c) take this path too. A page holds one scale d and one minimum m per channel, so
- * d goes into q once per (page, KV head): q'_c = q_c * d_c, quantized to 16 bits per row as int_prep_q,
- * and m into one f32 constant per row, sum q_c * m_c. A token's score is then dq' * (q' . codes) + C:
- * one integer sum over all 128 channels of the unsigned nibbles (laid out as q4_0's), no offset, no
- * per-block scale. The prep costs about as much as the codes' VNNI work at 16-token pages; pages of a
+ * d goes into q once per (page, KV head): q'_c = q_c * d_c, quantized to 16 bits per row and 32-channel block,
+ * and m into one f32 constant per row, sum q_c * m_c. A token's score is then C + sum over blocks of
+ * dq'_b * (q' . codes): an integer sum per block of the unsigned nibbles (laid out as q4_0's), no offset,
+ * no per-token scale. The prep costs about as much as the codes' VNNI work at 16-token pages; pages of a
  * multiple of 16 rows keep each 16-row group inside one page.
  * V may be q4_1 (kivi4's V rows are its bytes): q4_0's kernels on its nibbles, d and m + 8d gathered per
  * row, the centred min term (int_centre_min) a per-(row, block) sum of p * (m + 8d) added to the output. */
@@ -547,7 +547,7 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     }
     for (int r = 0; r < RT; r++) ws->m[r] = -INFINITY, ws->l[r] = 0.0f;
     memset(ws->o, 0, (size_t)RT * DEC_D * sizeof(float));
-    int_prep_q(c, ws, RT);
+    if (!kivi) int_prep_q(c, ws, RT); /* kivi4 K quantizes q per page instead (dec_prep_q_kivi) */
     int_ws L = int_get(c, ws, RT);
     if (kf == KV_NVFP4) dec_prep_q_nv(&L, RT);
     const int voff = vf == KV_Q4_0 || vf == KV_Q4_1 ? 8 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8, q4_1 centred;
