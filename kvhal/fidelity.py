@@ -15,8 +15,12 @@ query position (causal), and the result is compared with float64 attention over 
 ``p_fmt`` is computed in float64 from the cache's dequantized K (``load``), which is what its kernels
 attend over; ``kernel_vs_load`` (JSON only) is the relative difference between the backend's output and
 float64 attention over the loaded K/V, so a kernel that attended over something else would show.
-Every query attends over the cache as stored after all tokens: a decode step at the last position sees
-exactly that; earlier positions of a real prefill would have seen fewer tokens in a precision tail.
+Two ways to attend (``decode``): by default every query attends over the cache as stored after all
+tokens, one attention call per layer (a decode step at the last position sees exactly that); with
+``decode=True`` the tokens go in one at a time and each query attends right after its own token is
+stored, over the cache as it stands then, as an engine's decode loop runs. The two differ only where
+precision depends on age: an f16 tail holds the tokens just before each query instead of the last ones
+of the passage, and a KIVI page is still f16 while it fills.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ import numpy as np
 
 from . import formats
 from .cache import KVCache, _is_int
-from .errors import BackendUnavailableError, FormatError, NonFiniteError, ShapeError, SpecError, UnsupportedError
+from .errors import (
+    BackendUnavailableError,
+    FormatError,
+    KVHalError,
+    NonFiniteError,
+    ShapeError,
+    SpecError,
+    UnsupportedError,
+)
 from .interop import to_numpy
 from .progress import progress
 from .spec import CacheSpec
@@ -393,6 +405,7 @@ class EvalResult:
     top_p: float
     rows: list[Row]
     seconds: float = 0.0
+    decode: bool = False  # each query over the cache as it stood right after its own token was stored
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -440,6 +453,39 @@ def check_backend(name: str) -> None:
         raise BackendUnavailableError(f"backend {name!r} is unavailable: {info.reason} (see `kvhal info`)")
 
 
+def _decode_layer(
+    cache: KVCache, seq: int, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer as a decode loop: store token ``t``, attend with query ``t``, for every ``t``.
+
+    Returns the backend's outputs ``[T, n_heads, D]``, each query's log-probabilities over the K it saw
+    ``[n_heads, T, T]`` (``-inf`` past it) and float64 attention over the loaded K/V it saw. Only the
+    tokens still held in f16 (the tail, the filling page) can change when a token is stored, so each step
+    reloads those; the final state is checked against a full load."""
+    n, h, _ = q.shape
+    reach = int(getattr(cache.spec, "tail", 0) or 0) + 2 * cache.spec.block_size
+    kd = np.zeros(k.shape, np.float64)
+    vd = np.zeros(v.shape, np.float64)
+    logp = np.full((h, n, n), -np.inf)
+    out = np.empty(q.shape, np.float64)
+    out_of_load = np.empty(q.shape, np.float64)
+    for t in range(n):
+        cache.store(seq, layer, k[t : t + 1], v[t : t + 1])
+        out[t] = to_numpy(cache.attention(layer, q[t : t + 1], [seq], causal=True, scale=scale))[0]
+        lo = max(0, t + 1 - reach)
+        kd[lo : t + 1], vd[lo : t + 1] = (to_numpy(x) for x in cache.load(seq, layer, lo, t + 1))
+        row = log_softmax(causal_scores(q[t : t + 1], kd[: t + 1], scale))  # [h, 1, t + 1]
+        logp[:, t, : t + 1] = row[:, 0]
+        out_of_load[t] = attention_output(np.exp(row), vd[: t + 1])[0]
+    final_k, final_v = (to_numpy(x) for x in cache.load(seq, layer))
+    if not (np.array_equal(final_k, kd) and np.array_equal(final_v, vd)):
+        raise KVHalError(
+            f"layer {layer}: the cache changed tokens more than {reach} positions back during decode; "
+            "kvhal eval's decode mode cannot follow this format (run it without --decode)"
+        )
+    return out, logp, out_of_load
+
+
 def run(
     capture: Capture,
     choices: list[FormatChoice],
@@ -448,8 +494,12 @@ def run(
     skip_invalid: bool = False,
     show_progress: bool = False,
     top_p: float = TOP_P,
+    decode: bool = False,
 ) -> EvalResult:
     """Store the capture in a cache per choice and compare each one's attention with float64 over f32.
+
+    ``decode``: store token by token and attend with each query right after its token (see the module
+    docstring); otherwise store each layer whole and attend once over the final cache.
 
     ``backend``: a name, or "auto" (each format on the best available backend that runs it, named in its
     row). A choice the cache or backend refuses (``UnsupportedError``) is an "unsupported" row; a choice
@@ -464,6 +514,8 @@ def run(
         raise SpecError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise SpecError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not isinstance(decode, bool):
+        raise SpecError(f"decode must be a bool, got {type(decode).__name__}")
     check_backend(backend)
     start = time.perf_counter()
     cap, n = capture, capture.tokens
@@ -503,20 +555,24 @@ def run(
             ref, ref_layer = None, layer  # free the previous layer's arrays first
             ref = _Reference.of(q, k, v, cap.scale, top_p)
         try:
-            cache.store(seq, layer, k, v)
-            out = to_numpy(cache.attention(layer, q, [seq], causal=True, scale=cap.scale))
-            kd, vd = (to_numpy(x) for x in cache.load(seq, layer))
+            if decode:
+                out, logp, out_of_load = _decode_layer(cache, seq, layer, q, k, v, cap.scale)
+            else:
+                cache.store(seq, layer, k, v)
+                out = to_numpy(cache.attention(layer, q, [seq], causal=True, scale=cap.scale))
+                kd, vd = (to_numpy(x) for x in cache.load(seq, layer))
+                logp = log_softmax(causal_scores(q, kd, cap.scale))
+                out_of_load = attention_output(np.exp(logp), vd)
         except (UnsupportedError, NonFiniteError) as e:  # the backend, or the format's range, refuses this layer
             row.status, row.reason = "unsupported", f"layer {layer}: {e}"
             continue
-        logp = log_softmax(causal_scores(q, kd, cap.scale))
         p = np.exp(logp)
         figures = {
             "kl": float(kl_rows(ref.logp, logp, ref.neg_entropy, ref.p).mean()),
             "top1": float((logp.argmax(axis=-1) == ref.top1).mean()),
             "nucleus": float(nucleus_agreement(p, ref.nucleus, top_p).mean()),
             "out_rel_err": rel_err(out, ref.out),
-            "kernel_vs_load": rel_err(out, attention_output(p, vd)),
+            "kernel_vs_load": rel_err(out, out_of_load),
         }
         for key, value in figures.items():
             row.per_layer.setdefault(key, []).append(value)
@@ -545,6 +601,7 @@ def run(
         float(top_p),
         rows,
         time.perf_counter() - start,
+        decode,
     )
 
 
@@ -557,8 +614,12 @@ def table(r: EvalResult) -> str:
     if r.note:
         head.append(f"  {r.note}")
     head += [
-        f"  against float64 attention over the f32 K/V; every query attends causally over the cache after all "
-        f"{r.tokens} tokens",
+        "  against float64 attention over the f32 K/V; "
+        + (
+            "decode: tokens stored one at a time, each query attends right after its own token"
+            if r.decode
+            else f"every query attends causally over the cache after all {r.tokens} tokens"
+        ),
         f"  KL(p_f32 || p_fmt), top-1 and top-p set agreement: means over {r.layers * r.n_heads * r.tokens} query "
         "rows; out rel err: the backend's output, mean over layers",
     ]
@@ -622,6 +683,12 @@ def add_parser(sub: Any) -> None:
     )
     pe.add_argument("--capture", help="evaluate a capture saved with --save-capture instead of running a model")
     pe.add_argument("--save-capture", help="also write the model's q/k/v to this .npz file")
+    pe.add_argument(
+        "--decode",
+        action="store_true",
+        help="store token by token and attend with each query right after its own token, as a decode loop "
+        "does (default: every query over the cache after all tokens)",
+    )
     pe.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -657,7 +724,15 @@ def cli(args: Any) -> int:
         cap = fidelity_model.capture(args.model, tokens or DEFAULT_TOKENS, layers, show_progress=show)
         if args.save_capture is not None:
             cap.save(args.save_capture)
-    result = run(cap, choices, args.backend, block_size, skip_invalid=args.formats is None, show_progress=show)
+    result = run(
+        cap,
+        choices,
+        args.backend,
+        block_size,
+        skip_invalid=args.formats is None,
+        show_progress=show,
+        decode=args.decode,
+    )
     print(json.dumps(result.as_dict(), indent=2) if args.json else table(result))
     return 0
 

@@ -58,7 +58,10 @@ def oracle_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
     for hh in range(h):
         for i in range(t):
             pos = s - t + i
-            sc = [float(np.dot(q[i, hh].astype(np.float64), k[j, hh // g].astype(np.float64))) * scale for j in range(pos + 1)]
+            sc = [
+                float(np.dot(q[i, hh].astype(np.float64), k[j, hh // g].astype(np.float64))) * scale
+                for j in range(pos + 1)
+            ]
             m = max(sc)
             e = [math.exp(x - m) for x in sc]
             z = sum(e)
@@ -305,6 +308,41 @@ def test_modifier_rows_run_where_cachespec_has_them(descriptor):
     assert mod.bits == plain.bits
 
 
+@pytest.mark.parametrize("descriptor", ["q4_0:tail16", "kivi4", "kivi2:tail8", "q8_0"])
+def test_decode_mode_attends_over_each_prefix_as_a_fresh_cache_holds_it(descriptor):
+    """Oracle: for each t, a new cache given the first t + 1 tokens in one store; its last query's
+    probabilities (from its load) and its attention output are decode row t."""
+    cap = synthetic(layers=1, t=40)
+    choice = parse_formats(descriptor)
+    if choice[0].skip or any(not has(key) for key in choice[0].kwargs):
+        pytest.skip(f"this build cannot express {descriptor}")
+    spec = fidelity._spec(choice[0], cap, 8)
+    if expected_refusal(cap, spec.k_format, spec.v_format, "reference"):
+        pytest.skip(f"the reference backend refuses {descriptor}")
+    row = run(cap, choice, backend="reference", block_size=8, decode=True).rows[0]
+    assert row.status == "ok", row.reason
+    q, k, v = cap.q[0], cap.k[0], cap.v[0]
+    probs_ref, out_ref = oracle_attention(q, k, v, cap.scale)
+    kls, outs = [], []
+    for t in range(cap.tokens):
+        c = kvhal.KVCache(spec, cap.tokens, backend="reference")
+        s = c.new_seq()
+        c.store(s, 0, k[: t + 1], v[: t + 1])
+        kd, _ = c.load(s, 0)
+        probs, _ = oracle_attention(q[t : t + 1], kd, v[: t + 1], cap.scale)
+        kls += [oracle_kl(list(probs_ref[h, t, : t + 1]), list(probs[h, 0])) for h in range(q.shape[1])]
+        outs.append(np.asarray(c.attention(0, q[t : t + 1], [s], scale=cap.scale), np.float64)[0])
+    assert row.kl == pytest.approx(np.mean(kls), rel=1e-9, abs=1e-15)
+    assert row.out_rel_err == pytest.approx(
+        np.linalg.norm(np.array(outs) - out_ref) / np.linalg.norm(out_ref), rel=1e-9
+    )
+    final = run(cap, choice, backend="reference", block_size=8).rows[0]
+    if descriptor == "q8_0":  # no precision that depends on age: both modes see the same K
+        assert row.kl == pytest.approx(final.kl, rel=1e-12)
+    else:  # the f16 tail or filling page sits right before each query in decode, so decode keeps more
+        assert row.kl < final.kl
+
+
 def test_run_validates_its_arguments():
     cap = synthetic(layers=1, t=16)
     choices = parse_formats("q8_0")
@@ -316,6 +354,7 @@ def test_run_validates_its_arguments():
         dict(block_size=16.0),
         dict(top_p=0.0),
         dict(backend=3),
+        dict(decode=1),
     ):
         kwargs = {"capture": cap, "choices": choices, **bad}
         with pytest.raises(KVHalError):
@@ -347,6 +386,7 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
         "model": "synthetic", "tokens": 48, "layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "block_size": 16,
     }  # fmt: skip
     assert data["backend"] == "reference" and data["top_p"] == 0.9 and data["causal_encoder"] is False
+    assert data["decode"] is False
     keys = {"format", "k_format", "v_format", "options", "status", "reason", "backend", "k_bits", "v_bits", "bits",
             "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "per_layer"}  # fmt: skip
     assert [r["format"] for r in data["rows"]] == ["f32", "q8_0/q4_0", "q4_0"]
@@ -364,6 +404,13 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
                               "0.9", "set", "out", "rel", "err"]  # fmt: skip
     q4 = next(line for line in out.splitlines() if line.startswith("q4_0 "))
     assert q4.split()[1:5] == ["reference", "4.50", "4.50", "4.50"]
+
+    assert main([*args, "--decode", "--tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "decode: tokens stored one at a time, each query attends right after its own token" in out
+    assert main([*args, "--decode", "--json"]) == 0
+    decoded = json.loads(capsys.readouterr().out)
+    assert decoded["decode"] is True and decoded["rows"][1]["kl"] == pytest.approx(data["rows"][1]["kl"], rel=1e-12)
 
 
 @pytest.mark.parametrize(
