@@ -48,6 +48,9 @@ class Row:
     speedup_vs_sdpa_f32: float | None = None
     speedup_vs_sdpa_bf16: float | None = None
     threads: int | None = None  # host threads the figure ran with; None: not a host-threaded run
+    # decode at the largest context only: the median of calls taken in turn with the other formats of the
+    # same backend and threads (round-robin, one call each), so their ratios share the machine's moments
+    alternating_ms: float | None = None
 
 
 WARMUP_S = 0.02  # steady state, as in a decode loop: pools awake, clocks up, caches warm
@@ -69,6 +72,20 @@ def median_time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def alternating_times(fns: Sequence[Callable[[], Any]], sync: Callable[[], None], rounds: int) -> list[float]:
+    """Median time of each of ``fns`` over ``rounds`` rounds, each round calling every one once in turn
+    (after three warm-up rounds): load that comes and goes on the machine falls on all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds + 3):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            sync()
+            if r >= 3:
+                ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def cpu_model() -> str:
@@ -326,6 +343,8 @@ def run(
     steps = [
         (t if b in threaded else None, (b, f)) for i, t in enumerate(sweep) for b, f in jobs if i == 0 or b in threaded
     ]
+    # per backend and thread count: each format's decode at the largest context, timed in turn at the end
+    turns: dict[tuple[str, int | None], list[tuple[Row, Callable[[], Any], Callable[[], None]]]] = {}
     for n_threads, (backend, fmt) in progress(steps, len(steps), "kvhal bench", show_progress):
         on_device = backend in DEVICE_BACKENDS
         if on_device:
@@ -351,7 +370,15 @@ def run(
                 sdpa_rows, baselines[key] = _sdpa_rows(torch, device, work, decode, prefill, repeats, bw, key[1])
                 rows.extend(sdpa_rows)
             base = baselines.get(key)
-        rows.extend(_bench_one(backend, fmt, work, decode, prefill, repeats, bw, base, n_threads))
+        one, last_decode = _bench_one(backend, fmt, work, decode, prefill, repeats, bw, base, n_threads)
+        rows.extend(one)
+        if last_decode is not None:
+            turns.setdefault((backend, n_threads), []).append(last_decode)
+    for group in turns.values():
+        if len(group) > 1:
+            for (row, _, _), t in zip(group, alternating_times([fn for _, fn, _ in group], group[0][2], 3 * repeats)):
+                row.alternating_ms = t * 1e3
+    turns.clear()  # the caches
 
     return {
         "machine": {
@@ -386,9 +413,10 @@ def _bench_one(
     bw: float,
     base: dict[tuple[str, str, int], float] | None,
     n_threads: int | None,
-) -> list[Row]:
+) -> tuple[list[Row], tuple[Row, Callable[[], Any], Callable[[], None]] | None]:
     """Rows of one backend and format (or ``K/V`` pair); ``n_threads``: the backend's threads option (None:
-    its default)."""
+    its default). Also the decode row at the largest context with its call and sync, where the sequence
+    still holds exactly that context at the end (for ``alternating_times``), else None."""
     k_format, _, v_format = fmt.partition("/")
     spec = CacheSpec(
         n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=k_format, v_format=v_format or k_format
@@ -426,15 +454,23 @@ def _bench_one(
     q1 = cache.backend.asarray(work.q_decode, "q")  # on the device once: the figures time the call, not the upload
     qp = cache.backend.asarray(work.q_prefill, "q")
     n_q = int(work.q_prefill.shape[0])
+    last_decode = None
+
+    def decode_call() -> Any:
+        return cache.attention(0, q1, [s], [1])
+
     for n in sorted({*decode, *prefill}):
         work.fill(cache, s, n)
         if n in decode:
             row("load", n, median_time(lambda: cache.load(s, 0), sync, repeats), n * row_bytes, n)
-            row("decode", n, median_time(lambda: cache.attention(0, q1, [s], [1]), sync, repeats), n * row_bytes)
+            r = row("decode", n, median_time(decode_call, sync, repeats), n * row_bytes)
+            last_decode = (r, decode_call, sync) if n == decode[-1] else None
         if n in prefill:
             t = median_time(lambda: cache.attention(0, qp, [s], [n_q]), sync, repeats)
             row("prefill", n, t, n * row_bytes, n_q).gflops = prefill_flops(n, n_q) / t / 1e9
-    return out
+        if decode and n > decode[-1]:  # the sequence grew past the largest decode context
+            last_decode = None
+    return out, last_decode
 
 
 def table(result: dict[str, Any]) -> str:
@@ -450,9 +486,10 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores; measured read bandwidth: {where}",
         f"shape: {sh['n_heads']} q heads / {sh['n_kv_heads']} kv heads / head_dim {sh['head_dim']}; "
-        f"prefill: the last {sh['prefill_queries']} positions, causal; median of {result['repeats']}",
+        f"prefill: the last {sh['prefill_queries']} positions, causal; median of {result['repeats']}; alt ms: "
+        f"decode at the largest context, the formats called in turn (median of {3 * result['repeats']} rounds)",
         f"{'backend':<11} {'format':<{fw}} {'op':<9} {'ctx':>6} {'thr':>3} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
-        f"{'tok/s':>9} {'GFLOP/s':>8} {'x sdpa f32':>10} {'x sdpa bf16':>11}",
+        f"{'tok/s':>9} {'GFLOP/s':>8} {'x sdpa f32':>10} {'x sdpa bf16':>11} {'alt ms':>8}",
     ]
 
     def opt(x: float | None, fmt: str) -> str:
@@ -463,7 +500,7 @@ def table(result: dict[str, Any]) -> str:
             f"{r['backend']:<11} {r['format']:<{fw}} {r['op']:<9} {r['context']:>6} {opt(r['threads'], 'd'):>3} "
             f"{r['median_ms']:>9.3f} {r['gbps']:>7.2f} {r['frac_bw']:>6.2f} {opt(r['tokens_per_s'], '.3g'):>9} "
             f"{opt(r['gflops'], '.1f'):>8} {opt(r['speedup_vs_sdpa_f32'], '.2f'):>10} "
-            f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11}"
+            f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11} {opt(r.get('alternating_ms'), '.3f'):>8}"
         )
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)

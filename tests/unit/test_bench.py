@@ -69,6 +69,28 @@ def test_run_makes_store_load_decode_and_prefill_rows():
         assert pre["speedup_vs_sdpa_f32"] is None  # sdpa=False
     text = bench.table(result)
     assert "prefill" in text and "decode" in text and "the last 16 positions" in text
+    # the two formats' decode at the largest context, timed in turn: that row only
+    alternated = {(f, op, ctx) for (_, f, op, ctx, _t), r in rows.items() if r["alternating_ms"] is not None}
+    assert alternated == {("q8_0", "decode", 64), ("f32", "decode", 64)}
+    assert all(rows[("reference", f, "decode", 64, None)]["alternating_ms"] > 0 for f in ("q8_0", "f32"))
+    assert "alt ms" in text and "median of 3 rounds" in text
+
+
+def test_alternating_needs_two_formats_and_a_sequence_still_at_the_decode_context():
+    one = bench.run([("reference", "q8_0")], sdpa=False, bandwidth_bytes=1 << 20, **TINY)
+    longer = {**TINY, "prefill_contexts": [96]}  # the sequence ends past the largest decode context
+    two = bench.run([("reference", "q8_0"), ("reference", "f32")], sdpa=False, bandwidth_bytes=1 << 20, **longer)
+    assert all(r["alternating_ms"] is None for r in one["rows"] + two["rows"])
+
+
+def test_alternating_times_calls_in_turn_after_three_warm_up_rounds():
+    calls: list[str] = []
+    syncs: list[int] = []
+    medians = bench.alternating_times(
+        [lambda: calls.append("a"), lambda: calls.append("b")], lambda: syncs.append(1), 4
+    )
+    assert calls == ["a", "b"] * 7 and len(syncs) == 14
+    assert len(medians) == 2 and all(m >= 0 for m in medians)
 
 
 def test_run_with_sdpa_gives_ratios_against_the_same_shapes():
