@@ -17,10 +17,11 @@ attend over; ``kernel_vs_load`` (JSON only) is the relative difference between t
 float64 attention over the loaded K/V, so a kernel that attended over something else would show.
 Two ways to attend (``decode``): by default every query attends over the cache as stored after all
 tokens, one attention call per layer (a decode step at the last position sees exactly that); with
-``decode=True`` the tokens go in one at a time and each query attends right after its own token is
-stored, over the cache as it stands then, as an engine's decode loop runs. The two differ only where
-precision depends on age: an f16 tail holds the tokens just before each query instead of the last ones
-of the passage, and a KIVI page is still f16 while it fills.
+``decode=N`` an engine's run: the first N tokens go in one store (the prompt's prefill, whose queries
+attend over it causally), then the rest one at a time, each query attending right after its own token
+is stored, over the cache as it stands then. The two differ where precision depends on age (an f16
+tail holds the tokens just before each query instead of the last ones of the passage; a KIVI page is
+f16 while it fills) and where a scale is calibrated on the first store (the prefill's N tokens).
 """
 
 from __future__ import annotations
@@ -405,7 +406,7 @@ class EvalResult:
     top_p: float
     rows: list[Row]
     seconds: float = 0.0
-    decode: bool = False  # each query over the cache as it stood right after its own token was stored
+    decode: int | None = None  # a prefill of this many tokens, then each query right after its own token
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -454,9 +455,10 @@ def check_backend(name: str) -> None:
 
 
 def _decode_layer(
-    cache: KVCache, seq: int, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
+    cache: KVCache, seq: int, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, prefill: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One layer as a decode loop: store token ``t``, attend with query ``t``, for every ``t``.
+    """One layer as an engine runs it: the first ``prefill`` tokens in one store, their queries attending
+    over it (causal); then store token ``t``, attend with query ``t``, for every later ``t``.
 
     Returns the backend's outputs ``[T, n_heads, D]``, each query's log-probabilities over the K it saw
     ``[n_heads, T, T]`` (``-inf`` past it) and float64 attention over the loaded K/V it saw. Only the
@@ -469,7 +471,13 @@ def _decode_layer(
     logp = np.full((h, n, n), -np.inf)
     out = np.empty(q.shape, np.float64)
     out_of_load = np.empty(q.shape, np.float64)
-    for t in range(n):
+    p = min(prefill, n)
+    cache.store(seq, layer, k[:p], v[:p])
+    out[:p] = to_numpy(cache.attention(layer, q[:p], [seq], causal=True, scale=scale))
+    kd[:p], vd[:p] = (to_numpy(x) for x in cache.load(seq, layer))
+    logp[:, :p, :p] = log_softmax(causal_scores(q[:p], kd[:p], scale))
+    out_of_load[:p] = attention_output(np.exp(logp[:, :p, :p]), vd[:p])
+    for t in range(p, n):
         cache.store(seq, layer, k[t : t + 1], v[t : t + 1])
         out[t] = to_numpy(cache.attention(layer, q[t : t + 1], [seq], causal=True, scale=scale))[0]
         lo = max(0, t + 1 - reach)
@@ -494,12 +502,13 @@ def run(
     skip_invalid: bool = False,
     show_progress: bool = False,
     top_p: float = TOP_P,
-    decode: bool = False,
+    decode: int | None = None,
 ) -> EvalResult:
     """Store the capture in a cache per choice and compare each one's attention with float64 over f32.
 
-    ``decode``: store token by token and attend with each query right after its token (see the module
-    docstring); otherwise store each layer whole and attend once over the final cache.
+    ``decode``: None stores each layer whole and attends once over the final cache; N stores the first N
+    tokens in one call (a prefill), then token by token, each query attending right after its own token
+    (see the module docstring).
 
     ``backend``: a name, or "auto" (each format on the best available backend that runs it, named in its
     row). A choice the cache or backend refuses (``UnsupportedError``) is an "unsupported" row; a choice
@@ -514,8 +523,8 @@ def run(
         raise SpecError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise SpecError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if not isinstance(decode, bool):
-        raise SpecError(f"decode must be a bool, got {type(decode).__name__}")
+    if decode is not None and (not _is_int(decode) or decode < 1):
+        raise SpecError(f"decode must be None or the prefill's token count (a positive int), got {decode!r}")
     check_backend(backend)
     start = time.perf_counter()
     cap, n = capture, capture.tokens
@@ -555,8 +564,8 @@ def run(
             ref, ref_layer = None, layer  # free the previous layer's arrays first
             ref = _Reference.of(q, k, v, cap.scale, top_p)
         try:
-            if decode:
-                out, logp, out_of_load = _decode_layer(cache, seq, layer, q, k, v, cap.scale)
+            if decode is not None:
+                out, logp, out_of_load = _decode_layer(cache, seq, layer, q, k, v, cap.scale, int(decode))
             else:
                 cache.store(seq, layer, k, v)
                 out = to_numpy(cache.attention(layer, q, [seq], causal=True, scale=cap.scale))
@@ -616,8 +625,9 @@ def table(r: EvalResult) -> str:
     head += [
         "  against float64 attention over the f32 K/V; "
         + (
-            "decode: tokens stored one at a time, each query attends right after its own token"
-            if r.decode
+            f"decode: the first {r.decode} tokens stored in one call (a prefill, causal), then one at a time, each "
+            "query attending right after its own token"
+            if r.decode is not None
             else f"every query attends causally over the cache after all {r.tokens} tokens"
         ),
         f"  KL(p_f32 || p_fmt), top-1 and top-p set agreement: means over {r.layers * r.n_heads * r.tokens} query "
@@ -685,9 +695,10 @@ def add_parser(sub: Any) -> None:
     pe.add_argument("--save-capture", help="also write the model's q/k/v to this .npz file")
     pe.add_argument(
         "--decode",
-        action="store_true",
-        help="store token by token and attend with each query right after its own token, as a decode loop "
-        "does (default: every query over the cache after all tokens)",
+        metavar="PREFILL",
+        help="run as an engine does: the first PREFILL tokens in one store (their queries causal over it), then "
+        "token by token, each query attending right after its own token (default: every query over the cache "
+        "after all tokens)",
     )
     pe.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -710,6 +721,7 @@ def cli(args: Any) -> int:
     layers = _count("--layers", args.layers)
     tokens = _count("--tokens", args.tokens)
     block_size = _count("--block-size", args.block_size)
+    decode = _count("--decode", args.decode)
     assert block_size is not None
     check_backend(args.backend)
     choices = parse_formats(args.formats) if args.formats is not None else default_choices()
@@ -731,7 +743,7 @@ def cli(args: Any) -> int:
         block_size,
         skip_invalid=args.formats is None,
         show_progress=show,
-        decode=args.decode,
+        decode=decode,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else table(result))
     return 0

@@ -308,10 +308,13 @@ def test_modifier_rows_run_where_cachespec_has_them(descriptor):
     assert mod.bits == plain.bits
 
 
-@pytest.mark.parametrize("descriptor", ["q4_0:tail16", "kivi4", "kivi2:tail8", "q8_0"])
-def test_decode_mode_attends_over_each_prefix_as_a_fresh_cache_holds_it(descriptor):
-    """Oracle: for each t, a new cache given the first t + 1 tokens in one store; its last query's
-    probabilities (from its load) and its attention output are decode row t."""
+@pytest.mark.parametrize(
+    ("descriptor", "prefill"), [("q4_0:tail16", 1), ("kivi4", 1), ("kivi2:tail8", 12), ("q8_0", 5), ("q8_0", 40)]
+)
+def test_decode_mode_attends_over_each_prefix_as_a_fresh_cache_holds_it(descriptor, prefill):
+    """Oracle: per query t past the prefill, a new cache given the prefill in one store and the tokens up to
+    t in a second; its load gives t's probabilities, its attention t's output. The prefill's queries attend
+    causally over a cache holding the prefill."""
     cap = synthetic(layers=1, t=40)
     choice = parse_formats(descriptor)
     if choice[0].skip or any(not has(key) for key in choice[0].kwargs):
@@ -319,18 +322,31 @@ def test_decode_mode_attends_over_each_prefix_as_a_fresh_cache_holds_it(descript
     spec = fidelity._spec(choice[0], cap, 8)
     if expected_refusal(cap, spec.k_format, spec.v_format, "reference"):
         pytest.skip(f"the reference backend refuses {descriptor}")
-    row = run(cap, choice, backend="reference", block_size=8, decode=True).rows[0]
+    row = run(cap, choice, backend="reference", block_size=8, decode=prefill).rows[0]
     assert row.status == "ok", row.reason
     q, k, v = cap.q[0], cap.k[0], cap.v[0]
     probs_ref, out_ref = oracle_attention(q, k, v, cap.scale)
-    kls, outs = [], []
-    for t in range(cap.tokens):
+
+    def cache_at(n: int) -> tuple[kvhal.KVCache, int]:
         c = kvhal.KVCache(spec, cap.tokens, backend="reference")
         s = c.new_seq()
-        c.store(s, 0, k[: t + 1], v[: t + 1])
+        c.store(s, 0, k[:prefill], v[:prefill])
+        if n > prefill:
+            c.store(s, 0, k[prefill:n], v[prefill:n])
+        return c, s
+
+    c, s = cache_at(prefill)
+    kd, _ = c.load(s, 0)
+    probs, _ = oracle_attention(q[:prefill], kd, v[:prefill], cap.scale)
+    kls = [
+        oracle_kl(list(probs_ref[h, t, : t + 1]), list(probs[h, t, : t + 1])) for h in range(4) for t in range(prefill)
+    ]
+    outs = list(np.asarray(c.attention(0, q[:prefill], [s], scale=cap.scale), np.float64))
+    for t in range(prefill, cap.tokens):
+        c, s = cache_at(t + 1)
         kd, _ = c.load(s, 0)
         probs, _ = oracle_attention(q[t : t + 1], kd, v[: t + 1], cap.scale)
-        kls += [oracle_kl(list(probs_ref[h, t, : t + 1]), list(probs[h, 0])) for h in range(q.shape[1])]
+        kls += [oracle_kl(list(probs_ref[h, t, : t + 1]), list(probs[h, 0])) for h in range(4)]
         outs.append(np.asarray(c.attention(0, q[t : t + 1], [s], scale=cap.scale), np.float64)[0])
     assert row.kl == pytest.approx(np.mean(kls), rel=1e-9, abs=1e-15)
     assert row.out_rel_err == pytest.approx(
@@ -354,7 +370,9 @@ def test_run_validates_its_arguments():
         dict(block_size=16.0),
         dict(top_p=0.0),
         dict(backend=3),
-        dict(decode=1),
+        dict(decode=True),
+        dict(decode=0),
+        dict(decode=4.0),
     ):
         kwargs = {"capture": cap, "choices": choices, **bad}
         with pytest.raises(KVHalError):
@@ -386,7 +404,7 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
         "model": "synthetic", "tokens": 48, "layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "block_size": 16,
     }  # fmt: skip
     assert data["backend"] == "reference" and data["top_p"] == 0.9 and data["causal_encoder"] is False
-    assert data["decode"] is False
+    assert data["decode"] is None
     keys = {"format", "k_format", "v_format", "options", "status", "reason", "backend", "k_bits", "v_bits", "bits",
             "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "per_layer"}  # fmt: skip
     assert [r["format"] for r in data["rows"]] == ["f32", "q8_0/q4_0", "q4_0"]
@@ -405,12 +423,12 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
     q4 = next(line for line in out.splitlines() if line.startswith("q4_0 "))
     assert q4.split()[1:5] == ["reference", "4.50", "4.50", "4.50"]
 
-    assert main([*args, "--decode", "--tokens", "32"]) == 0
+    assert main([*args, "--decode", "8", "--tokens", "32"]) == 0
     out = capsys.readouterr().out
-    assert "decode: tokens stored one at a time, each query attends right after its own token" in out
-    assert main([*args, "--decode", "--json"]) == 0
+    assert "decode: the first 8 tokens stored in one call (a prefill, causal), then one at a time" in out
+    assert main([*args, "--decode", "1", "--json"]) == 0
     decoded = json.loads(capsys.readouterr().out)
-    assert decoded["decode"] is True and decoded["rows"][1]["kl"] == pytest.approx(data["rows"][1]["kl"], rel=1e-12)
+    assert decoded["decode"] == 1 and decoded["rows"][1]["kl"] == pytest.approx(data["rows"][1]["kl"], rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -423,6 +441,7 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
         (["--formats", "q4_0:bogus"], "unknown modifier 'bogus'"),
         (["--backend", "nope"], "no backend named 'nope'"),
         (["--block-size", "-4"], "--block-size takes a positive integer"),
+        (["--decode", "0"], "--decode takes a positive integer"),
         (["--model", "x.gguf"], "--capture replays a saved capture"),
     ],
 )
