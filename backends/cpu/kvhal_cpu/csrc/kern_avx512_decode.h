@@ -273,20 +273,24 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
 #define DEC_MAXU(a, b) _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
 static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32_t *qh, int32_t *ql, float *dq,
                             float *cm) {
-    float d[DEC_D], m[DEC_D];
-    for (int i = 0; i < DEC_D; i += 16) {
+    float d[DEC_D];
+    for (int i = 0; i < DEC_D; i += 16)
         _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * i))));
-        _mm512_storeu_ps(m + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * DEC_D + 2 * i))));
-    }
+    /* dword i of a 64-channel chunk's packed bytes holds chunk X = i % 4, channels 4 * (i / 4) ..: back to order */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    float xd[4 * DEC_D]; /* q_c * d_c of 4 rows, kept from the maxima pass */
     for (int r0 = 0; r0 < R; r0 += 4) {
         const float *x = qf + (size_t)r0 * DEC_D;
         __m512 mx[16];
         for (int sl = 0; sl < 16; sl++) {
             const int k = TREE_SLOT(sl), o = (k >> 2) * DEC_D + 32 * (k & 3), e = 32 * (k & 3);
-            const __m512i a = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(d + e)));
-            const __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + o + 16), _mm512_loadu_ps(d + e + 16)));
-            mx[sl] = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_and_si512(a, magnitude), _mm512_and_si512(b, magnitude)));
+            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(d + e));
+            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + o + 16), _mm512_loadu_ps(d + e + 16));
+            _mm512_storeu_ps(xd + o, a);
+            _mm512_storeu_ps(xd + o + 16, b);
+            mx[sl] = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(a), magnitude),
+                                                          _mm512_and_si512(_mm512_castps_si512(b), magnitude)));
         }
         TREE16(DEC_MAXU, mx); /* lane i * 4 + b: row r0 + i, block b */
         const __mmask16 finite = _mm512_cmplt_epu32_mask(_mm512_castps_si512(mx[0]), _mm512_set1_epi32(0x7f800000));
@@ -295,19 +299,35 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32
         float inv[16];
         _mm512_storeu_ps(inv, _mm512_maskz_div_ps(finite & _mm512_cmp_ps_mask(mx[0], _mm512_setzero_ps(), _CMP_GT_OQ),
                                                  qmax, mx[0]));
+        __m512 cs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int e = 0; e < DEC_D; e += 16) {
+            const __m512 me = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * DEC_D + 2 * e)));
+            for (int i = 0; i < 4; i++) cs[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * DEC_D + e), me, cs[i]);
+        }
+        /* the 4 rows' sums at once: lane-pair sums, then the 4 128-bit lanes hold [C0, C1, C2, C3] partials */
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(cs[0], cs[1]), _mm512_unpackhi_ps(cs[0], cs[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(cs[2], cs[3]), _mm512_unpackhi_ps(cs[2], cs[3]));
+        const __m512 s4 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+        const __m256 s2 = _mm256_add_ps(_mm512_castps512_ps256(s4), _mm512_extractf32x8_ps(s4, 1));
+        _mm_storeu_ps(cm + r0, _mm_add_ps(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
         for (int i = 0; i < 4; i++) {
-            __m512 cs = _mm512_setzero_ps();
-            for (int e = 0; e < DEC_D; e += 16) {
-                const __m512 xe = _mm512_loadu_ps(x + i * DEC_D + e);
-                cs = _mm512_fmadd_ps(xe, _mm512_loadu_ps(m + e), cs);
-                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(xe, _mm512_loadu_ps(d + e)), _mm512_set1_ps(inv[i * 4 + e / 32]));
-                const __m512i qi = _mm512_cvtps_epi32(v);
-                const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(qi, _mm512_set1_epi32(128)), 8); /* qi - ql, / 256 */
+            for (int e = 0; e < DEC_D; e += 64) { /* 64 channels: 16-bit, then low bytes and high bytes */
+                __m512i w[2];
+                for (int h = 0; h < 2; h++) {
+                    const float *v = xd + i * DEC_D + e + 32 * h;
+                    const __m512 sc = _mm512_set1_ps(inv[i * 4 + e / 32 + h]);
+                    w[h] = _mm512_packs_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), sc)),
+                                              _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), sc)));
+                }
+                const __m512i l0 = _mm512_srai_epi16(_mm512_slli_epi16(w[0], 8), 8); /* the low byte, signed */
+                const __m512i l1 = _mm512_srai_epi16(_mm512_slli_epi16(w[1], 8), 8);
+                const __m512i h0 = _mm512_srai_epi16(_mm512_add_epi16(w[0], _mm512_set1_epi16(128)), 8); /* (w - l) / 256 */
+                const __m512i h1 = _mm512_srai_epi16(_mm512_add_epi16(w[1], _mm512_set1_epi16(128)), 8);
                 const size_t at = (size_t)(r0 + i) * 32 + e / 4;
-                _mm_storeu_si128((__m128i *)(void *)(ql + at), _mm512_cvtepi32_epi8(qi)); /* the low byte, signed */
-                _mm_storeu_si128((__m128i *)(void *)(qh + at), _mm512_cvtepi32_epi8(hi));
+                _mm512_storeu_si512((void *)(ql + at), _mm512_permutexvar_epi32(order, _mm512_packs_epi16(l0, l1)));
+                _mm512_storeu_si512((void *)(qh + at), _mm512_permutexvar_epi32(order, _mm512_packs_epi16(h0, h1)));
             }
-            cm[r0 + i] = _mm512_reduce_add_ps(cs);
         }
     }
 }
