@@ -56,3 +56,14 @@ def test_reduced_eval_on_smollm2(model_installed, tmp_path, capsys):
     assert main(["eval", "--capture", saved, "--formats", FORMATS, "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["rows"] == data["rows"]
+
+    # as an engine runs it: a 64-token prefill, then token by token. q8_0's precision does not depend on a
+    # token's age (the same figures); a tail sits right before each decoded query, so it keeps more there
+    decode = ["eval", "--capture", saved, "--formats", "q8_0,q4_0:tail32", "--decode", "64", "--json"]
+    assert main(decode) == 0
+    dec = {r["format"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert main([*decode[:-3], "--json"]) == 0
+    final = {r["format"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert dec["q8_0"]["kl"] == pytest.approx(final["q8_0"]["kl"], rel=1e-9)
+    assert dec["q4_0:tail32"]["kl"] < 0.8 * final["q4_0:tail32"]["kl"]
+    assert dec["q4_0:tail32"]["kernel_vs_load"] < 1e-3
