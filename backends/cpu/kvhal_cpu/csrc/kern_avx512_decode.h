@@ -36,26 +36,33 @@ enum { DEC_NB = 4, DEC_D = 128, DEC_Q8_RB = DEC_NB * KV_Q8_0_BYTES, DEC_Q4_RB = 
 static inline int dec_fmt(int fmt) { return fmt == KV_Q8_0 || fmt == KV_Q4_0 || fmt == KV_MXFP4 || fmt == KV_NVFP4; }
 static inline int dec_rb(int fmt) {
     return fmt == KV_Q8_0 ? DEC_Q8_RB : fmt == KV_Q4_0 ? DEC_Q4_RB : fmt == KV_Q4_1 ? DEC_NB * KV_Q4_1_BYTES
-         : fmt == KV_MXFP4 ? DEC_NB * KV_MXFP4_BYTES : 2 * KV_NVFP4_BYTES;
+         : fmt == KV_KIVI2 ? DEC_NB * KV_KIVI2_BYTES : fmt == KV_MXFP4 ? DEC_NB * KV_MXFP4_BYTES : 2 * KV_NVFP4_BYTES;
 }
 /* byte offset of block b's values (32 bytes, q8_0; 16 nibble bytes, the others) in a row */
 static inline int dec_qs(int fmt, int b) {
     return fmt == KV_Q8_0 ? KV_Q8_0_BYTES * b + 2 : fmt == KV_Q4_0 ? KV_Q4_0_BYTES * b + 2
-         : fmt == KV_Q4_1 ? KV_Q4_1_BYTES * b + 4
+         : fmt == KV_Q4_1 ? KV_Q4_1_BYTES * b + 4 : fmt == KV_KIVI2 ? KV_KIVI2_BYTES * b + 4
          : fmt == KV_MXFP4 ? KV_MXFP4_BYTES * b + 1 : KV_NVFP4_BYTES * (b >> 1) + 4 + 16 * (b & 1);
 }
 
-/* kivi4 K pages (kivi_k.c) take this path too. A page holds one scale d and one minimum m per channel, so
+/* kivi4 and kivi2 K pages (kivi_k.c) take this path too. A page holds one scale d and one minimum m per channel, so
  * d goes into q once per (page, KV head): q'_c = q_c * d_c, quantized to 16 bits per row and 32-channel block,
  * and m into one f32 constant per row, sum q_c * m_c. A token's score is then C + sum over blocks of
- * dq'_b * (q' . codes): an integer sum per block of the unsigned nibbles (laid out as q4_0's), no offset,
- * no per-token scale. The prep costs about as much as the codes' VNNI work at 16-token pages; pages of a
+ * dq'_b * (q' . codes): an integer sum per block of the unsigned codes (kivi4's nibbles laid out as q4_0's,
+ * kivi2's 2-bit fields), no offset, no per-token scale. The prep costs about as much as the codes' VNNI work at 16-token pages; pages of a
  * multiple of 16 rows keep each 16-row group inside one page.
- * V may be q4_1 (kivi4's V rows are its bytes): q4_0's kernels on its nibbles, d and m + 8d gathered per
- * row, the centred min term (int_centre_min) a per-(row, block) sum of p * (m + 8d) added to the output. */
-enum { DEC_KIVI_CB = DEC_D / 2 }; /* code bytes per kivi4 page row */
-static inline int dec_kfmt(const kv_call *c) { return c->kpaged ? c->kfmt == KV_KIVI4 : dec_fmt(c->kfmt); }
-static inline int dec_vfmt(int fmt) { return dec_fmt(fmt) || fmt == KV_Q4_1; }
+ * V may be q4_1 (kivi4's V rows are its bytes) or kivi2: q4_0's kernels on the codes, d and m + centre * d
+ * gathered per row, the centred min term a per-(row, block) sum of p * (m + centre * d) added to the output. */
+/* code bytes per page row: kivi4 nibbles, kivi2 2-bit fields (value j + 8i in field i of byte j of each
+ * 8-byte group of 32) */
+static inline int dec_kivi_cb(int fmt) { return fmt == KV_KIVI4 ? DEC_D / 2 : DEC_D / 4; }
+static inline int dec_kfmt(const kv_call *c) {
+    return c->kpaged ? c->kfmt == KV_KIVI4 || c->kfmt == KV_KIVI2 : dec_fmt(c->kfmt);
+}
+/* V rows with d and m per block (q4_1 and kivi2's: 2-bit fields as kivi2's K pages) run centred: the codes
+ * minus half their range (8, 2) times p * d, plus p * (m + centre * d) */
+static inline int dec_vmin(int fmt) { return fmt == KV_Q4_1 || fmt == KV_KIVI2; }
+static inline int dec_vfmt(int fmt) { return dec_fmt(fmt) || dec_vmin(fmt); }
 /* scale slots per row: nvfp4's 8 sub-blocks, else 4 blocks */
 static inline int dec_ns(int fmt) { return fmt == KV_NVFP4 ? 2 * DEC_NB : DEC_NB; }
 /* the doubled e2m1 values in a 16-byte VPSHUFB table: +12 (unsigned, K) and as they are (V) */
@@ -153,16 +160,19 @@ static inline void dec_scales16(int fmt, const uint8_t *p, float *dst) {
     _mm512_storeu_ps(dst + 3 * KV_T, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)));
 }
 
-/* q4_1: d of the 16 rows' blocks into d[b * KV_T + i] and m + 8d into m[...], one dword gather per block */
-static inline void dec_q4_1_scales16(const uint8_t *p, float *d, float *m) {
+/* q4_1 / kivi2 V (d, m, then the codes per block): d of the 16 rows' blocks into d[b * KV_T + i] and
+ * m + centre * d into m[...], one dword gather per block */
+static inline void dec_vmin_scales16(int fmt, const uint8_t *p, float *d, float *m) {
+    const int bb = fmt == KV_Q4_1 ? KV_Q4_1_BYTES : KV_KIVI2_BYTES;
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(DEC_NB * KV_Q4_1_BYTES));
+                                            _mm512_set1_epi32(DEC_NB * bb));
+    const __m512 centre = _mm512_set1_ps(fmt == KV_Q4_1 ? 8.0f : 2.0f);
     for (int b = 0; b < DEC_NB; b++) {
-        const __m512i x = _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(KV_Q4_1_BYTES * b)), p, 1);
+        const __m512i x = _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(bb * b)), p, 1);
         const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
         const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
         _mm512_storeu_ps(d + b * KV_T, dv);
-        _mm512_storeu_ps(m + b * KV_T, _mm512_fmadd_ps(dv, _mm512_set1_ps(8.0f), mv));
+        _mm512_storeu_ps(m + b * KV_T, _mm512_fmadd_ps(dv, centre, mv));
     }
 }
 
@@ -264,15 +274,20 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
     }
 }
 
-/* kivi4 K: q'_c = q_c * d_c of R rows (a multiple of 4) for one page (its f16 d[128] then m[128] at
+/* kivi K: q'_c = q_c * d_c of R rows (a multiple of 4) for one page (its f16 d[128] then m[128] at
  * `scales`) as 16-bit halves qh/ql [R][4 blocks][8 dwords] with one scale per row and 32-channel block,
  * dq [R][4] (per block, so an outlier channel's large d costs the precision of its block only), and the
  * min terms C = sum q_c * m_c [R]. The 16 (row, block) maxima of 4 rows take one TREE16 of integer maxima
  * of |q'| bits, which also finds a NaN or inf q': that block's dq is NaN, so the row's scores against the
  * page are NaN, as float attention over d * code + m. */
 #define DEC_MAXU(a, b) _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32_t *qh, int32_t *ql, float *dq,
-                            float *cm) {
+/* kivi2 (wide): 24 bits, qx/qh/ql bytes. A 2-bit code's d is 5x a 4-bit one's, so one outlier channel's
+ * q'_c takes a block's 16-bit range and leaves the rest a few bits (measured: 2.5e-4 of the output on
+ * tests' 8x channel); 2-bit codes keep 24-bit sums in int32. */
+enum { DEC_QW_MAX = 127 * 65536 };
+static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int wide, int32_t *qx, int32_t *qh,
+                            int32_t *ql, float *dq, float *cm) {
+    const float centre = wide ? 1.5f : 7.5f; /* half the code range: the rounding correction below */
     float d[DEC_D];
     for (int i = 0; i < DEC_D; i += 16)
         _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * i))));
@@ -294,7 +309,7 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32
         }
         TREE16(DEC_MAXU, mx); /* lane i * 4 + b: row r0 + i, block b */
         const __mmask16 finite = _mm512_cmplt_epu32_mask(_mm512_castps_si512(mx[0]), _mm512_set1_epi32(0x7f800000));
-        const __m512 qmax = _mm512_set1_ps(QI_MAX);
+        const __m512 qmax = _mm512_set1_ps(wide ? (float)DEC_QW_MAX : QI_MAX);
         _mm512_storeu_ps(dq + (size_t)r0 * DEC_NB, _mm512_mask_div_ps(_mm512_set1_ps(NAN), finite, mx[0], qmax));
         float inv[16];
         _mm512_storeu_ps(inv, _mm512_maskz_div_ps(finite & _mm512_cmp_ps_mask(mx[0], _mm512_setzero_ps(), _CMP_GT_OQ),
@@ -304,21 +319,33 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32
             const __m512 me = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * DEC_D + 2 * e)));
             for (int i = 0; i < 4; i++) cs[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * DEC_D + e), me, cs[i]);
         }
-        /* the 4 rows' sums at once: lane-pair sums, then the 4 128-bit lanes hold [C0, C1, C2, C3] partials */
-        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(cs[0], cs[1]), _mm512_unpackhi_ps(cs[0], cs[1]));
-        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(cs[2], cs[3]), _mm512_unpackhi_ps(cs[2], cs[3]));
-        const __m512 s4 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-        const __m256 s2 = _mm256_add_ps(_mm512_castps512_ps256(s4), _mm512_extractf32x8_ps(s4, 1));
-        _mm_storeu_ps(cm + r0, _mm_add_ps(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; wide && i < 4; i++)
+            for (int e = 0; e < DEC_D; e += 16) { /* three bytes per value, each signed */
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xd + i * DEC_D + e), _mm512_set1_ps(inv[i * 4 + e / 32]));
+                const __m512i qi = _mm512_cvtps_epi32(v);
+                const __m512 res = _mm512_sub_ps(v, _mm512_cvtepi32_ps(qi));
+                cs[i] = _mm512_fmadd_ps(res, _mm512_set1_ps(centre * dq[(size_t)(r0 + i) * DEC_NB + e / 32]), cs[i]);
+                const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(qi, 24), 24);
+                const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(qi, lo), 8);
+                const __m512i mid = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
+                const size_t at = (size_t)(r0 + i) * 32 + e / 4;
+                _mm_storeu_si128((__m128i *)(void *)(ql + at), _mm512_cvtepi32_epi8(lo));
+                _mm_storeu_si128((__m128i *)(void *)(qh + at), _mm512_cvtepi32_epi8(mid));
+                _mm_storeu_si128((__m128i *)(void *)(qx + at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(t, mid), 8)));
+            }
+        for (int i = 0; !wide && i < 4; i++) {
             for (int e = 0; e < DEC_D; e += 64) { /* 64 channels: 16-bit, then low bytes and high bytes */
                 __m512i w[2];
                 for (int h = 0; h < 2; h++) {
                     const float *v = xd + i * DEC_D + e + 32 * h;
                     const __m512 sc = _mm512_set1_ps(inv[i * 4 + e / 32 + h]);
-                    w[h] = _mm512_packs_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), sc)),
-                                              _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), sc)));
+                    const __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(v), sc), v1 = _mm512_mul_ps(_mm512_loadu_ps(v + 16), sc);
+                    const __m512i i0 = _mm512_cvtps_epi32(v0), i1 = _mm512_cvtps_epi32(v1);
+                    w[h] = _mm512_packs_epi32(i0, i1);
+                    /* the rounding of q' times the centre, into C: the integer sums' error is then sum of
+                     * rounding * (code - centre), whose spread is about half that of rounding * code */
+                    const __m512 res = _mm512_add_ps(_mm512_sub_ps(v0, _mm512_cvtepi32_ps(i0)), _mm512_sub_ps(v1, _mm512_cvtepi32_ps(i1)));
+                    cs[i] = _mm512_fmadd_ps(res, _mm512_set1_ps(centre * dq[(size_t)(r0 + i) * DEC_NB + e / 32 + h]), cs[i]);
                 }
                 const __m512i l0 = _mm512_srai_epi16(_mm512_slli_epi16(w[0], 8), 8); /* the low byte, signed */
                 const __m512i l1 = _mm512_srai_epi16(_mm512_slli_epi16(w[1], 8), 8);
@@ -329,27 +356,40 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int32
                 _mm512_storeu_si512((void *)(qh + at), _mm512_permutexvar_epi32(order, _mm512_packs_epi16(h0, h1)));
             }
         }
+        /* the 4 rows' sums at once: lane-pair sums, then the 4 128-bit lanes hold [C0, C1, C2, C3] partials */
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(cs[0], cs[1]), _mm512_unpackhi_ps(cs[0], cs[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(cs[2], cs[3]), _mm512_unpackhi_ps(cs[2], cs[3]));
+        const __m512 s4 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+        const __m256 s2 = _mm256_add_ps(_mm512_castps512_ps256(s4), _mm512_extractf32x8_ps(s4, 1));
+        _mm_storeu_ps(cm + r0, _mm_add_ps(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
     }
 }
 #undef DEC_MAXU
 
-/* kivi4 K: scores of R rows (a multiple of 4) against the 16 rows of codes at `codes` (one group of a page,
- * stride DEC_KIVI_CB): S[r][0 .. 16) = C[r] + sum over blocks of dq[r][b] * (q'_r . codes) over the block,
+/* kivi K: scores of R rows (a multiple of 4) against the 16 rows of codes at `codes` (one group of a page,
+ * stride dec_kivi_cb): S[r][0 .. 16) = C[r] + sum over blocks of dq[r][b] * (q'_r . codes) over the block,
  * 4 rows x (qh, ql) = 8 VNNI chains per block */
-static __attribute__((noinline)) void dec_k_group_kivi(const uint8_t *codes, const int32_t *qh, const int32_t *ql,
-                                                       const float *dq, const float *cm, int R, float *S, dec_pf *pf,
-                                                       int quota) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+static __attribute__((noinline)) void dec_k_group_kivi(int fmt, const uint8_t *codes, const int32_t *qx,
+                                                       const int32_t *qh, const int32_t *ql, const float *dq,
+                                                       const float *cm, int R, float *S, dec_pf *pf, int quota) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
     for (int r0 = 0; r0 < R; r0 += 4) {
         __m512 s0 = _mm512_set1_ps(cm[r0]), s1 = _mm512_set1_ps(cm[r0 + 1]);
         __m512 s2 = _mm512_set1_ps(cm[r0 + 2]), s3 = _mm512_set1_ps(cm[r0 + 3]);
         for (int b = 0; b < DEC_NB; b++) {
             dec_pf_pump(pf, quota);
             __m512i n[4], kt[8];
-            dec_transpose(codes, DEC_KIVI_CB, 16 * b, n);
-            for (int j = 0; j < 4; j++) {
-                kt[j] = _mm512_and_si512(n[j], m4);
-                kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
+            if (fmt == KV_KIVI4) {
+                dec_transpose(codes, DEC_D / 2, 16 * b, n);
+                for (int j = 0; j < 4; j++) {
+                    kt[j] = _mm512_and_si512(n[j], m4);
+                    kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
+                }
+            } else { /* channels 4j.. of block b: dword 2b + (j & 1) of the row, field j >> 1 */
+                dec_transpose(codes, DEC_D / 4, 16 * (b >> 1), n);
+                for (int j = 0; j < 8; j++)
+                    kt[j] = _mm512_and_si512(_mm512_srli_epi16(n[2 * (b & 1) + (j & 1)], 2 * (j >> 1)), m2);
             }
             const int32_t *a = qh + (size_t)r0 * 32 + 8 * b, *e = ql + (size_t)r0 * 32 + 8 * b;
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
@@ -363,6 +403,21 @@ static __attribute__((noinline)) void dec_k_group_kivi(const uint8_t *codes, con
                 DPBUSD_B(l1, kt[j], e[32 + j]);
                 DPBUSD_B(l2, kt[j], e[64 + j]);
                 DPBUSD_B(l3, kt[j], e[96 + j]);
+            }
+            if (fmt == KV_KIVI2) { /* the third byte: h becomes x * 256 + h */
+                const int32_t *x = qx + (size_t)r0 * 32 + 8 * b;
+                __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    DPBUSD_B(x0, kt[j], x[j]);
+                    DPBUSD_B(x1, kt[j], x[32 + j]);
+                    DPBUSD_B(x2, kt[j], x[64 + j]);
+                    DPBUSD_B(x3, kt[j], x[96 + j]);
+                }
+                h0 = _mm512_add_epi32(_mm512_slli_epi32(x0, 8), h0);
+                h1 = _mm512_add_epi32(_mm512_slli_epi32(x1, 8), h1);
+                h2 = _mm512_add_epi32(_mm512_slli_epi32(x2, 8), h2);
+                h3 = _mm512_add_epi32(_mm512_slli_epi32(x3, 8), h3);
             }
             const float *dqb = dq + (size_t)r0 * DEC_NB + b;
 #define DEC_KIVI_ACC(S, H, Lo, i) \
@@ -476,6 +531,28 @@ static __attribute__((noinline)) void dec_v_q4(int fmt, const uint8_t *const *gr
     DEC_V_END(out);
 }
 
+/* kivi2: both rows' 8 code bytes interleaved, zero-extended to int16 pairs; fields 0 and 1 (values 0-15) and
+ * 2 and 3 (16-31) in natural order */
+static __attribute__((noinline)) void dec_v_k2(const uint8_t *const *grp, int ng, int b, const int32_t *w,
+                                               size_t stride, __m512i *out, dec_pf *pf, int quota) {
+    DEC_V_BEGIN(w, stride);
+    const __m512i m2 = _mm512_set1_epi16(0x03);
+    const int rb = dec_rb(KV_KIVI2), qs = dec_qs(KV_KIVI2, b);
+    for (int g = 0; g < ng; g++) {
+        dec_pf_pump(pf, quota);
+        const uint8_t *p = grp[g] + qs;
+        for (int u = 0; u < 8; u++, p += 2 * rb) {
+            const __m128i x = _mm_loadl_epi64((const __m128i *)(const void *)p);
+            const __m128i e = _mm_loadl_epi64((const __m128i *)(const void *)(p + rb));
+            const __m256i z = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(x, e));
+            const __m512i zz = _mm512_inserti64x4(_mm512_castsi256_si512(z), _mm256_srli_epi16(z, 2), 1);
+            __m512i x0 = _mm512_and_si512(zz, m2), x1 = _mm512_and_si512(_mm512_srli_epi16(zz, 4), m2);
+            INT_V_ACC4(x0, x1, 8 * g + u);
+        }
+    }
+    DEC_V_END(out);
+}
+
 /* mxfp4 / nvfp4: as q4_0, the nibbles looked up as their signed doubled values before the widening.
  * nvfp4: lanes 0-7 are the block's first sub-block, 8-15 its second, each with its own weight (w, w2) */
 #define DEC_V_FP4(NV)                                                                                            \
@@ -547,17 +624,17 @@ static void dec_prep_q_nv(int_ws *L, int RT) {
     }
 }
 
-/* the codes of a 16-row group of a kivi4 K page for KV head h: `row` is the group's first row at head 0
+/* the codes of a 16-row group of a kivi K page for KV head h: `row` is the group's first row at head 0
  * (page * n_kv_heads * block_size + u, u = j % block_size for its first token j) */
 static inline const uint8_t *dec_kivi_codes(const kv_call *c, int64_t row, int j, int h) {
     const int u = j % c->block_size;
-    return c->kpool + (row - u + (int64_t)h * c->block_size) * c->krow + (int64_t)u * DEC_KIVI_CB;
+    return c->kpool + (row - u + (int64_t)h * c->block_size) * c->krow + (int64_t)u * dec_kivi_cb(c->kfmt);
 }
 
 static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *pm, float *pl, float *po) {
     if (!dec_applies(c, it)) return 0;
     const int G = c->n_heads / c->n_kv_heads, R = G, RT = R * it->nheads, s = it->seq;
-    const int kf = c->kfmt, vf = c->vfmt, kivi = c->kpaged, krb = kivi ? DEC_KIVI_CB : dec_rb(kf), vrb = dec_rb(vf);
+    const int kf = c->kfmt, vf = c->vfmt, kivi = c->kpaged, krb = kivi ? dec_kivi_cb(kf) : dec_rb(kf), vrb = dec_rb(vf);
     const int64_t qpos = c->q_start[s] + it->pos0;
     for (int hh = 0; hh < it->nheads; hh++) {
         const float *src = c->q + (qpos * c->n_heads + (int64_t)(it->head0 + hh) * G) * DEC_D;
@@ -567,10 +644,10 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     }
     for (int r = 0; r < RT; r++) ws->m[r] = -INFINITY, ws->l[r] = 0.0f;
     memset(ws->o, 0, (size_t)RT * DEC_D * sizeof(float));
-    if (!kivi) int_prep_q(c, ws, RT); /* kivi4 K quantizes q per page instead (dec_prep_q_kivi) */
+    if (!kivi) int_prep_q(c, ws, RT); /* kivi K quantizes q per page instead (dec_prep_q_kivi) */
     int_ws L = int_get(c, ws, RT);
     if (kf == KV_NVFP4) dec_prep_q_nv(&L, RT);
-    const int voff = vf == KV_Q4_0 || vf == KV_Q4_1 ? 8 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8, q4_1 centred;
+    const int voff = vf == KV_Q4_0 || vf == KV_Q4_1 ? 8 : vf == KV_KIVI2 ? 2 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8, q4_1 centred;
                                                                                   e2m1 values signed */
     const size_t wstride = (size_t)nsv * KV_T / 2;
     const int lo = it->lo, hi = it->hi, first = lo & ~15;
@@ -620,14 +697,14 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                 const uint8_t *prev = NULL;
                 int slot = -1;
                 for (int g = 0; g < ng; g++) {
-                    const uint8_t *scales = kg[g] + (c->block_size - (t0 + 16 * g) % c->block_size) * DEC_KIVI_CB;
+                    const uint8_t *scales = kg[g] + (c->block_size - (t0 + 16 * g) % c->block_size) * krb;
                     if (scales != prev) {
                         slot++;
-                        dec_prep_q_kivi(ws->qf + (size_t)r0 * DEC_D, R, scales, L.pqh + (size_t)slot * R * 32,
+                        dec_prep_q_kivi(ws->qf + (size_t)r0 * DEC_D, R, scales, kf == KV_KIVI2, L.pqx + (size_t)slot * R * 32, L.pqh + (size_t)slot * R * 32,
                                         L.pql + (size_t)slot * R * 32, L.pdq + (size_t)slot * R * DEC_NB, L.pc + slot * R);
                         prev = scales;
                     }
-                    dec_k_group_kivi(kg[g], L.pqh + (size_t)slot * R * 32, L.pql + (size_t)slot * R * 32,
+                    dec_k_group_kivi(kf, kg[g], L.pqx + (size_t)slot * R * 32, L.pqh + (size_t)slot * R * 32, L.pql + (size_t)slot * R * 32,
                                      L.pdq + (size_t)slot * R * DEC_NB, L.pc + slot * R, R, ws->s + 16 * g, &pfk, kq);
                 }
             } else { /* K: scales, then scores of 32 tokens at a time */
@@ -675,13 +752,13 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             }
             /* V: scales, 16-bit weights p*d_v, P.V */
             for (int g = 0; g < KV_T / 16; g++) {
-                if (vf == KV_Q4_1)
-                    dec_q4_1_scales16(vg[g], L.vd + 16 * g, L.vm + 16 * g);
+                if (dec_vmin(vf))
+                    dec_vmin_scales16(vf, vg[g], L.vd + 16 * g, L.vm + 16 * g);
                 else
                     dec_scales16(vf, vg[g], L.vd + 16 * g);
             }
             for (int k0 = 0; k0 < R * nsv; k0 += 16) int_v_weights16(ws->s, L.vd, nsv, k0, voff != 0, L.w, L.wc, L.wsum);
-            if (vf == KV_Q4_1) /* the min term: sum over the tile of p * (m + 8d), per row and block */
+            if (dec_vmin(vf)) /* the min term: sum over the tile of p * (m + centre * d), per row and block */
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < DEC_NB; b++) {
                         __m512 acc = _mm512_setzero_ps();
@@ -698,13 +775,15 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                         dec_v_q8(vg, ng, b, w, wstride, acc, &pfv, vq);
                     else if (vf == KV_Q4_0 || vf == KV_Q4_1)
                         dec_v_q4(vf, vg, ng, b, w, wstride, acc, &pfv, vq);
+                    else if (vf == KV_KIVI2)
+                        dec_v_k2(vg, ng, b, w, wstride, acc, &pfv, vq);
                     else if (vf == KV_MXFP4)
                         dec_v_mx(vg, ng, b, w, wstride, acc, &pfv, vq);
                     else
                         dec_v_nv(vg, ng, b, w, wstride, acc, &pfv, vq);
                     for (int i = 0; i < 4; i++) {
                         const int rb = (r + i) * nsv + sl, rb2 = vf == KV_NVFP4 ? rb + 1 : rb;
-                        const float mt = vf == KV_Q4_1 ? L.vsum[(r + i) * DEC_NB + b] : 0.0f;
+                        const float mt = dec_vmin(vf) ? L.vsum[(r + i) * DEC_NB + b] : 0.0f;
                         if (L.wc[rb] == 0.0f && L.wc[rb2] == 0.0f && mt == 0.0f) continue;
                         const __m512i off = _mm512_set1_epi32(voff * L.wsum[rb]);
                         const __m512 cw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(L.wc[rb]), _mm512_set1_ps(L.wc[rb2]));
@@ -725,7 +804,7 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     for (int r = 0; r < RT; r++) {
         float *dst;
         const float inv = kv_item_row_end(c, it, r, ws->m, ws->l, pm, pl, po, &dst);
-        if (vf == KV_Q4_1) /* dec_v_q4's natural order (the general kernels keep q4_1 permuted) */
+        if (dec_vmin(vf)) /* dec_v_q4's and dec_v_k2's natural order (the general kernels keep q4_1 permuted) */
             for (int j = 0; j < DEC_D; j++) dst[j] = ws->o[(size_t)r * DEC_D + j] * inv;
         else
             int_v_unpermute(c, ws->o + (size_t)r * DEC_D, dst, inv);

@@ -48,7 +48,8 @@ typedef struct {
     __m512i *kt;              /* [nb][8] K of 16 tokens, transposed: lane = token, vector = 4-byte group */
     __m512i *vx;              /* [KV_T/2][2] V of one block, token pairs interleaved as int16 */
     float *vsum;              /* [R][nb] sum of p * (m + 8d) over the tile (q4_1 V, decode path) */
-    int32_t *pqh, *pql;       /* [KV_T/16][R][nb][8] q times a page's per-channel d (kivi4 K, decode path) */
+    int32_t *pqh, *pql;       /* [KV_T/16][R][nb][8] q times a page's per-channel d (kivi K, decode path) */
+    int32_t *pqx;             /* [KV_T/16][R][nb][8] its third byte (kivi2: 24 bits) */
     float *pdq, *pc;          /* [KV_T/16][R][nb] their scales, [KV_T/16][R] the min terms sum q*m */
 } int_ws;
 
@@ -80,6 +81,7 @@ static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     const size_t pages = c->kpaged ? KV_T / 16 : 0; /* a decode tile's 16-row groups: at most one page each */
     TAKE(pqh, int32_t, pages * r * nb * 8);
     TAKE(pql, int32_t, pages * r * nb * 8);
+    TAKE(pqx, int32_t, pages * r * nb * 8);
     TAKE(pdq, float, pages * r * nb);
     TAKE(pc, float, pages * r);
 #undef TAKE
