@@ -287,7 +287,6 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
 enum { DEC_QW_MAX = 127 * 65536 };
 static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int wide, int32_t *qx, int32_t *qh,
                             int32_t *ql, float *dq, float *cm) {
-    const float centre = wide ? 1.5f : 7.5f; /* half the code range: the rounding correction below */
     float d[DEC_D];
     for (int i = 0; i < DEC_D; i += 16)
         _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * i))));
@@ -323,8 +322,6 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int w
             for (int e = 0; e < DEC_D; e += 16) { /* three bytes per value, each signed */
                 const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xd + i * DEC_D + e), _mm512_set1_ps(inv[i * 4 + e / 32]));
                 const __m512i qi = _mm512_cvtps_epi32(v);
-                const __m512 res = _mm512_sub_ps(v, _mm512_cvtepi32_ps(qi));
-                cs[i] = _mm512_fmadd_ps(res, _mm512_set1_ps(centre * dq[(size_t)(r0 + i) * DEC_NB + e / 32]), cs[i]);
                 const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(qi, 24), 24);
                 const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(qi, lo), 8);
                 const __m512i mid = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
@@ -339,13 +336,8 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int w
                 for (int h = 0; h < 2; h++) {
                     const float *v = xd + i * DEC_D + e + 32 * h;
                     const __m512 sc = _mm512_set1_ps(inv[i * 4 + e / 32 + h]);
-                    const __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(v), sc), v1 = _mm512_mul_ps(_mm512_loadu_ps(v + 16), sc);
-                    const __m512i i0 = _mm512_cvtps_epi32(v0), i1 = _mm512_cvtps_epi32(v1);
-                    w[h] = _mm512_packs_epi32(i0, i1);
-                    /* the rounding of q' times the centre, into C: the integer sums' error is then sum of
-                     * rounding * (code - centre), whose spread is about half that of rounding * code */
-                    const __m512 res = _mm512_add_ps(_mm512_sub_ps(v0, _mm512_cvtepi32_ps(i0)), _mm512_sub_ps(v1, _mm512_cvtepi32_ps(i1)));
-                    cs[i] = _mm512_fmadd_ps(res, _mm512_set1_ps(centre * dq[(size_t)(r0 + i) * DEC_NB + e / 32 + h]), cs[i]);
+                    w[h] = _mm512_packs_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), sc)),
+                                              _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), sc)));
                 }
                 const __m512i l0 = _mm512_srai_epi16(_mm512_slli_epi16(w[0], 8), 8); /* the low byte, signed */
                 const __m512i l1 = _mm512_srai_epi16(_mm512_slli_epi16(w[1], 8), 8);
