@@ -280,6 +280,17 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
  * min terms C = sum q_c * m_c [R]. The 16 (row, block) maxima of 4 rows take one TREE16 of integer maxima
  * of |q'| bits, which also finds a NaN or inf q': that block's dq is NaN, so the row's scores against the
  * page are NaN, as float attention over d * code + m. */
+/* out[i] = the sum of a[i]'s lanes, four at once: lane-pair sums, then the 4 128-bit lanes hold partials of
+ * [a0, a1, a2, a3] */
+static inline void dec_hsum4(const __m512 *a, float *out) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512 s4 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 s2 = _mm256_add_ps(_mm512_castps512_ps256(s4), _mm512_extractf32x8_ps(s4, 1));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
+}
+
 #define DEC_MAXU(a, b) _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
 /* kivi2 (wide): 24 bits, qx/qh/ql bytes. A 2-bit code's d is 5x a 4-bit one's, so one outlier channel's
  * q'_c takes a block's 16-bit range and leaves the rest a few bits (measured: 2.5e-4 of the output on
@@ -348,13 +359,7 @@ static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int w
                 _mm512_storeu_si512((void *)(qh + at), _mm512_permutexvar_epi32(order, _mm512_packs_epi16(h0, h1)));
             }
         }
-        /* the 4 rows' sums at once: lane-pair sums, then the 4 128-bit lanes hold [C0, C1, C2, C3] partials */
-        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(cs[0], cs[1]), _mm512_unpackhi_ps(cs[0], cs[1]));
-        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(cs[2], cs[3]), _mm512_unpackhi_ps(cs[2], cs[3]));
-        const __m512 s4 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-        const __m256 s2 = _mm256_add_ps(_mm512_castps512_ps256(s4), _mm512_extractf32x8_ps(s4, 1));
-        _mm_storeu_ps(cm + r0, _mm_add_ps(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
+        dec_hsum4(cs, cm + r0);
     }
 }
 #undef DEC_MAXU
@@ -751,13 +756,14 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
             }
             for (int k0 = 0; k0 < R * nsv; k0 += 16) int_v_weights16(ws->s, L.vd, nsv, k0, voff != 0, L.w, L.wc, L.wsum);
             if (dec_vmin(vf)) /* the min term: sum over the tile of p * (m + centre * d), per row and block */
-                for (int r = 0; r < R; r++)
-                    for (int b = 0; b < DEC_NB; b++) {
-                        __m512 acc = _mm512_setzero_ps();
-                        for (int i = 0; i < KV_T; i += 16)
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(ws->s + r * KV_T + i), _mm512_loadu_ps(L.vm + b * KV_T + i), acc);
-                        L.vsum[r * DEC_NB + b] = _mm512_reduce_add_ps(acc);
+                for (int r = 0; r < R; r++) {
+                    __m512 acc[DEC_NB] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                    for (int i = 0; i < KV_T; i += 16) {
+                        const __m512 p = _mm512_loadu_ps(ws->s + r * KV_T + i);
+                        for (int b = 0; b < DEC_NB; b++) acc[b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(L.vm + b * KV_T + i), acc[b]);
                     }
+                    dec_hsum4(acc, L.vsum + r * DEC_NB);
+                }
             for (int b = 0; b < DEC_NB; b++) {
                 const int sl = vf == KV_NVFP4 ? 2 * b : b; /* weight slot of the block (nvfp4: its first sub-block) */
                 for (int r = 0; r < R; r += 4) {
