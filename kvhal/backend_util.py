@@ -278,4 +278,5 @@ def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     total = w.sum(axis=0)
     out = sum(np.asarray(o, np.float64) * wi[..., None] for (o, _), wi in zip(parts, w))
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(total[..., None] > 0, out / total[..., None], 0.0).astype(np.float32)
+        # 0 where no part saw a key; a NaN part (a NaN in q or K) makes the row NaN, as one kernel call would
+        return np.where(total[..., None] == 0, 0.0, out / total[..., None]).astype(np.float32)

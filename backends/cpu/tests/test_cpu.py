@@ -723,6 +723,63 @@ def test_fp8_inf_nan_codes_attend_as_nan(isa, side, n_q, fmt, code):
     assert float(np.abs(out[ok] - want[ok]).max(initial=0.0)) <= path_tolerance(isa, fmt, fmt)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "q4_0", "q4_1", "fp8_e4m3", "mxfp4", "nvfp4", "kivi4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("n_q", [1, 20])
+def test_non_finite_query_value_makes_its_row_nan(isa, fmt, bad, n_q):
+    """A NaN or inf in one query row gives NaN in that row's output only, as float64 attention, on every
+    path (the integer kernels quantize q per row: its scale must not drop the NaN), decode and prefill."""
+    rng = np.random.default_rng(6)
+    c = cache(fmt, CpuBackend(isa=isa, kv_split=0), heads=2, dim=128, bs=16, cap=96, vfmt=fmt)
+    s = c.new_seq()
+    c.store(
+        s, 0, rng.standard_normal((70, 2, 128), dtype=np.float32), rng.standard_normal((70, 2, 128), dtype=np.float32)
+    )
+    q = rng.standard_normal((n_q, 8, 128), dtype=np.float32)
+    q[n_q - 1, 6, 40] = bad
+    k, v = (kvhal.to_numpy(x) for x in c.load(s, 0))
+    want = attention_f64(q, [k], [v], [n_q])
+    out = c.attention(0, q, [s], [n_q])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(want).any(axis=-1).sum() == 1
+    ok = ~np.isnan(want)
+    assert float(np.abs(out[ok] - want[ok]).max()) <= path_tolerance(isa, fmt, fmt, decode_path=n_q == 1)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["kivi4", "kivi2"])
+@pytest.mark.parametrize("bad", ["d_inf", "d_nan", "q_nan", "q_inf"])
+def test_kivi_k_non_finite_scale_or_query_attends_as_nan(isa, fmt, bad):
+    """A kivi K page whose d of one channel is inf or NaN (bytes written directly), or a query row with a NaN
+    or inf: the outputs NaN are exactly float64 attention's over the values load gives (an inf d gives
+    inf * 0 = NaN at the page's minimum, so every row that sees the page; a bad query, its own row), the
+    others within tolerance. Decode shape (GQA 4, 16-token pages: the AVX-512 decode path's bound)."""
+    rng = np.random.default_rng(5)
+    c = cache(fmt, CpuBackend(isa=isa, kv_split=0), heads=2, dim=128, bs=16, cap=64, vfmt="q8_0")
+    s = c.new_seq()
+    c.store(
+        s, 0, rng.standard_normal((40, 2, 128), dtype=np.float32), rng.standard_normal((40, 2, 128), dtype=np.float32)
+    )
+    q = rng.standard_normal((1, 8, 128), dtype=np.float32)
+    if bad.startswith("d"):
+        page = pools(c)[0][c._seqs[s].blocks[1]].reshape(2, -1)  # page 1 of KV head 1: codes, f16 d[128], m[128]
+        page[1, page.shape[1] - 4 * 128 + 2 * 5 : page.shape[1] - 4 * 128 + 2 * 6] = np.frombuffer(
+            np.float16(np.inf if bad == "d_inf" else np.nan).tobytes(), np.uint8
+        )
+    else:
+        q[0, 6, 40] = np.nan if bad == "q_nan" else np.inf
+    k, v = (kvhal.to_numpy(x) for x in c.load(s, 0))
+    want = attention_f64(q, [k], [v], [1])
+    out = c.attention(0, q, [s], [1])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(want).any(axis=-1).sum() == (4 if bad.startswith("d") else 1)
+    ok = ~np.isnan(want)
+    assert float(np.abs(out[ok] - want[ok]).max()) <= path_tolerance(isa, fmt, "q8_0", decode_path=True)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if formats.get(f).k_page is not None])
 @pytest.mark.parametrize(("bs", "dim", "gqa", "n_q"), [(16, 128, 4, 1), (8, 64, 2, 5), (32, 96, 1, 3)])

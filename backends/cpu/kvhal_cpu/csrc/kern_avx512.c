@@ -15,6 +15,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <string.h>
 

@@ -49,7 +49,8 @@ static inline int dec_qs(int fmt, int b) {
  * d goes into q once per (page, KV head): q'_c = q_c * d_c, quantized to 16 bits per row and 32-channel block,
  * and m into one f32 constant per row, sum q_c * m_c. A token's score is then C + sum over blocks of
  * dq'_b * (q' . codes): an integer sum per block of the unsigned codes (kivi4's nibbles laid out as q4_0's,
- * kivi2's 2-bit fields), no offset, no per-token scale. The prep costs about as much as the codes' VNNI work at 16-token pages; pages of a
+ * kivi2's 2-bit fields), no offset, no per-token scale (dec_prep_q_kivi). At 16-token pages the prep still
+ * costs about half the codes' VNNI work (kivi4 K ~1.25x q4_0 K at 16k, ~1.05x at 64-token pages); pages of a
  * multiple of 16 rows keep each 16-row group inside one page.
  * V may be q4_1 (kivi4's V rows are its bytes) or kivi2: q4_0's kernels on the codes, d and m + centre * d
  * gathered per row, the centred min term a per-(row, block) sum of p * (m + centre * d) added to the output. */
@@ -274,12 +275,6 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
     }
 }
 
-/* kivi K: q'_c = q_c * d_c of R rows (a multiple of 4) for one page (its f16 d[128] then m[128] at
- * `scales`) as 16-bit halves qh/ql [R][4 blocks][8 dwords] with one scale per row and 32-channel block,
- * dq [R][4] (per block, so an outlier channel's large d costs the precision of its block only), and the
- * min terms C = sum q_c * m_c [R]. The 16 (row, block) maxima of 4 rows take one TREE16 of integer maxima
- * of |q'| bits, which also finds a NaN or inf q': that block's dq is NaN, so the row's scores against the
- * page are NaN, as float attention over d * code + m. */
 /* out[i] = the sum of a[i]'s lanes, four at once: lane-pair sums, then the 4 128-bit lanes hold partials of
  * [a0, a1, a2, a3] */
 static inline void dec_hsum4(const __m512 *a, float *out) {
@@ -291,78 +286,109 @@ static inline void dec_hsum4(const __m512 *a, float *out) {
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
 }
 
-#define DEC_MAXU(a, b) _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+/* kivi K: the score of row r against token t of a page is sum_c q_c * (d_c * code_tc + m_c), so the codes take
+ * q'_c = q_c * d_c, quantized per row and 32-channel block b (an outlier channel's large d costs the
+ * precision of its block only). The scale is a bound, found without a pass over q * d: per call, q is
+ * scaled to ks = q * QMAX / max|q| over the block (dec_kivi_q), and per page d to dn = d / max d over the
+ * block, so q'_c = round(ks_c * dn_c) fits QMAX and dq[r][b] = max|q| * max d / QMAX. The codes are
+ * unsigned (0 .. 15, 0 .. 3): the rounding errors e_c of q' would add centre * sum_c e_c to every score of
+ * the page, a bias between pages that the softmax sees, so the min term C = sum_c q_c * m_c takes that sum
+ * back and leaves sum_c e_c * (code_c - centre), centred as the _0 formats' sums. */
 /* kivi2 (wide): 24 bits, qx/qh/ql bytes. A 2-bit code's d is 5x a 4-bit one's, so one outlier channel's
- * q'_c takes a block's 16-bit range and leaves the rest a few bits (measured: 2.5e-4 of the output on
- * tests' 8x channel); 2-bit codes keep 24-bit sums in int32. */
+ * q'_c takes a block's 16-bit range and leaves the rest a few bits; 2-bit codes keep 24-bit sums in int32. */
 enum { DEC_QW_MAX = 127 * 65536 };
-static void dec_prep_q_kivi(const float *qf, int R, const uint8_t *scales, int wide, int32_t *qx, int32_t *qh,
-                            int32_t *ql, float *dq, float *cm) {
-    float d[DEC_D];
-    for (int i = 0; i < DEC_D; i += 16)
-        _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * i))));
-    /* dword i of a 64-channel chunk's packed bytes holds chunk X = i % 4, channels 4 * (i / 4) ..: back to order */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+static inline float dec_kivi_qmax(int wide) { return wide ? (float)DEC_QW_MAX : QI_MAX; }
+
+/* per call: ks [RT][128] and qm [RT][4] = max|q| / QMAX per block; a block of q with a NaN or inf gets
+ * qm NaN (its rows' scores are NaN, as float attention's), ks 0 */
+static void dec_kivi_q(const float *qf, int RT, int wide, float *ks, float *qm) {
+    const float qmax = dec_kivi_qmax(wide);
+    for (int i = 0; i < RT * DEC_NB; i++) {
+        const float *x = qf + 32 * (size_t)i;
+        const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+        const int finite = amax <= FLT_MAX; /* false for inf and NaN (max_ps may drop a NaN: checked below) */
+        const __mmask16 nan = _mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q);
+        const float inv = finite && !nan && amax > 0.0f ? qmax / amax : 0.0f;
+        qm[i] = finite && !nan ? amax / qmax : NAN;
+        _mm512_storeu_ps(ks + 32 * (size_t)i, _mm512_mul_ps(a0, _mm512_set1_ps(inv)));
+        _mm512_storeu_ps(ks + 32 * (size_t)i + 16, _mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+    }
+}
+
+/* per page, R rows (a multiple of 4) of q (qf, ks, qm) against the page's f16 d[128] then m[128] at
+ * `scales`: q' as 16-bit halves qh/ql [R][4 blocks][8 dwords] (kivi2: 24 bits, qx too), dq [R][4], C [R] */
+static void dec_prep_q_kivi(const float *qf, const float *ks, const float *qm, int R, const uint8_t *scales,
+                            int wide, int32_t *qx, int32_t *qh, int32_t *ql, float *dq, float *cm) {
     const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-    float xd[4 * DEC_D]; /* q_c * d_c of 4 rows, kept from the maxima pass */
+    __m512 dn[8], bm[4];
+    for (int i = 0; i < 8; i++)
+        dn[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 32 * i)));
+    for (int b = 0; b < DEC_NB; b++) /* |d| as integers: a NaN orders above inf */
+        bm[b] = _mm512_castsi512_ps(_mm512_and_si512(
+            _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(dn[2 * b]), magnitude),
+                             _mm512_and_si512(_mm512_castps_si512(dn[2 * b + 1]), magnitude)), magnitude));
+    float dmax[DEC_NB], inv[DEC_NB];
+    for (int b = 0; b < DEC_NB; b++) {
+        const __mmask16 nan = _mm512_cmp_ps_mask(bm[b], bm[b], _CMP_UNORD_Q);
+        dmax[b] = nan ? NAN : _mm512_reduce_max_ps(bm[b]);
+        inv[b] = dmax[b] > 0.0f && dmax[b] <= FLT_MAX ? 1.0f / dmax[b] : 0.0f;
+    }
+    const float centre = wide ? 1.5f : 7.5f; /* the codes' mean */
+    __m512 mc[8]; /* m + centre * d: C = sum q_c * mc_c - centre * sum_c dq * q'_c (the sum of the e_c taken back) */
+    for (int i = 0; i < 8; i++) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * DEC_D + 32 * i)));
+        mc[i] = _mm512_fmadd_ps(dn[i], _mm512_set1_ps(centre), m);
+        dn[i] = _mm512_mul_ps(dn[i], _mm512_set1_ps(inv[i / 2]));
+    }
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (int r0 = 0; r0 < R; r0 += 4) {
-        const float *x = qf + (size_t)r0 * DEC_D;
-        __m512 mx[16];
-        for (int sl = 0; sl < 16; sl++) {
-            const int k = TREE_SLOT(sl), o = (k >> 2) * DEC_D + 32 * (k & 3), e = 32 * (k & 3);
-            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(d + e));
-            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + o + 16), _mm512_loadu_ps(d + e + 16));
-            _mm512_storeu_ps(xd + o, a);
-            _mm512_storeu_ps(xd + o + 16, b);
-            mx[sl] = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(a), magnitude),
-                                                          _mm512_and_si512(_mm512_castps_si512(b), magnitude)));
+        { /* dq of 4 rows x 4 blocks: NaN where the bound is not finite */
+            const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qm + (size_t)r0 * DEC_NB), _mm512_broadcast_f32x4(_mm_loadu_ps(dmax)));
+            const __mmask16 finite = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(p), magnitude),
+                                                             _mm512_set1_epi32(0x7f800000));
+            _mm512_storeu_ps(dq + (size_t)r0 * DEC_NB, _mm512_mask_blend_ps(finite, _mm512_set1_ps(NAN), p));
         }
-        TREE16(DEC_MAXU, mx); /* lane i * 4 + b: row r0 + i, block b */
-        const __mmask16 finite = _mm512_cmplt_epu32_mask(_mm512_castps_si512(mx[0]), _mm512_set1_epi32(0x7f800000));
-        const __m512 qmax = _mm512_set1_ps(wide ? (float)DEC_QW_MAX : QI_MAX);
-        _mm512_storeu_ps(dq + (size_t)r0 * DEC_NB, _mm512_mask_div_ps(_mm512_set1_ps(NAN), finite, mx[0], qmax));
-        float inv[16];
-        _mm512_storeu_ps(inv, _mm512_maskz_div_ps(finite & _mm512_cmp_ps_mask(mx[0], _mm512_setzero_ps(), _CMP_GT_OQ),
-                                                 qmax, mx[0]));
-        __m512 cs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int e = 0; e < DEC_D; e += 16) {
-            const __m512 me = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(scales + 2 * DEC_D + 2 * e)));
-            for (int i = 0; i < 4; i++) cs[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * DEC_D + e), me, cs[i]);
-        }
-        for (int i = 0; wide && i < 4; i++)
-            for (int e = 0; e < DEC_D; e += 16) { /* three bytes per value, each signed */
-                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xd + i * DEC_D + e), _mm512_set1_ps(inv[i * 4 + e / 32]));
-                const __m512i qi = _mm512_cvtps_epi32(v);
-                const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(qi, 24), 24);
-                const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(qi, lo), 8);
-                const __m512i mid = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
-                const size_t at = (size_t)(r0 + i) * 32 + e / 4;
-                _mm_storeu_si128((__m128i *)(void *)(ql + at), _mm512_cvtepi32_epi8(lo));
-                _mm_storeu_si128((__m128i *)(void *)(qh + at), _mm512_cvtepi32_epi8(mid));
-                _mm_storeu_si128((__m128i *)(void *)(qx + at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(t, mid), 8)));
-            }
-        for (int i = 0; !wide && i < 4; i++) {
-            for (int e = 0; e < DEC_D; e += 64) { /* 64 channels: 16-bit, then low bytes and high bytes */
-                __m512i w[2];
-                for (int h = 0; h < 2; h++) {
-                    const float *v = xd + i * DEC_D + e + 32 * h;
-                    const __m512 sc = _mm512_set1_ps(inv[i * 4 + e / 32 + h]);
-                    w[h] = _mm512_packs_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), sc)),
-                                              _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), sc)));
+        __m512 cs[4];
+        for (int i = 0; i < 4; i++) {
+            const size_t r = (size_t)(r0 + i);
+            const float *x = qf + r * DEC_D, *k = ks + r * DEC_D;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(x), mc[0]), sq = _mm512_setzero_ps();
+            for (int e = 1; e < 8; e++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * e), mc[e], acc);
+            for (int e = 0; e < DEC_D; e += 64) { /* 64 channels: blocks e / 32 and e / 32 + 1 */
+                __m512i qi[4];
+                for (int j = 0; j < 4; j++) qi[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(k + e + 16 * j), dn[e / 16 + j]));
+                for (int h = 0; h < 2; h++)
+                    sq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(qi[2 * h], qi[2 * h + 1])),
+                                         _mm512_set1_ps(dq[r * DEC_NB + e / 32 + h]), sq);
+                const size_t at = r * 32 + e / 4;
+                if (wide) {
+                    for (int j = 0; j < 4; j++) { /* three bytes per value, each signed */
+                        const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(qi[j], 24), 24);
+                        const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(qi[j], lo), 8);
+                        const __m512i mid = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
+                        _mm_storeu_si128((__m128i *)(void *)(ql + at + 4 * j), _mm512_cvtepi32_epi8(lo));
+                        _mm_storeu_si128((__m128i *)(void *)(qh + at + 4 * j), _mm512_cvtepi32_epi8(mid));
+                        _mm_storeu_si128((__m128i *)(void *)(qx + at + 4 * j),
+                                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(t, mid), 8)));
+                    }
+                    continue;
                 }
-                const __m512i l0 = _mm512_srai_epi16(_mm512_slli_epi16(w[0], 8), 8); /* the low byte, signed */
-                const __m512i l1 = _mm512_srai_epi16(_mm512_slli_epi16(w[1], 8), 8);
-                const __m512i h0 = _mm512_srai_epi16(_mm512_add_epi16(w[0], _mm512_set1_epi16(128)), 8); /* (w - l) / 256 */
-                const __m512i h1 = _mm512_srai_epi16(_mm512_add_epi16(w[1], _mm512_set1_epi16(128)), 8);
-                const size_t at = (size_t)(r0 + i) * 32 + e / 4;
+                /* 16-bit, then low bytes and high bytes; dword i of the packed bytes holds chunk i % 4,
+                 * channels 4 * (i / 4) ..: back to order */
+                const __m512i w0 = _mm512_packs_epi32(qi[0], qi[1]), w1 = _mm512_packs_epi32(qi[2], qi[3]);
+                const __m512i l0 = _mm512_srai_epi16(_mm512_slli_epi16(w0, 8), 8); /* the low byte, signed */
+                const __m512i l1 = _mm512_srai_epi16(_mm512_slli_epi16(w1, 8), 8);
+                const __m512i h0 = _mm512_srai_epi16(_mm512_add_epi16(w0, _mm512_set1_epi16(128)), 8); /* (w - l) / 256 */
+                const __m512i h1 = _mm512_srai_epi16(_mm512_add_epi16(w1, _mm512_set1_epi16(128)), 8);
                 _mm512_storeu_si512((void *)(ql + at), _mm512_permutexvar_epi32(order, _mm512_packs_epi16(l0, l1)));
                 _mm512_storeu_si512((void *)(qh + at), _mm512_permutexvar_epi32(order, _mm512_packs_epi16(h0, h1)));
             }
+            cs[i] = _mm512_fnmadd_ps(sq, _mm512_set1_ps(centre), acc);
         }
         dec_hsum4(cs, cm + r0);
     }
 }
-#undef DEC_MAXU
 
 /* kivi K: scores of R rows (a multiple of 4) against the 16 rows of codes at `codes` (one group of a page,
  * stride dec_kivi_cb): S[r][0 .. 16) = C[r] + sum over blocks of dq[r][b] * (q'_r . codes) over the block,
@@ -643,6 +669,7 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
     memset(ws->o, 0, (size_t)RT * DEC_D * sizeof(float));
     if (!kivi) int_prep_q(c, ws, RT); /* kivi K quantizes q per page instead (dec_prep_q_kivi) */
     int_ws L = int_get(c, ws, RT);
+    if (kivi) dec_kivi_q(ws->qf, RT, kf == KV_KIVI2, L.pks, L.pqm);
     if (kf == KV_NVFP4) dec_prep_q_nv(&L, RT);
     const int voff = vf == KV_Q4_0 || vf == KV_Q4_1 ? 8 : vf == KV_KIVI2 ? 2 : 0, nsv = dec_ns(vf); /* V: q4_0 stored +8, q4_1 centred;
                                                                                   e2m1 values signed */
@@ -697,7 +724,7 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                     const uint8_t *scales = kg[g] + (c->block_size - (t0 + 16 * g) % c->block_size) * krb;
                     if (scales != prev) {
                         slot++;
-                        dec_prep_q_kivi(ws->qf + (size_t)r0 * DEC_D, R, scales, kf == KV_KIVI2, L.pqx + (size_t)slot * R * 32, L.pqh + (size_t)slot * R * 32,
+                        dec_prep_q_kivi(ws->qf + (size_t)r0 * DEC_D, L.pks + (size_t)r0 * DEC_D, L.pqm + (size_t)r0 * DEC_NB, R, scales, kf == KV_KIVI2, L.pqx + (size_t)slot * R * 32, L.pqh + (size_t)slot * R * 32,
                                         L.pql + (size_t)slot * R * 32, L.pdq + (size_t)slot * R * DEC_NB, L.pc + slot * R);
                         prev = scales;
                     }
@@ -726,7 +753,10 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                     mx = _mm512_max_ps(mx, sv[i]);
                 }
                 const float mt = _mm512_reduce_max_ps(mx);
-                if (mt == -INFINITY) { /* nothing of this tile is visible to the row */
+                if (mt == -INFINITY) { /* nothing of this tile is visible to the row, unless a NaN score hid from
+                                        * the max (maxps keeps one operand): then the row's output is NaN */
+                    for (int i = 0; i < KV_T / 16; i++)
+                        if (_mm512_cmp_ps_mask(sv[i], sv[i], _CMP_UNORD_Q)) *(ws->l + r0 + r) = NAN;
                     memset(srow, 0, KV_T * sizeof(float));
                     continue;
                 }

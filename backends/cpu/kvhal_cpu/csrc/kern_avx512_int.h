@@ -51,6 +51,7 @@ typedef struct {
     int32_t *pqh, *pql;       /* [KV_T/16][R][nb][8] q times a page's per-channel d (kivi K, decode path) */
     int32_t *pqx;             /* [KV_T/16][R][nb][8] its third byte (kivi2: 24 bits) */
     float *pdq, *pc;          /* [KV_T/16][R][nb] their scales, [KV_T/16][R] the min terms sum q*m */
+    float *pks, *pqm;         /* [R][D] q scaled to the integer range per block, [R][nb] the scales (kivi K) */
 } int_ws;
 
 static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
@@ -84,6 +85,8 @@ static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     TAKE(pqx, int32_t, pages * r * nb * 8);
     TAKE(pdq, float, pages * r * nb);
     TAKE(pc, float, pages * r);
+    TAKE(pks, float, pages ? r * c->head_dim : 0);
+    TAKE(pqm, float, pages ? r * nb : 0);
 #undef TAKE
     return off;
 }
@@ -117,9 +120,15 @@ static void int_prep_q(const kv_call *c, kv_scratch *ws, int R) {
     for (int r = 0; r < R; r++) {
         const float *x = ws->qf + (size_t)r * D;
         __m512 mx = _mm512_setzero_ps();
-        for (int i = 0; i < D; i += 16) mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)));
+        __mmask16 nan = 0; /* maxps keeps one operand and may drop a NaN: a NaN or inf q makes the row's dq NaN */
+        for (int i = 0; i < D; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, v));
+        }
         float amax = _mm512_reduce_max_ps(mx);
-        float inv = amax > 0.0f ? QI_MAX / amax : 0.0f;
+        if (nan || amax > FLT_MAX) amax = NAN;
+        float inv = amax > 0.0f && amax <= FLT_MAX ? QI_MAX / amax : 0.0f;
         L.dq[r] = amax / QI_MAX;
         __m512 vinv = _mm512_set1_ps(inv);
         for (int b = 0; b < nb; b++) {
