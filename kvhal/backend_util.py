@@ -269,14 +269,21 @@ def attention_lse(
     return out, lse
 
 
-def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Attention over the union of disjoint key sets from each set's ``(out, lse)``: the log-sum-exp rule."""
-    lses = np.stack([lse for _, lse in parts])  # [P, n_q, H]
+def logsumexp(lses: np.ndarray) -> np.ndarray:
+    """``log(sum(exp(lses)))`` over axis 0, the lse of the union of disjoint key sets: -inf where every part
+    is -inf (no part saw a key); a NaN part stays NaN."""
     top = lses.max(axis=0)
-    top = np.where(np.isfinite(top), top, 0.0)
-    w = np.exp(lses - top)  # 0 for parts a row did not see
-    total = w.sum(axis=0)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        total = np.log(np.exp(lses - safe).sum(axis=0)) + safe
+    return np.where(np.isneginf(top), -np.inf, total)
+
+
+def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Attention over the union of disjoint key sets from each set's ``(out, lse)``: the log-sum-exp rule.
+    0 where no part saw a key; a NaN part (a NaN in q or K) makes the row NaN, as one kernel call would."""
+    lses = np.stack([lse for _, lse in parts])  # [P, n_q, H]
+    total = logsumexp(lses)
+    w = np.exp(lses - np.where(np.isfinite(total), total, 0.0))  # 0 for parts a row did not see
     out = sum(np.asarray(o, np.float64) * wi[..., None] for (o, _), wi in zip(parts, w))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        # 0 where no part saw a key; a NaN part (a NaN in q or K) makes the row NaN, as one kernel call would
-        return np.where(total[..., None] == 0, 0.0, out / total[..., None]).astype(np.float32)
+    return np.where(np.isneginf(total)[..., None], 0.0, out).astype(np.float32)

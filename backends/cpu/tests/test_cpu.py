@@ -36,8 +36,8 @@ F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and 
 INT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # the AVX-512 integer kernels' formats
 # the formats of the AVX-512 decode path's integer kernels (kern_avx512_decode.h: one query position,
 # head_dim 128, a multiple of 4 query heads per KV head, pages of a multiple of 16 rows, K and V both of these;
-# kivi K as its pages, V also as q4_1 rows)
-DECODE_INT_FORMATS = ("q8_0", "q4_0", "mxfp4", "nvfp4", "kivi4", "kivi2")
+# kivi K as its pages, V as rows: kivi4's are q4_1's)
+DECODE_INT_FORMATS = ("q8_0", "q4_0", "q4_1", "mxfp4", "nvfp4", "kivi4", "kivi2")
 
 
 def k_of(fmt: str) -> str:
@@ -180,7 +180,16 @@ def test_mixed_formats_all_isas(kf, vf):
 
 @pytest.mark.parametrize(
     "kf,vf",
-    [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("mxfp4", "nvfp4"), ("nvfp4", "q8_0"), ("q4_0", "mxfp4"), ("q4_0", "q4_1")],
+    [
+        ("q8_0", "q4_0"),
+        ("q4_0", "q8_0"),
+        ("mxfp4", "nvfp4"),
+        ("nvfp4", "q8_0"),
+        ("q4_0", "mxfp4"),
+        ("q4_0", "q4_1"),
+        ("q4_1", "q4_1"),
+        ("q4_1", "nvfp4"),
+    ],
 )
 @pytest.mark.parametrize("split", [0, 100])
 def test_decode_fast_path_mixed_formats(kf, vf, split):

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, non_negative, parse_options, whole_pages
+from kvhal.backend_util import Option, check_block_data, logsumexp, non_negative, parse_options, whole_pages
 from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
@@ -179,12 +179,7 @@ class CudaBackend(Backend):
         format): every split's partial output and lse are kept, merged by the kernel and, for lse, here."""
         q = self.asarray(q, "q")  # the cache passes host rows here: onto the device once, as attention takes them
         out, part_lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
-        lse = self.to_numpy(part_lse).astype(np.float64)  # [n_splits, R, Hq]
-        top = lse.max(axis=0)
-        safe = np.where(np.isfinite(top), top, 0.0)
-        with np.errstate(divide="ignore"):
-            total = np.log(np.exp(lse - safe).sum(axis=0)) + safe  # -inf where no split saw a key; NaN stays NaN
-        return self.to_numpy(out), np.where(np.isneginf(top), -np.inf, total)
+        return self.to_numpy(out), logsumexp(self.to_numpy(part_lse).astype(np.float64))  # over [n_splits, R, Hq]
 
     def _attention(
         self,

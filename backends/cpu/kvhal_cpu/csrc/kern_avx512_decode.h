@@ -1,7 +1,8 @@
 /* Decode fast path (AVX-512 VNNI), included by kern_avx512.c after kern_avx512_int.h.
  *
- * Taken for one query position per item (a decode step), head_dim 128, K and V each q8_0, q4_0, mxfp4 or nvfp4,
- * a multiple of 4 query rows per KV head (GQA 4, 8, ...) and pages of a multiple of 16 rows; the
+ * Taken for one query position per item (a decode step), head_dim 128, K and V each q8_0, q4_0, q4_1, mxfp4
+ * or nvfp4 (kivi4/kivi2: below), a multiple of 4 query rows per KV head (GQA 4, 8, ...) and pages of a
+ * multiple of 16 rows; the
  * general kernels (kern_template.h + kern_avx512_int.h) run everything else, with the same numerics:
  * q at 16 bits per row (VPDPBUSD on the stored bytes/nibbles) and p*d_v at 16 bits per (row, block,
  * 64-token tile) (VPDPWSSD).
@@ -26,7 +27,9 @@ _Static_assert(KV_Q8_0_BYTES == 34 && KV_Q4_0_BYTES == 18, "the decode path assu
 _Static_assert(KV_MXFP4_BYTES == 17 && KV_NVFP4_BYTES == 36, "the decode path assumes mxfp4's and nvfp4's blocks");
 enum { DEC_NB = 4, DEC_D = 128, DEC_Q8_RB = DEC_NB * KV_Q8_0_BYTES, DEC_Q4_RB = DEC_NB * KV_Q4_0_BYTES };
 
-/* mxfp4 and nvfp4 take this path too: their e2m1 codes are integers (the doubled values -12..12, a
+/* q4_1 K runs as q4_0's, centred (d * (n - 8) per block), with (m + 8d) * sum q per token and block added
+ * to the scores (d and m + 8d from the V side's gather, dec_vmin_scales16).
+ * mxfp4 and nvfp4 take this path too: their e2m1 codes are integers (the doubled values -12..12, a
  * 16-byte VPSHUFB table) times a block scale, so they run q4_0's kernels with a table lookup after the
  * nibble split: K made unsigned (+12, the offset term as q4_0's +8), V signed (no offset). An nvfp4 row
  * is 2 blocks of 4 scales + 32 nibble bytes; its "block" b here is 32 values (bytes 36*(b/2) + 4 +
@@ -58,7 +61,7 @@ static inline int dec_qs(int fmt, int b) {
  * 8-byte group of 32) */
 static inline int dec_kivi_cb(int fmt) { return fmt == KV_KIVI4 ? DEC_D / 2 : DEC_D / 4; }
 static inline int dec_kfmt(const kv_call *c) {
-    return c->kpaged ? c->kfmt == KV_KIVI4 || c->kfmt == KV_KIVI2 : dec_fmt(c->kfmt);
+    return c->kpaged ? c->kfmt == KV_KIVI4 || c->kfmt == KV_KIVI2 : dec_fmt(c->kfmt) || c->kfmt == KV_Q4_1;
 }
 /* V rows with d and m per block (q4_1 and kivi2's: 2-bit fields as kivi2's K pages) run centred: the codes
  * minus half their range (8, 2) times p * d, plus p * (m + centre * d) */
@@ -205,7 +208,7 @@ static inline void dec_k_block(int fmt, const uint8_t *p, int b, __m512i *kt) {
             kt[j] = _mm512_and_si512(n[j], m4);
             kt[4 + j] = _mm512_and_si512(_mm512_srli_epi16(n[j], 4), m4);
         }
-        if (fmt != KV_Q4_0) { /* e2m1 codes -> their doubled values + 12 */
+        if (fmt == KV_MXFP4 || fmt == KV_NVFP4) { /* e2m1 codes -> their doubled values + 12 */
             const __m512i tab = _mm512_load_si512((const void *)dec_e2m1_u);
             for (int j = 0; j < 8; j++) kt[j] = _mm512_shuffle_epi8(tab, kt[j]);
         }
@@ -271,6 +274,14 @@ static __attribute__((noinline)) void dec_k_unit(int fmt, const uint8_t *g0, con
             DEC_K_OUT(hc0, lc0, dk0, sc);
             DEC_K_OUT(hc1, lc1, dk1, sc + 16);
 #undef DEC_K_OUT
+            if (fmt == KV_Q4_1) { /* centred: d * (n - 8) above, + (m + 8d) * sum q (qoff = -8 sum q) */
+                const __m512 m0 = _mm512_loadu_ps(L->km + b * KV_T + col), m1 = _mm512_loadu_ps(L->km + b * KV_T + col + 16);
+                const __m512 qa = _mm512_set1_ps((float)L->qoff[ra] * -0.125f), qc = _mm512_set1_ps((float)L->qoff[rc] * -0.125f);
+                _mm512_storeu_ps(sa, _mm512_fmadd_ps(m0, qa, _mm512_loadu_ps(sa)));
+                _mm512_storeu_ps(sa + 16, _mm512_fmadd_ps(m1, qa, _mm512_loadu_ps(sa + 16)));
+                _mm512_storeu_ps(sc, _mm512_fmadd_ps(m0, qc, _mm512_loadu_ps(sc)));
+                _mm512_storeu_ps(sc + 16, _mm512_fmadd_ps(m1, qc, _mm512_loadu_ps(sc + 16)));
+            }
         }
     }
 }
@@ -732,7 +743,12 @@ static int dec_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *
                                      L.pdq + (size_t)slot * R * DEC_NB, L.pc + slot * R, R, ws->s + 16 * g, &pfk, kq);
                 }
             } else { /* K: scales, then scores of 32 tokens at a time */
-            for (int g = 0; g < KV_T / 16; g++) dec_scales16(kf, kg[g], L.kd + 16 * g);
+            for (int g = 0; g < KV_T / 16; g++) {
+                if (kf == KV_Q4_1)
+                    dec_vmin_scales16(kf, kg[g], L.kd + 16 * g, L.km + 16 * g);
+                else
+                    dec_scales16(kf, kg[g], L.kd + 16 * g);
+            }
             for (int u = 0; u < KV_T / 32; u++) {
                 if (kf == KV_NVFP4)
                     dec_k_unit_nv(kg[2 * u], kg[2 * u + 1], &L, r0, R, 32 * u, ws->s, &pfk, kq);
