@@ -165,16 +165,31 @@ static inline void dec_scales16(int fmt, const uint8_t *p, float *dst) {
 }
 
 /* q4_1 / kivi2 V (d, m, then the codes per block): d of the 16 rows' blocks into d[b * KV_T + i] and
- * m + centre * d into m[...], one dword gather per block */
+ * m + centre * d into m[...]. Each row's 4 (d, m) dwords (at 5-dword steps, q4_1; 3, kivi2) come in by one
+ * masked load (nothing past them is read) and a permute tree turns [row][block] into [block][row]:
+ * 20 permutes per 16 rows, cheaper than 4 dword gathers. */
 static inline void dec_vmin_scales16(int fmt, const uint8_t *p, float *d, float *m) {
-    const int bb = fmt == KV_Q4_1 ? KV_Q4_1_BYTES : KV_KIVI2_BYTES;
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(DEC_NB * bb));
+    const int step = fmt == KV_Q4_1 ? KV_Q4_1_BYTES / 4 : KV_KIVI2_BYTES / 4, rb = DEC_NB * 4 * step;
+    const __mmask16 take = (__mmask16)(1u | 1u << step | 1u << 2 * step | 1u << 3 * step);
+    const __m512i pair = _mm512_setr_epi32(0, step, 2 * step, 3 * step, 16, 16 + step, 16 + 2 * step, 16 + 3 * step,
+                                           0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i quad = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i lo01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i hi23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    const __m512i top = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    __m512i y[8], z[4];
+    for (int i = 0; i < 8; i++)
+        y[i] = _mm512_permutex2var_epi32(_mm512_maskz_loadu_epi32(take, p + (size_t)rb * 2 * i), pair,
+                                         _mm512_maskz_loadu_epi32(take, p + (size_t)rb * (2 * i + 1)));
+    for (int j = 0; j < 4; j++) z[j] = _mm512_permutex2var_epi32(y[2 * j], quad, y[2 * j + 1]); /* rows 4j.., [r][b] */
+    const __m512i u0 = _mm512_permutex2var_epi32(z[0], lo01, z[1]), u1 = _mm512_permutex2var_epi32(z[2], lo01, z[3]);
+    const __m512i u2 = _mm512_permutex2var_epi32(z[0], hi23, z[1]), u3 = _mm512_permutex2var_epi32(z[2], hi23, z[3]);
+    const __m512i x[DEC_NB] = {_mm512_permutex2var_epi32(u0, quad, u1), _mm512_permutex2var_epi32(u0, top, u1),
+                               _mm512_permutex2var_epi32(u2, quad, u3), _mm512_permutex2var_epi32(u2, top, u3)};
     const __m512 centre = _mm512_set1_ps(fmt == KV_Q4_1 ? 8.0f : 2.0f);
     for (int b = 0; b < DEC_NB; b++) {
-        const __m512i x = _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(bb * b)), p, 1);
-        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
-        const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x[b]));
+        const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x[b], 16)));
         _mm512_storeu_ps(d + b * KV_T, dv);
         _mm512_storeu_ps(m + b * KV_T, _mm512_fmadd_ps(dv, centre, mv));
     }
