@@ -28,7 +28,7 @@ _Static_assert(KV_MXFP4_BYTES == 17 && KV_NVFP4_BYTES == 36, "the decode path as
 enum { DEC_NB = 4, DEC_D = 128, DEC_Q8_RB = DEC_NB * KV_Q8_0_BYTES, DEC_Q4_RB = DEC_NB * KV_Q4_0_BYTES };
 
 /* q4_1 K runs as q4_0's, centred (d * (n - 8) per block), with (m + 8d) * sum q per token and block added
- * to the scores (d and m + 8d from the V side's gather, dec_vmin_scales16).
+ * to the scores (d and m + 8d as the V side reads them, dec_vmin_scales16).
  * mxfp4 and nvfp4 take this path too: their e2m1 codes are integers (the doubled values -12..12, a
  * 16-byte VPSHUFB table) times a block scale, so they run q4_0's kernels with a table lookup after the
  * nibble split: K made unsigned (+12, the offset term as q4_0's +8), V signed (no offset). An nvfp4 row
@@ -53,10 +53,10 @@ static inline int dec_qs(int fmt, int b) {
  * and m into one f32 constant per row, sum q_c * m_c. A token's score is then C + sum over blocks of
  * dq'_b * (q' . codes): an integer sum per block of the unsigned codes (kivi4's nibbles laid out as q4_0's,
  * kivi2's 2-bit fields), no offset, no per-token scale (dec_prep_q_kivi). At 16-token pages the prep still
- * costs about half the codes' VNNI work (kivi4 K ~1.25x q4_0 K at 16k, ~1.05x at 64-token pages); pages of a
+ * costs about half the codes' VNNI work (kivi4 K ~1.3x q4_0 K at 16k, ~1.1x at 64-token pages); pages of a
  * multiple of 16 rows keep each 16-row group inside one page.
  * V may be q4_1 (kivi4's V rows are its bytes) or kivi2: q4_0's kernels on the codes, d and m + centre * d
- * gathered per row, the centred min term a per-(row, block) sum of p * (m + centre * d) added to the output. */
+ * read per row (dec_vmin_scales16), the centred min term a per-(row, block) sum of p * (m + centre * d) added to the output. */
 /* code bytes per page row: kivi4 nibbles, kivi2 2-bit fields (value j + 8i in field i of byte j of each
  * 8-byte group of 32) */
 static inline int dec_kivi_cb(int fmt) { return fmt == KV_KIVI4 ? DEC_D / 2 : DEC_D / 4; }
