@@ -702,8 +702,11 @@ class KVCache:
             lo = max(p0, paged) - paged
             ks.append(s.tail_k[layer][lo : hi - paged].astype(np.float32))
             vs.append(s.tail_v[layer][lo : hi - paged].astype(np.float32))
-        empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float32)
-        k, v = np.concatenate([empty, *ks]), np.concatenate([empty, *vs])
+        if len(ks) == 1:  # pages only or tail only: no copy (a 16k-token load is ~130 MB of f32)
+            k, v = ks[0], vs[0]
+        else:
+            empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float32)
+            k, v = np.concatenate([empty, *ks]), np.concatenate([empty, *vs])
         if self.spec.transformed and len(k):
             k, v = self._backward("k", layer, k), self._backward("v", layer, v)
         return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
