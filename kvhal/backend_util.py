@@ -211,13 +211,13 @@ def _scores_f64(
 
 
 def _softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row softmax and log-sum-exp of masked scores; a row that sees nothing: zeros and -inf."""
+    """Row softmax and log-sum-exp of masked scores; a row that sees nothing: zeros and -inf; a NaN score: NaN."""
     m = scores.max(axis=-1, keepdims=True) if scores.shape[-1] else np.full(scores.shape[:-1] + (1,), -np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(scores - m)
     denom = p.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(denom > 0, p / denom, 0.0), (np.log(denom) + m)[..., 0]
+        return np.where(denom == 0, 0.0, p / denom), (np.log(denom) + m)[..., 0]
 
 
 def attention_mass(
