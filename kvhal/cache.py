@@ -25,6 +25,7 @@ from .blocks import BlockAllocator
 from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
 from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
+from .formats.ggml import round_f16
 from .spec import CacheSpec
 from .streaming import HostBlocks
 
@@ -649,22 +650,25 @@ class KVCache:
         tokens, a block at a time) are quantized into the pages from their f16 values."""
         spec, bs = self.spec, self.spec.block_size
         f16 = formats.get("f16")
-        for fmt, x in ((spec.k_fmt, k), (spec.v_fmt, v)):
-            f16.check_values(x)
-            fmt.check_values(x)
+        for fmt, x in ((spec.k_fmt, k), (spec.v_fmt, v)):  # finite already (store): one pass for the range
+            amax = float(np.abs(x).max()) if x.size else 0.0
+            for f in (f16, fmt):
+                if amax > f.max_abs and not f.saturates:
+                    f.check_values(x)  # raises, with its message
         assert s.paged is not None
-        empty = np.zeros((0, spec.n_kv_heads, spec.head_dim), np.float16)
-        ck = np.concatenate([s.tail_k.get(layer, empty), k.astype(np.float16)])
-        cv = np.concatenate([s.tail_v.get(layer, empty), v.astype(np.float16)])
+        # in f32 holding f16 values (round_f16: numpy's float16 cast is a scalar loop); f16 again in the tail
+        ck, cv = round_f16(k), round_f16(v)
+        if layer in s.tail_k and len(s.tail_k[layer]):
+            ck = np.concatenate([s.tail_k[layer].astype(np.float32), ck])
+            cv = np.concatenate([s.tail_v[layer].astype(np.float32), cv])
         total = s.lens[layer] + len(k)
         p0 = s.paged[layer]
         flush = max(0, total - spec.tail - p0) // bs * bs
         if flush:
-            kq = self.backend.asarray(ck[:flush].astype(np.float32), "k")
-            vq = self.backend.asarray(cv[:flush].astype(np.float32), "v")
+            kq, vq = self.backend.asarray(ck[:flush], "k"), self.backend.asarray(cv[:flush], "v")
             self._write(s, layer, kq, vq, p0, p0 + flush)
         self._commit_scales(pending)
-        s.tail_k[layer], s.tail_v[layer] = ck[flush:].copy(), cv[flush:].copy()
+        s.tail_k[layer], s.tail_v[layer] = ck[flush:].astype(np.float16), cv[flush:].astype(np.float16)
         s.paged[layer] = p0 + flush
         s.lens[layer] = total
         self._seal(s)

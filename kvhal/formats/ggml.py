@@ -20,6 +20,26 @@ F16_MAX = float(np.finfo(np.float16).max)
 BF16_MAX = float(np.frombuffer(np.uint32(0x7F7F7FFF).tobytes(), np.float32)[0])
 
 
+def round_f16(x: np.ndarray) -> np.ndarray:
+    """``x.astype(float16).astype(float32)`` for finite f32 ``|x| <= F16_MAX``, bit for bit, in vectorized
+    integer steps (numpy's float16 casts run a scalar loop, ~6 ns a value): round to nearest even at f16's
+    10 mantissa bits (on the bits, sign included: no carry reaches it below F16_MAX), and to a multiple of
+    2**-24 below 2**-14, f16's subnormals."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    b = x.view(np.uint32)
+    r = b >> np.uint32(13)
+    r &= np.uint32(1)
+    r += b
+    r += np.uint32(0x0FFF)
+    r &= np.uint32(0xFFFFE000)
+    out = r.view(np.float32)
+    small = np.flatnonzero(np.abs(x) < np.float32(2.0**-14))
+    if small.size:
+        xs = x.reshape(-1)[small]
+        out.reshape(-1)[small] = np.rint(xs * np.float32(2.0**24)) * np.float32(2.0**-24)
+    return out
+
+
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).view(np.uint8).reshape(a.shape[0], 2)
 

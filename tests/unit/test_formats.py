@@ -174,3 +174,19 @@ def test_signed_zeros_and_ties_follow_ggml_c(name):
     for x in cases:
         x = np.asarray(x, np.float32)
         assert f.quantize(x[None]).tobytes() == _ggml_scalar(x, name), x[:4]
+
+
+def test_round_f16_is_numpys_float16_round_trip_bit_for_bit():
+    """The tail path's f16 rounding (vectorized integer steps) against numpy's own cast, over a sweep of
+    f32 bit patterns in f16's range and the edge cases: ties to even, subnormals, -0.0, the largest f16."""
+    from kvhal.formats.ggml import F16_MAX, round_f16
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = x[np.isfinite(x) & (np.abs(x) <= F16_MAX)]
+    ties = np.float32(1.0) + np.arange(8, dtype=np.float32) * np.float32(2.0**-11)  # halfway between f16s
+    edge = [0.0, -0.0, F16_MAX, -F16_MAX, 65519.0, 2.0**-14, -(2.0**-14), 2.0**-24, 2.0**-25, 3 * 2.0**-25, 1e-45]
+    for a in (x, ties, -ties, np.array(edge, np.float32), rng.standard_normal((5, 3, 64), dtype=np.float32) * 1e-5):
+        got = round_f16(a)
+        assert got.shape == a.shape and got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), a.astype(np.float16).astype(np.float32).view(np.uint32))
