@@ -171,8 +171,11 @@ __device__ __forceinline__ float kv_deq(int fmt, const u8* row, int e) {
 
 // ---- 32-lane reductions (every lane ends with the result) ----------------------------------------
 
+// max that keeps a NaN (fmaxf drops it): a NaN score (a NaN in q or K) must reach its row's output
+__device__ __forceinline__ float kv_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+
 __device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, kv_shfl_xor(v, o));
+  for (int o = 16; o > 0; o >>= 1) v = kv_max(v, kv_shfl_xor(v, o));
   return v;
 }
 __device__ __forceinline__ float warp_sum(float v) {
@@ -608,7 +611,7 @@ __device__ __forceinline__ void online_step(float sc, int nt, int lane, int D, f
                                             float (&acc)[KV_MAXC], const V value_at) {
   const float mt = warp_max(sc);
   if (mt == kv_neg_inf()) return;  // uniform: nothing visible in this tile for this row
-  const float mn = fmaxf(m, mt);
+  const float mn = kv_max(m, mt);
   const float alpha = expf(m - mn);  // m = -inf on the first tile: 0
   const float p = expf(sc - mn);
   l = l * alpha + warp_sum(p);
@@ -1145,7 +1148,7 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
     for (int g = 0; g < G; ++g) {
       if (lane >= nt) sc[g] = kv_neg_inf();
       const float m = kv_shfl(ml, g);
-      const float mn = fmaxf(m, warp_max(sc[g]));
+      const float mn = kv_max(m, warp_max(sc[g]));
       const float alpha = expf(m - mn);  // m = -inf on the first tile: 0
       const float pr = expf(sc[g] - mn);  // lane j: token j's weight under the head's new running max
       const float l = kv_shfl(ll, g) * alpha + warp_sum(pr);
@@ -1178,7 +1181,7 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
   __syncthreads();
   for (int g = 0; g < G; ++g) {
     float M = kv_neg_inf();
-    for (int u = 0; u < KV_NW; ++u) M = fmaxf(M, smem[(u * G + g) * (D + 2) + D]);
+    for (int u = 0; u < KV_NW; ++u) M = kv_max(M, smem[(u * G + g) * (D + 2) + D]);
     float L = 0.0f;
     for (int u = 0; u < KV_NW; ++u) {
       const float mu = smem[(u * G + g) * (D + 2) + D];
@@ -1311,7 +1314,7 @@ extern "C" __global__ void kvhal_attn_merge(const float* __restrict__ part_o, co
   const i64 rh = blockIdx.x;
   const i64 stride = (i64)R * Hq;
   float M = kv_neg_inf();
-  for (int p = 0; p < n_splits; ++p) M = fmaxf(M, part_lse[p * stride + rh]);
+  for (int p = 0; p < n_splits; ++p) M = kv_max(M, part_lse[p * stride + rh]);
   float wsum = 0.0f;
   for (int p = 0; p < n_splits; ++p) {
     const float lse = part_lse[p * stride + rh];
