@@ -310,6 +310,20 @@ static inline void kpage_group_512(int four, const uint8_t *y, const float *d, c
     _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(d + 16), qb), _mm512_loadu_ps(m + 16)));
 }
 #define KPAGE_GROUP(four, y, d, m, out) kpage_group_512(four, y, d, m, out)
+/* 16 values' nearest e2m1 codes against the candidates v[16] (kern_v2.h's e2m1_codes), lowest code on ties */
+static inline void e2m1_codes16_512(const float *x, const float *v, int32_t *code) {
+    const __m512 xv = _mm512_loadu_ps(x), sign = _mm512_set1_ps(-0.0f);
+    __m512 best = _mm512_andnot_ps(sign, _mm512_sub_ps(_mm512_set1_ps(v[0]), xv));
+    __m512i c = _mm512_setzero_si512();
+    for (int k = 1; k < 16; k++) {
+        const __m512 e = _mm512_andnot_ps(sign, _mm512_sub_ps(_mm512_set1_ps(v[k]), xv));
+        const __mmask16 better = _mm512_cmp_ps_mask(e, best, _CMP_LT_OQ);
+        c = _mm512_mask_mov_epi32(c, better, _mm512_set1_epi32(k));
+        best = _mm512_mask_mov_ps(best, better, e);
+    }
+    _mm512_storeu_si512((void *)code, c);
+}
+#define E2M1_CODES16(x, v, code) e2m1_codes16_512(x, v, code)
 #define K_TILE_FLOAT(c, ws, r0, R, rows, tb) k_tile_float_512(c, ws, r0, R, rows, tb)
 #define V_TILE_FLOAT(c, ws, r0, R, rows, tb) v_tile_float_512(c, ws, r0, R, rows, tb)
 #include "kern_template.h"

@@ -101,22 +101,30 @@ static inline uint8_t kv_ue4m3(float x) {
     return (uint8_t)(e >= 15 ? 0x7e : (e << 3) | man);
 }
 
-/* the code nearest to x for scale d: |d*v - x| in float32, lowest code on ties */
-static inline uint8_t kv_e2m1_nearest(float x, float d) {
-    int best = 0;
-    float be = fabsf(d * kv_e2m1x2[0] - x);
-    for (int k = 1; k < 16; k++) {
-        float e = fabsf(d * kv_e2m1x2[k] - x);
-        if (e < be) {
-            be = e;
-            best = k;
-        }
-    }
-    return (uint8_t)best;
-}
 #endif /* KV_V2_COMMON */
 
 /* ---- quantize ------------------------------------------------------------------------------------ */
+
+/* the codes nearest to x[0 .. n) (n a multiple of 16) for scale d: |d*v - x| in float32, lowest code on ties;
+ * 16 values at a time through the ISA's E2M1_CODES16 where it has one */
+static inline void FN(e2m1_codes)(const float *x, float d, int n, int32_t *code) {
+    float v[16];
+    for (int k = 0; k < 16; k++) v[k] = d * kv_e2m1x2[k];
+    for (int i0 = 0; i0 < n; i0 += 16) {
+#ifdef E2M1_CODES16
+        E2M1_CODES16(x + i0, v, code + i0);
+#else
+        for (int i = i0; i < i0 + 16; i++) {
+            float best = fabsf(v[0] - x[i]);
+            code[i] = 0;
+            for (int k = 1; k < 16; k++) {
+                const float e = fabsf(v[k] - x[i]);
+                if (e < best) best = e, code[i] = k;
+            }
+        }
+#endif
+    }
+}
 
 static void FN(mxfp4_block)(const float *x, uint8_t *y) {
     float amax = 0.0f;
@@ -128,8 +136,9 @@ static void FN(mxfp4_block)(const float *x, uint8_t *y) {
     }
     const float d = kv_e8m0_half((uint8_t)e);
     y[0] = (uint8_t)e;
-    for (int j = 0; j < 16; j++)
-        y[1 + j] = (uint8_t)(kv_e2m1_nearest(x[j], d) | kv_e2m1_nearest(x[j + 16], d) << 4);
+    int32_t c[32];
+    FN(e2m1_codes)(x, d, 32, c);
+    for (int j = 0; j < 16; j++) y[1 + j] = (uint8_t)(c[j] | c[j + 16] << 4);
 }
 
 static void FN(nvfp4_block)(const float *x, uint8_t *y) {
@@ -139,8 +148,9 @@ static void FN(nvfp4_block)(const float *x, uint8_t *y) {
         const uint8_t sc = kv_ue4m3(amax / 6.0f);
         const float d = kv_ue4m3_half(sc);
         y[s] = sc;
-        for (int j = 0; j < 8; j++)
-            y[4 + 8 * s + j] = (uint8_t)(kv_e2m1_nearest(x[j], d) | kv_e2m1_nearest(x[j + 8], d) << 4);
+        int32_t c[16];
+        FN(e2m1_codes)(x, d, 16, c);
+        for (int j = 0; j < 8; j++) y[4 + 8 * s + j] = (uint8_t)(c[j] | c[j + 8] << 4);
     }
 }
 
