@@ -214,7 +214,8 @@ def test_decode_fast_path_mixed_formats(kf, vf, split):
               ("kivi2", "q4_0"), ("kivi4", "kivi2"), ("q8_0", "kivi2")]
 )  # fmt: skip
 @pytest.mark.parametrize("shape", [name for name in SHAPES if name.startswith("decode")])
-def test_kivi_k_decode(isa, tile, kf, vf, shape):
+@pytest.mark.parametrize("seed", [12, 13])  # 13: the bench shape's worst case over 12 seeds (2.7e-4 with kivi4 K)
+def test_kivi_k_decode(isa, tile, kf, vf, shape, seed):
     """kivi4/kivi2 K (per-channel pages, the AVX-512 decode path where it runs: q times each page's d, one
     integer sum per token) against float64 over the values load gives, the open page's f16 tail included:
     pages of 16-64 rows, GQA 4 and 8, windows starting mid-group, V of every decode-path kind (kivi4's
@@ -222,7 +223,7 @@ def test_kivi_k_decode(isa, tile, kf, vf, shape):
     ~1e-4 of the f32 result as the other formats' (edge-case blocks near the fp16 limit are
     test_paged_k_pages_and_attention's)."""
     n_heads, n_kv, dim, lens, q_lens, causal, window, bs = SHAPES[shape]
-    rng = np.random.default_rng(12)
+    rng = np.random.default_rng(seed)
     be = CpuBackend(isa=isa, kv_split=32, tile=tile)
     c = cache(kf, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens), vfmt=vf)
     seqs = []
