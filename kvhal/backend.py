@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -46,6 +47,41 @@ class Probe:
     @property
     def available(self) -> bool:
         return self.score is not None
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionBatch:
+    """One attention call's geometry, what every backend's ``attention``/``attention_lse``/``attention_mass``
+    takes: host int32 ``block_table [n_seqs, max_blocks]`` (padded with -1), ``seq_lens [n_seqs]`` (KV tokens
+    per sequence), ``q_lens [n_seqs]``, and the call's ``scale``, ``causal`` and ``window``. A new attention
+    parameter (soft-capping, sink tokens) is a new field here, not a new argument in every backend.
+
+    Query ``i`` of a sequence of ``n`` tokens sits at ``n - q_len + i`` and sees KV position ``j`` iff
+    ``j <= pos`` (causal) and ``j > pos - window`` (window); ``visible`` computes that once per call."""
+
+    block_table: np.ndarray
+    seq_lens: np.ndarray
+    q_lens: np.ndarray
+    scale: float
+    causal: bool = True
+    window: int | None = None
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @cached_property
+    def visible(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per query row: its sequence index, position and visible KV interval ``[lo, hi)`` (int64), once."""
+        from .backend_util import visible_range
+
+        return visible_range(self.seq_lens, self.q_lens, self.causal, self.window)
+
+    def with_(self, **changes: Any) -> AttentionBatch:
+        """A copy with some fields replaced (the visible range is computed afresh)."""
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
