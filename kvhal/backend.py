@@ -136,18 +136,7 @@ class Backend(ABC):
         """The first ``n`` tokens of the pages ``block_ids``, dequantized: ``[n, n_kv_heads, head_dim]`` f32."""
 
     @abstractmethod
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> Any:
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
         """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over the quantized pages; f32, q's shape."""
 
     @abstractmethod
@@ -163,44 +152,34 @@ class Backend(ABC):
         """Write ``data`` (as ``read_blocks`` returns it) into the blocks ``block_ids``, all layers."""
 
     def attention_mass(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-        tail: int,
+        self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, tail: int
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per sequence, the attention weight each key received from all queries and from the last
         ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
         The default works on every backend (float64 over ``load``); a backend may fuse it."""
         from .backend_util import attention_mass
 
-        args = (q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, tail)
-        return attention_mass(self, *args)
+        return attention_mass(self, q, pools, layer, batch, tail)
 
-    def attention_lse(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """``attention`` plus each row's log-sum-exp of its scores (host f32 ``[n_q, H, D]``, f64 ``[n_q, H]``):
         what block streaming merges. The default works on every backend (float64 over ``load``); a backend
         may return it from its kernel."""
         from .backend_util import attention_lse
 
-        return attention_lse(self, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window)
+        return attention_lse(self, q, pools, layer, batch)
+
+    def transform_heads(self, x: Any, scale: np.ndarray, rotation: str | None, inverse: bool) -> Any:
+        """``scale * R x`` per KV head of ``x [n, n_heads, D]`` (``inverse``: ``scale * R^T x``; query heads grouped
+        over ``len(scale)`` KV heads), f32 in this backend's array type: the codec's step for queries and outputs.
+        Here on the host in float64; a backend may run it on its device."""
+        from . import transforms
+
+        h = np.asarray(self.to_numpy(x), np.float64)
+        if rotation is not None:
+            h = transforms.unrotate(h) if inverse else transforms.rotate(h)
+        h = h * scale[np.arange(h.shape[1]) // (h.shape[1] // len(scale))][None, :, None]
+        return self.asarray(h.astype(np.float32), "out" if inverse else "q")
 
     def synchronize(self) -> None:
         """Wait for queued device work; host backends have none."""

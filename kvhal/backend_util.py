@@ -180,37 +180,26 @@ def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:
 # -- attention in float64 over the stored keys (observe=True, streaming) ---------------------------------
 
 
-def _scores_f64(
-    backend: Any,
-    q: Any,
-    pools: Any,
-    layer: int,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    q_lens: np.ndarray,
-    scale: float,
-    causal: bool,
-    window: int | None,
-) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+def _scores_f64(backend: Any, q: Any, pools: Any, layer: int, batch: Any) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
     """Per sequence: its query rows, masked scores ``[Hq, n_q, n_kv]`` (-inf where not visible) and its V
     ``[n_kv, Hq, D]``, in float64 from the backend's own ``load`` (so from the bytes as stored)."""
     spec = pools.spec
     qh = np.asarray(backend.to_numpy(q), np.float64)
     group = qh.shape[1] // spec.n_kv_heads
-    _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+    _, _, lo, hi = batch.visible
     start = 0
-    for s, (n_kv, n_q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+    for s, (n_kv, n_q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
         rows = slice(start, start + n_q)
         start += n_q
-        k, v = backend.load(pools, layer, block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        k, v = backend.load(pools, layer, batch.block_table[s, : -(-n_kv // spec.block_size)], n_kv)
         k = np.repeat(np.asarray(backend.to_numpy(k), np.float64), group, axis=1)  # [n_kv, Hq, D]
         v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * scale
+        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * batch.scale
         j = np.arange(n_kv)[None, :]
         yield rows, np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf), v
 
 
-def _softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row softmax and log-sum-exp of masked scores; a row that sees nothing: zeros and -inf; a NaN score: NaN."""
     m = scores.max(axis=-1, keepdims=True) if scores.shape[-1] else np.full(scores.shape[:-1] + (1,), -np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -220,50 +209,27 @@ def _softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.where(denom == 0, 0.0, p / denom), (np.log(denom) + m)[..., 0]
 
 
-def attention_mass(
-    backend: Any,
-    q: Any,
-    pools: Any,
-    layer: int,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    q_lens: np.ndarray,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    tail: int,
-) -> list[tuple[np.ndarray, np.ndarray]]:
+def attention_mass(backend: Any, q: Any, pools: Any, layer: int, batch: Any, tail: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
     ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``."""
     n_kv_heads = pools.spec.n_kv_heads
     out = []
-    for _, scores, _ in _scores_f64(backend, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window):
-        p, _ = _softmax(scores)  # [Hq, n_q, n_kv]
+    for _, scores, _ in _scores_f64(backend, q, pools, layer, batch):
+        p, _ = softmax(scores)  # [Hq, n_q, n_kv]
         per_kv = p.reshape(n_kv_heads, -1, *p.shape[1:]).sum(axis=1)  # [H, n_q, n_kv]
         out.append((per_kv.sum(axis=1), per_kv[:, max(0, p.shape[1] - tail) :].sum(axis=1)))
     return out
 
 
-def attention_lse(
-    backend: Any,
-    q: Any,
-    pools: Any,
-    layer: int,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    q_lens: np.ndarray,
-    scale: float,
-    causal: bool,
-    window: int | None,
-) -> tuple[np.ndarray, np.ndarray]:
+def attention_lse(backend: Any, q: Any, pools: Any, layer: int, batch: Any) -> tuple[np.ndarray, np.ndarray]:
     """Attention and the log-sum-exp of each row's scores (natural log, scale applied): f32 ``[n_q, H, D]``
     and f64 ``[n_q, H]`` (-inf where a row sees no key). Partial results over disjoint key sets merge
     exactly with ``merge_lse``."""
     shape = backend.to_numpy(q).shape
     out = np.zeros(shape, np.float32)
     lse = np.full(shape[:2], -np.inf)
-    for rows, scores, v in _scores_f64(backend, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window):
-        p, lse_rows = _softmax(scores)
+    for rows, scores, v in _scores_f64(backend, q, pools, layer, batch):
+        p, lse_rows = softmax(scores)
         out[rows] = np.einsum("hqk,khd->qhd", p, v)
         lse[rows] = lse_rows.T
     return out, lse

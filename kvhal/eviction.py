@@ -18,10 +18,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
+from .backend import AttentionBatch, Backend, Pools
+from .errors import SpecError, UnsupportedError
+from .seqs import Seq, SeqTable
+from .spec import CacheSpec
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
@@ -152,3 +156,86 @@ class EvictOnFull:
 
 
 OnEvict = Callable[[EvictionResult], None]
+
+
+class Evictor:
+    """One cache's eviction: observed attention mass per sequence, ``evict``, and making room on a full cache
+    (``on_full=EvictOnFull``); every drop is reported as an ``EvictionResult`` to ``on_evict``."""
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        backend: Backend,
+        pools: Pools,
+        table: SeqTable,
+        observe_window: int,
+        on_full: str | EvictOnFull,
+        on_evict: OnEvict | None,
+    ) -> None:
+        self.spec, self.backend, self.pools, self.table = spec, backend, pools, table
+        self.observe_window, self.on_full, self.on_evict = observe_window, on_full, on_evict
+        self.counts = {"evict": 0, "on_full": 0, "n": 0}  # tokens dropped by cause, evictions that dropped any
+
+    def observe(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> None:
+        """Accumulate the attention mass each key of ``seqs`` received from this call's queries."""
+        if self.spec.uses_tail:
+            raise UnsupportedError(
+                "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
+                "yet; pass observe=False"
+            )
+        mass = self.backend.attention_mass(q, self.pools, layer, batch, self.observe_window)
+        for s, (total, tail) in zip(seqs, mass):
+            old = s.mass.get(layer)
+            if old is not None:
+                total[:, : old.shape[1]] += old[:, : total.shape[1]]
+            s.mass[layer], s.window_mass[layer] = total, tail
+
+    def evict(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
+        if self.spec.uses_tail:
+            raise UnsupportedError(
+                "evict with an f16 tail (tail > 0 or a per-channel K format) is not supported yet: it would move rows "
+                "between quantized pages and the tail"
+            )
+        n = max(s.lens, default=0)
+        kept = np.arange(n) if n <= keep_tokens else policy.select(n, keep_tokens, self.scores(s, n))
+        return self._compact(sid, s, kept, policy.name, "evict")
+
+    def scores(self, s: Seq, n: int) -> Scores:
+        def total(d: dict[int, np.ndarray]) -> np.ndarray:
+            out = np.zeros(n)
+            for m in d.values():
+                w = min(n, m.shape[1])
+                out[:w] += m[:, :w].sum(axis=0)
+            return out
+
+        return Scores(total(s.mass), total(s.window_mass), self.observe_window, bool(s.mass))
+
+    def _compact(self, sid: int, s: Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
+        n = max(s.lens, default=0)
+        kept = np.asarray(kept, np.int64)
+        freed = self.table.keep_rows(s, kept)
+        dropped = np.setdiff1d(np.arange(n), kept)
+        if dropped.size:
+            self.counts[cause] += int(dropped.size)
+            self.counts["n"] += 1
+        result = EvictionResult(sid, policy, cause, kept, dropped, freed, freed * self.spec.block_nbytes)
+        if self.on_evict is not None and dropped.size:
+            self.on_evict(result)
+        return result
+
+    def make_room(self, needed: int, storing: Seq) -> bool:
+        """on_full=EvictOnFull: evict the longest resident sequence once; True if that freed anything."""
+        if not isinstance(self.on_full, EvictOnFull):
+            return False
+        candidates = [(sid, x) for sid, x in self.table.items() if not x.base]
+        if not candidates:
+            return False
+        sid, victim = max(candidates, key=lambda kv: (max(kv[1].lens, default=0), -kv[0]))
+        n = max(victim.lens, default=0)
+        keep = self.on_full.keep_tokens
+        if n <= keep:
+            return False
+        kept = self.on_full.policy.select(n, keep, self.scores(victim, n))
+        before = self.table.allocator.n_usable
+        self._compact(sid, victim, kept, self.on_full.policy.name, "on_full")
+        return self.table.allocator.n_usable > before

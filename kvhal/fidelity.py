@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from . import formats
-from .cache import KVCache, _is_int
+from .cache import KVCache
+from .validate import is_int
 from .errors import (
     BackendUnavailableError,
     FormatError,
@@ -249,7 +250,7 @@ class Capture:
     def first(self, layers: int | None = None, tokens: int | None = None) -> Capture:
         """The first ``layers`` layers and ``tokens`` tokens."""
         for name, n, have in (("layers", layers, self.n_layers), ("tokens", tokens, self.tokens)):
-            if n is not None and (not _is_int(n) or n < 1 or n > have):
+            if n is not None and (not is_int(n) or n < 1 or n > have):
                 raise SpecError(f"{name} must be an int in 1..{have} (the capture has {have}), got {n!r}")
         nl, t = layers or self.n_layers, tokens or self.tokens
         cut = slice(0, t)
@@ -519,11 +520,11 @@ def run(
         raise SpecError(f"capture must be a kvhal.fidelity.Capture, got {type(capture).__name__}")
     if isinstance(choices, (str, bytes)) or not all(isinstance(c, FormatChoice) for c in choices) or not choices:
         raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.fidelity.parse_formats)")
-    if not _is_int(block_size) or block_size < 1:
+    if not is_int(block_size) or block_size < 1:
         raise SpecError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise SpecError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if decode is not None and (not _is_int(decode) or decode < 1):
+    if decode is not None and (not is_int(decode) or decode < 1):
         raise SpecError(f"decode must be None or the prefill's token count (a positive int), got {decode!r}")
     check_backend(backend)
     start = time.perf_counter()

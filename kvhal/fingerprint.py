@@ -63,10 +63,10 @@ def canonical_json(value: Any) -> bytes:
 
 def extra_digest(extra: Mapping[str, Any] | None) -> bytes:
     """The digest of a sequence's extra keys (LoRA id, cache salt, ...): 32 zero bytes when there are none."""
+    if extra is not None and not isinstance(extra, Mapping):  # extra=0 or [] is a mistake, not "no keys"
+        raise SpecError(f"extra must be a dict of JSON values (e.g. {{'lora': 'id'}}), got {type(extra).__name__}")
     if not extra:
         return NO_EXTRA
-    if not isinstance(extra, Mapping):
-        raise SpecError(f"extra must be a dict of JSON values (e.g. {{'lora': 'id'}}), got {type(extra).__name__}")
     _check_json(extra, "extra")
     return hashlib.sha256(b"kvhal-extra\0" + canonical_json(dict(extra))).digest()
 

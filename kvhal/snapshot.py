@@ -49,7 +49,8 @@ from .errors import (
 from .fingerprint import FORMAT_VERSION, hash_chain
 
 if TYPE_CHECKING:
-    from .cache import KVCache, _Seq
+    from .cache import KVCache
+    from .seqs import Seq
 
 SNAPSHOT_VERSION = 1  # the file layout above; FORMAT_VERSION covers the meaning of the stored bytes
 
@@ -88,7 +89,7 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     ids = cache.seqs if seqs is None else seqs
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
         raise SequenceError(f"seqs must be a list of sequence ids, got {type(ids).__name__}")
-    objs = [cache._resident(s, "save") for s in ids]
+    objs = [cache.seq_table.resident(s, "save") for s in ids]
     if not target.parent.is_dir():
         raise SnapshotError(f"directory {str(target.parent)!r} does not exist; create it first")
     if cache.calibrating():
@@ -292,8 +293,6 @@ def restore(cache: KVCache, path: Any) -> list[int]:
 
 
 def _restore(cache: KVCache, r: _Reader) -> list[int]:
-    from .cache import _Seq
-
     r.check_version()
     meta, spec = r.meta, cache.spec
     fp = meta.get("fingerprint", {})
@@ -321,7 +320,7 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
     wanted = [(f"blocks.l{layer}.{w}", spec.pool_shape(n_blocks, w)) for layer in range(spec.n_layers) for w in "kv"]
     list(_threads().map(lambda nw: r.check_rows(nw[0], nw[1], chunk), wanted))
     bs = spec.block_size
-    staged: list[_Seq] = []
+    staged: list[Seq] = []
     uses = np.zeros(n_blocks, np.int64)
     for i, m in enumerate(seq_meta):
         try:
@@ -358,17 +357,19 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
                 f"{str(r.path)!r}: sequence {i}'s block hash chain does not match its token ids; the file is corrupt"
             )
         np.add.at(uses, blocks, 1)
-        t = _Seq(blocks.tolist(), lens, tokens=tokens, hashes=hashes, extra=extra, sealable=sealable)
+        t = cache.seq_table.new(lens, blocks=blocks.tolist(), tokens=tokens, hashes=hashes, extra=extra)
+        t.sealable = sealable
         if spec.uses_tail:
             t.paged, (t.tail_k, t.tail_v) = paged, tails
         staged.append(t)
-    if n_blocks > cache._blocks.n_usable:
+    allocator = cache.seq_table.allocator
+    if n_blocks > allocator.n_usable:
         raise CapacityError(
-            f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {cache._blocks.n_usable} of {cache.n_blocks} "
+            f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {allocator.n_usable} of {cache.n_blocks} "
             "are free; free sequences first or create the cache with a larger capacity_tokens"
         )
     # everything checked: stage the bytes, then publish
-    ids = cache._blocks.alloc(n_blocks)
+    ids = allocator.alloc(n_blocks)
     try:
 
         def stage(c0: int) -> None:  # chunks write disjoint blocks: two at a time
@@ -379,22 +380,21 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
 
         list(_threads().map(stage, range(0, n_blocks, chunk)))
     except BaseException:
-        cache._blocks.release(ids)
+        allocator.release(ids)
         raise
     for b, n in zip(ids, uses.tolist()):
         for _ in range(n - 1):
-            cache._blocks.acquire(b)
+            allocator.acquire(b)
         if n == 0:
-            cache._blocks.release([b])
+            allocator.release([b])
     if adopt:  # a "calibrate" cache that had not stored yet takes the snapshot's scales
-        cache._scales.update(adopt)
-        cache._set_root()
+        cache.adopt_scales(adopt)
     out = []
     for s in staged:
         s.blocks = [ids[j] for j in s.blocks]
         for b, h in zip(s.blocks, s.hashes):
-            cache._blocks.register(b, h)
-        out.append(cache._add_seq(s))
+            allocator.register(b, h)
+        out.append(cache.seq_table.add(s))
     return out
 
 
@@ -411,7 +411,7 @@ def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, list[np.ndarray
         for w in "kv"
         if isinstance(saved, dict)
         and getattr(spec, f"{w}_scale") == "calibrate"
-        and all(sc is None for sc in cache._scales[w])
+        and cache.codec.uncalibrated(w)
     }
     if not fields or not all(isinstance(x, list) and all(isinstance(r, list) for r in x) for x in fields.values()):
         return {}, cache.root_hash

@@ -17,6 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from .backend import AttentionBatch, Backend, Pools
+from .backend_util import merge_lse
+from .errors import SpecError, UnsupportedError
+from .seqs import Seq, SeqTable
 from .spec import CacheSpec
 
 
@@ -73,13 +77,67 @@ class HostBlocks:
             m = min(self.arena_blocks, self.n - c0)
             lens = np.array([m * bs], np.int32)
             if self.in_place:
-                table = np.arange(m, dtype=np.int32)[None]
-                parts.append(
-                    self.backend.attention_lse(rows, self.segments[i], layer, table, lens, ql, scale, False, None)
-                )
+                batch = AttentionBatch(np.arange(m, dtype=np.int32)[None], lens, ql, scale, causal=False)
+                parts.append(self.backend.attention_lse(rows, self.segments[i], layer, batch))
             else:
                 assert self.raw is not None
                 self.backend.write_blocks(pools, arena[:m].astype(np.int64), self.raw[c0 : c0 + m])
-                table = arena[None, :m]
-                parts.append(self.backend.attention_lse(rows, pools, layer, table, lens, ql, scale, False, None))
+                batch = AttentionBatch(arena[None, :m], lens, ql, scale, causal=False)
+                parts.append(self.backend.attention_lse(rows, pools, layer, batch))
         return parts
+
+
+class Streamer:
+    """Block streaming for one cache: ``offload`` moves a sequence's leading whole blocks to host memory, and
+    attention over it merges the resident part (the backend's kernel) with each arena-full of host blocks."""
+
+    def __init__(self, spec: CacheSpec, backend: Backend, pools: Pools, table: SeqTable, arena: list[int]) -> None:
+        self.spec, self.backend, self.pools, self.table = spec, backend, pools, table
+        self.arena = arena  # device blocks set aside for the host part, never released
+
+    def host_blocks(self, seq: int) -> HostBlocks | None:
+        """The host-resident blocks of sequence ``seq`` (None while none were offloaded)."""
+        return self.table.get(seq).host
+
+    def offload(self, s: Seq, keep_tokens: int) -> int:
+        """Move ``s``'s leading whole blocks to host memory, keeping at least its last ``keep_tokens`` (and every
+        block not yet stored at all layers) in the pools; returns the tokens moved."""
+        if self.spec.uses_tail:
+            raise UnsupportedError("offload with an f16 tail (tail > 0 or a per-channel K format) is not supported yet")
+        if not self.arena:
+            raise SpecError("offload needs a streaming arena: create the cache with stream_arena_tokens > 0")
+        bs = self.spec.block_size
+        n_move = max(0, min(s.lens) - s.base - keep_tokens) // bs
+        if n_move == 0:
+            return 0
+        moved = s.blocks[:n_move]
+        data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
+        if s.host is None:
+            s.host = HostBlocks.for_pools(self.backend, self.pools, len(self.arena))
+        s.host.append(data)
+        del s.blocks[:n_move]
+        s.changed()
+        s.base += n_move * bs
+        self.table.release(moved[::-1])
+        return n_move * bs
+
+    def attention(
+        self, layer: int, q: Any, seqs: list[Seq], q_lens: list[int], scale: float, causal: bool
+    ) -> np.ndarray:
+        bs, arena = self.spec.block_size, np.asarray(self.arena, np.int32)
+        qh = self.backend.to_numpy(q)
+        out = np.empty(qh.shape, np.float32)
+        start = 0
+        for s, n_q in zip(seqs, q_lens):
+            rows = qh[start : start + n_q]
+            tail = s.lens[layer] - s.base
+            parts = []
+            if tail:
+                lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
+                batch = AttentionBatch(s.table()[None, : -(-tail // bs)], lens, ql, scale, causal)
+                parts.append(self.backend.attention_lse(rows, self.pools, layer, batch))
+            if s.host is not None:
+                parts += s.host.attention_parts(self.pools, arena, rows, layer, n_q, scale)
+            out[start : start + n_q] = merge_lse(parts)
+            start += n_q
+        return out

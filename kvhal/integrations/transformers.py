@@ -37,6 +37,7 @@ from ..errors import KVHalError, PositionError, ShapeError, SpecError, Unsupport
 from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
+from ..validate import is_int
 
 ATTN_IMPLEMENTATION = "kvhal"
 
@@ -44,10 +45,6 @@ ATTN_IMPLEMENTATION = "kvhal"
 _PENDING: ContextVar[tuple[KVHalCache, int, torch.Tensor, torch.Tensor] | None] = ContextVar(
     "kvhal_pending_update", default=None
 )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _same_mask(a: Any, b: Any) -> bool:
@@ -108,7 +105,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n_layers:
             raise SpecError(f"windows must list one sliding window (int) or None per layer, {n_layers} in all")
         for i, w in enumerate(windows):
-            if w is not None and (not _is_int(w) or w < 1):
+            if w is not None and (not is_int(w) or w < 1):
                 raise SpecError(
                     f"windows[{i}] is {w!r}; a sliding window is a positive int, or None for full attention"
                 )
@@ -237,7 +234,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         """
         if self._failed is not None:
             raise KVHalError(f"{self._failed}; the cache's layers are out of step: call reset() and start over")
-        if not _is_int(layer_idx) or not 0 <= layer_idx < len(self._cols):
+        if not is_int(layer_idx) or not 0 <= layer_idx < len(self._cols):
             raise PositionError(
                 f"layer_idx {layer_idx!r} is out of range; the cache has layers 0..{len(self._cols) - 1}"
             )
@@ -299,7 +296,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` columns (transformers' convention: a negative count)."""
-        if not _is_int(tokens_to_remove) or tokens_to_remove > 0:
+        if not is_int(tokens_to_remove) or tokens_to_remove > 0:
             raise PositionError(f"crop takes a negative int, the count of tokens to remove; got {tokens_to_remove!r}")
         n = -int(tokens_to_remove)
         if n == 0:
@@ -320,7 +317,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._select(beam_idx, "beam_idx")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if not _is_int(repeats) or repeats < 1:
+        if not is_int(repeats) or repeats < 1:
             raise ShapeError(f"repeats must be a positive int, got {repeats!r}")
         self._select([b for b in range(len(self.seqs)) for _ in range(int(repeats))], "repeats")
 
@@ -340,7 +337,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
             if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.ndim != 1:
                 raise ShapeError(f"{what} must be a 1D integer tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
             idx = idx.tolist()
-        if not isinstance(idx, list) or not all(_is_int(i) and 0 <= i < len(self.seqs) for i in idx):
+        if not isinstance(idx, list) or not all(is_int(i) and 0 <= i < len(self.seqs) for i in idx):
             raise ShapeError(f"{what} must hold row indices in [0, {len(self.seqs)}), got {idx!r:.80}")
         if not self.seqs:
             return

@@ -60,12 +60,12 @@ def test_h2o_keeps_heavy_hitters_by_observed_mass():
         out = c.attention(0, q, [s], [q_len], observe=True)
         np.testing.assert_allclose(out, attention_f64(q, [k], [v], [q_len]), atol=1e-6)
         total += mass_f64(q, k, q_len, 30)
-    np.testing.assert_allclose(c._seqs[s].mass[0], total, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(c.seq_table.get(s).mass[0], total, rtol=1e-9, atol=1e-12)
     score = total.sum(axis=0)  # one set of positions for every head: heads summed
     heavy = sorted(sorted(range(30 - 5), key=lambda j: (-score[j], j))[:7])
     res = c.evict(s, H2O(heavy=7, recent=5), keep_tokens=12)
     assert res.kept.tolist() == heavy + list(range(25, 30))
-    np.testing.assert_allclose(c._seqs[s].mass[0], total[:, res.kept], rtol=1e-12)  # scores follow their keys
+    np.testing.assert_allclose(c.seq_table.get(s).mass[0], total[:, res.kept], rtol=1e-12)  # scores follow their keys
     c2, s2, _, _ = filled(30)
     with pytest.raises(kvhal.SpecError, match="observe=True"):
         c2.evict(s2, H2O(heavy=4, recent=4), keep_tokens=8)

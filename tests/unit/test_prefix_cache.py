@@ -71,8 +71,8 @@ def test_hash_chain_equals_an_independent_computation():
     c = make()
     tokens = [5, 9, 2, 7, 1, 1, 3, 8, 4, 6]
     s = prefill(c, tokens)
-    assert c._seqs[s].hashes == independent_chain(c.root_hash, tokens)
-    assert len(c._seqs[s].hashes) == 2 and c.stats().blocks_cached == 2
+    assert c.seq_table.get(s).hashes == independent_chain(c.root_hash, tokens)
+    assert len(c.seq_table.get(s).hashes) == 2 and c.stats().blocks_cached == 2
 
 
 def test_hashes_equal_across_processes_with_different_hash_seeds():
@@ -81,7 +81,7 @@ def test_hashes_equal_across_processes_with_different_hash_seeds():
         "sys.path.insert(0, '.');"
         "from tests.unit.test_prefix_cache import make, prefill;"
         "c = make(); s = prefill(c, [3, 1, 4, 1, 5, 9, 2, 6, 5]);"
-        "print(','.join(h.hex() for h in c._seqs[s].hashes))"
+        "print(','.join(h.hex() for h in c.seq_table.get(s).hashes))"
     )
     outs = set()
     for seed in ("0", "1", "12345"):
@@ -106,9 +106,9 @@ def test_block_is_hashed_only_when_every_layer_and_token_is_known():
     t = c.new_seq()
     for layer in (0, 1):
         c.store(t, layer, k, v)
-    assert len(c._seqs[t].hashes) == 0
+    assert len(c.seq_table.get(t).hashes) == 0
     c.append_tokens(t, np.arange(8))
-    assert c._seqs[t].hashes == c._seqs[s].hashes
+    assert c.seq_table.get(t).hashes == c.seq_table.get(s).hashes
 
 
 def test_match_prefix_shares_full_blocks_and_caps_at_len_minus_one():
@@ -116,7 +116,7 @@ def test_match_prefix_shares_full_blocks_and_caps_at_len_minus_one():
     tokens = list(range(100, 112))  # 3 full blocks
     a = prefill(c, tokens)
     t, n = c.match_prefix(tokens)  # all 12 cached, but the last token must be recomputed: 2 blocks
-    assert n == 8 and c.seq_len(t) == 8 and c._seqs[t].blocks == c._seqs[a].blocks[:2]
+    assert n == 8 and c.seq_len(t) == 8 and c.seq_table.get(t).blocks == c.seq_table.get(a).blocks[:2]
     assert c.tokens(t) == tokens[:8]
     u, m = c.match_prefix(tokens + [1, 2, 3])
     assert m == 12
@@ -136,7 +136,7 @@ def test_match_prefix_shares_full_blocks_and_caps_at_len_minus_one():
     a_k = c.load(a, 0)[0].copy()
     prefill(c, tokens + [7, 7], seq=t, start=8)  # t stores positions 8.. into its own blocks
     np.testing.assert_array_equal(c.load(a, 0)[0], a_k)
-    assert c._seqs[t].hashes[:2] == c._seqs[a].hashes[:2] and c._seqs[t].blocks[2] != c._seqs[a].blocks[2]
+    assert c.seq_table.get(t).hashes[:2] == c.seq_table.get(a).hashes[:2] and c.seq_table.get(t).blocks[2] != c.seq_table.get(a).blocks[2]
 
 
 def test_extra_keys_keep_tenants_apart():
@@ -152,7 +152,7 @@ def test_extra_keys_keep_tenants_apart():
     assert c.match_prefix(tokens, extra={"salt": "x"})[1] == 0
     ta, na = c.match_prefix(tokens, extra={"lora": "A"})
     t0, n0 = c.match_prefix(tokens)
-    assert na == n0 == 8 and set(c._seqs[ta].blocks).isdisjoint(c._seqs[t0].blocks)
+    assert na == n0 == 8 and set(c.seq_table.get(ta).blocks).isdisjoint(c.seq_table.get(t0).blocks)
     with pytest.raises(kvhal.SpecError):
         c.new_seq(extra={"lora": object()})
 
@@ -162,24 +162,24 @@ def test_freed_blocks_stay_matchable_and_evict_lru_tail_first():
     a_tokens, b_tokens = list(range(0, 12)), list(range(50, 62))
     a = prefill(c, a_tokens)  # blocks 0,1,2
     b = prefill(c, b_tokens)  # blocks 3,4,5
-    a_blocks, b_blocks = list(c._seqs[a].blocks), list(c._seqs[b].blocks)
+    a_blocks, b_blocks = list(c.seq_table.get(a).blocks), list(c.seq_table.get(b).blocks)
     c.free_seq(a)
     c.free_seq(b)
     st = c.stats()
     assert st.blocks_free == 6 and st.blocks_cached_free == 6 and st.blocks_cached == 6
     # release order: a's tail first, then b's: a2, a1, a0, b2, b1, b0
-    assert c._blocks.cached_free_lru() == a_blocks[::-1] + b_blocks[::-1]
+    assert c.seq_table.allocator.cached_free_lru() == a_blocks[::-1] + b_blocks[::-1]
     t, n = c.match_prefix(b_tokens + [0])
     assert n == 12 and c.stats().blocks_cached_free == 3  # b's blocks are held again
     c.free_seq(t)
-    assert c._blocks.cached_free_lru() == a_blocks[::-1] + b_blocks[::-1]
+    assert c.seq_table.allocator.cached_free_lru() == a_blocks[::-1] + b_blocks[::-1]
     s = c.new_seq()
     k, v = kv_for(list(range(900, 904)))
     c.store(s, 0, k, v)  # one new block: evicts a's tail (a2), not its head
     assert c.stats().prefix_evicted_blocks == 1
     _, n = c.match_prefix(a_tokens + [0])
     assert n == 8  # a0, a1 still match; a2 gone
-    assert c._blocks.cached_free_lru()[:1] == [b_blocks[2]]
+    assert c.seq_table.allocator.cached_free_lru()[:1] == [b_blocks[2]]
 
 
 def test_writing_into_a_hashed_block_drops_or_copies_its_hash():
@@ -192,7 +192,7 @@ def test_writing_into_a_hashed_block_drops_or_copies_its_hash():
     k, v = kv_for([1, 2])
     for layer in (0, 1):
         c.store(t, layer, k, v)  # copy-on-write: a's block keeps its bytes and its hash
-    assert c._seqs[t].blocks[1] != c._seqs[a].blocks[1]
+    assert c.seq_table.get(t).blocks[1] != c.seq_table.get(a).blocks[1]
     m, n = c.match_prefix(tokens + [5])
     assert n == 8
     c.free_seq(m)
@@ -228,7 +228,7 @@ def test_a_prefix_filled_twice_survives_evicting_either_copy():
     tokens = list(range(8))
     a = prefill(c, tokens)
     b = prefill(c, tokens)  # the same prefix stored apart: both copies carry the hashes
-    assert c._seqs[a].hashes == c._seqs[b].hashes and c.stats().blocks_cached == 4
+    assert c.seq_table.get(a).hashes == c.seq_table.get(b).hashes and c.stats().blocks_cached == 4
     c.free_seq(a)  # a's blocks are cached-free, next to be evicted
     filler = c.new_seq()
     k, v = kv_for(list(range(100, 124)))
@@ -236,4 +236,4 @@ def test_a_prefix_filled_twice_survives_evicting_either_copy():
         c.store(filler, layer, k, v)  # 6 blocks: 4 plain + both of a's cached ones
     assert c.stats().prefix_evicted_blocks == 2
     t, n = c.match_prefix(tokens + [1])
-    assert n == 8 and c._seqs[t].blocks == c._seqs[b].blocks
+    assert n == 8 and c.seq_table.get(t).blocks == c.seq_table.get(b).blocks

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def state(c: kvhal.KVCache) -> tuple:
     pools = [x.copy() for x in c.pools.k + c.pools.v]
-    seqs = {s: (list(c._seqs[s].blocks), list(c._seqs[s].lens), c.tokens(s)) for s in c.seqs}
-    return pools, c.stats(), seqs, {h: list(b) for h, b in c._blocks.block_of.items()}
+    seqs = {s: (list(c.seq_table.get(s).blocks), list(c.seq_table.get(s).lens), c.tokens(s)) for s in c.seqs}
+    return pools, c.stats(), seqs, {h: list(b) for h, b in c.seq_table.allocator.block_of.items()}
 
 
 def assert_unchanged(before: tuple, c: kvhal.KVCache) -> None:
@@ -49,10 +49,10 @@ def test_save_restore_round_trip_shares_blocks_and_is_matchable(tmp_path):
         for x, y in zip(d.load(ra, layer), c.load(a, layer)):
             np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(d.load(rb, layer)[1], c.load(b, layer)[1])
-    assert d._seqs[rb].blocks == d._seqs[ra].blocks[:3]  # still shared, stored once
+    assert d.seq_table.get(rb).blocks == d.seq_table.get(ra).blocks[:3]  # still shared, stored once
     assert d.stats().blocks_used == 1 + 4 and d.stats().blocks_shared == 3
     t, n = d.match_prefix(tokens + [0])
-    assert n == 12 and d._seqs[t].blocks == d._seqs[ra].blocks[:3]
+    assert n == 12 and d.seq_table.get(t).blocks == d.seq_table.get(ra).blocks[:3]
     q = np.random.default_rng(1).standard_normal((2, 4, 32), dtype=np.float32)
     np.testing.assert_array_equal(kvhal.to_numpy(d.attention(1, q, [ra], [2])), kvhal.to_numpy(c.attention(1, q, [a], [2])))
 
@@ -216,7 +216,7 @@ def test_restore_needs_free_blocks_not_contiguous_ones(saved):
     for x in seqs[::2]:
         c2.free_seq(x)  # free blocks 0, 2, 4: scattered
     [r] = c2.restore(path)
-    assert sorted(c2._seqs[r].blocks) == [0, 2, 4]
+    assert sorted(c2.seq_table.get(r).blocks) == [0, 2, 4]
 
 
 def test_snapshot_inspect_cli(saved, tmp_path, capsys):

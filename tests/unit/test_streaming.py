@@ -34,7 +34,7 @@ def test_a_sequence_longer_than_the_pools_attends_like_a_resident_one(monkeypatc
         moved += small.offload(s, keep_tokens=16)
     st = small.stats()
     assert small.seq_len(s) == n and st.offloaded_tokens == moved >= n - 16 - 40 - 8
-    host = small._seqs[s].host
+    host = small.streamer.host_blocks(s)
     assert host is not None and host.in_place is not through_arena and host.n * 8 == moved
     if not through_arena:  # arena-sized host pools, the last one partly filled
         assert len(host.segments) == -(-host.n // 6) and all(p.n_blocks == 6 for p in host.segments)

@@ -105,8 +105,8 @@ def test_scale_reaches_the_kernel_fp8(rng):
         kp, vp = pools(c)
         sc = 1.0 if scale is None else scale
         f = formats.get("fp8_e4m3")
-        np.testing.assert_array_equal(rows(kp, c._seqs[s].blocks, 20), f.quantize(k / sc))
-        np.testing.assert_array_equal(rows(vp, c._seqs[s].blocks, 20), f.quantize(v / sc))
+        np.testing.assert_array_equal(rows(kp, c.seq_table.get(s).blocks, 20), f.quantize(k / sc))
+        np.testing.assert_array_equal(rows(vp, c.seq_table.get(s).blocks, 20), f.quantize(v / sc))
         k2, v2 = (kvhal.to_numpy(x) for x in c.load(s, 0))
         q = rng.standard_normal((3, 4, 64)).astype(np.float32) / 100
         out[scale] = (k2, v2, kvhal.to_numpy(c.attention(0, q, [s])), q)
@@ -165,8 +165,8 @@ def test_per_head_and_calibrated_scales(rng):
     kp, vp = pools(c)
     sk = want[None, :, None]
     sv = np.array([0.5, 0.25])[None, :, None]
-    np.testing.assert_array_equal(rows(kp, c._seqs[s].blocks, 24), formats.get("fp8_e4m3").quantize(k / sk))
-    np.testing.assert_array_equal(rows(vp, c._seqs[s].blocks, 24), formats.get("nvfp4").quantize(v / sv))
+    np.testing.assert_array_equal(rows(kp, c.seq_table.get(s).blocks, 24), formats.get("fp8_e4m3").quantize(k / sk))
+    np.testing.assert_array_equal(rows(vp, c.seq_table.get(s).blocks, 24), formats.get("nvfp4").quantize(v / sv))
     q = rng.standard_normal((2, 4, 64)).astype(np.float32) / 300
     ks = dq("fp8_e4m3", (k / sk).astype(np.float32)) * sk
     vs = dq("nvfp4", (v / sv).astype(np.float32)) * sv
@@ -195,7 +195,7 @@ def test_calibration_is_per_layer(rng, tmp_path):
         np.testing.assert_allclose(c.scales()["k"][layer], want)
         sk = want[None, :, None]
         kp, _ = pools(c, layer)
-        np.testing.assert_array_equal(rows(kp, c._seqs[s].blocks, 20), formats.get("fp8_e4m3").quantize(x / sk))
+        np.testing.assert_array_equal(rows(kp, c.seq_table.get(s).blocks, 20), formats.get("fp8_e4m3").quantize(x / sk))
     resolved = c.resolved_spec.k_scale
     assert isinstance(resolved, tuple) and len(resolved) == 2 and resolved[1] == c.scales()["k"][1]
     # the same bytes from a spec that names the per-layer scales
@@ -246,8 +246,8 @@ def test_rotation_with_q4_0(rng, rot):
     hk = (k.astype(np.float64) @ r.T).astype(np.float32) if kr else k
     hv = (v.astype(np.float64) @ r.T).astype(np.float32) if vr else v
     kp, vp = pools(c)
-    np.testing.assert_array_equal(rows(kp, c._seqs[s].blocks, n), formats.get("q4_0").quantize(hk))
-    np.testing.assert_array_equal(rows(vp, c._seqs[s].blocks, n), formats.get("q4_0").quantize(hv))
+    np.testing.assert_array_equal(rows(kp, c.seq_table.get(s).blocks, n), formats.get("q4_0").quantize(hk))
+    np.testing.assert_array_equal(rows(vp, c.seq_table.get(s).blocks, n), formats.get("q4_0").quantize(hv))
     q = rng.standard_normal((5, 4, dim)).astype(np.float32)
     hq = q.astype(np.float64) @ r.T if kr else q.astype(np.float64)
     att = attention_f64(hq, [dq("q4_0", hk)], [dq("q4_0", hv)], [5])  # in the rotated space
@@ -286,7 +286,7 @@ def test_tail_attention_merges_pages_and_f16(rng, case, fk, fv, tail):
         c.store(s, 0, k[done : done + n], v[done : done + n])
         done += n
         paged = max(0, done - tail) // BS * BS
-        assert c._seqs[s].pages() == [paged]
+        assert c.seq_table.get(s).pages() == [paged]
         kf, vf = f16(k[:done]), f16(v[:done])
         if formats.get(fk).k_page is not None and paged:
             codec = formats.get(fk).k_page
@@ -294,7 +294,7 @@ def test_tail_attention_merges_pages_and_f16(rng, case, fk, fv, tail):
             kq = codec.dequantize_page(codec.quantize_page(pages), BS).reshape(-1, 2, BS, 64).transpose(0, 2, 1, 3)
             kq = kq.reshape(paged, 2, 64)
             kp, _ = pools(c)
-            got = kp[c._seqs[s].blocks].reshape(len(c._seqs[s].blocks) * 2, -1)
+            got = kp[c.seq_table.get(s).blocks].reshape(len(c.seq_table.get(s).blocks) * 2, -1)
             np.testing.assert_array_equal(got, codec.quantize_page(pages))  # the pool holds the page codec's bytes
         else:
             kq = dq(fk, kf[:paged].astype(np.float32))
@@ -342,14 +342,14 @@ def test_tail_lifecycle(rng, tmp_path):
     c.append_tokens(s, ids)
     for layer in (0, 1):
         c.store(s, layer, k, v)
-    assert c._seqs[s].pages() == [32, 32] and len(c._seqs[s].hashes) == 2
+    assert c.seq_table.get(s).pages() == [32, 32] and len(c.seq_table.get(s).hashes) == 2
     st = c.stats()
     assert st.tail_tokens == 13 and st.tail_bytes == 2 * 2 * 13 * 2 * 64 * 2  # layers, K+V, tokens, heads, dim, f16
     q = rng.standard_normal((1, 2, 64)).astype(np.float32)
     want = kvhal.to_numpy(c.attention(1, q, [s]))
     # the prefix cache shares whole quantized blocks only, as many as a prefill of the query would quantize
     t, n = c.match_prefix(ids[:40])
-    assert n == 32 and c._seqs[t].pages() == [32, 32]
+    assert n == 32 and c.seq_table.get(t).pages() == [32, 32]
     t2, n2 = c.match_prefix(ids[:30])
     assert n2 == 16
     for x in (t, t2):
