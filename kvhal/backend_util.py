@@ -180,7 +180,9 @@ def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:
 # -- attention in float64 over the stored keys (observe=True, streaming) ---------------------------------
 
 
-def _scores_f64(backend: Any, q: Any, pools: Any, layer: int, batch: Any) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+def _scores_f64(
+    backend: Any, q: Any, pools: Any, layer: int, batch: Any
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
     """Per sequence: its query rows, masked scores ``[Hq, n_q, n_kv]`` (-inf where not visible) and its V
     ``[n_kv, Hq, D]``, in float64 from the backend's own ``load`` (so from the bytes as stored)."""
     spec = pools.spec
@@ -209,7 +211,9 @@ def softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.where(denom == 0, 0.0, p / denom), (np.log(denom) + m)[..., 0]
 
 
-def attention_mass(backend: Any, q: Any, pools: Any, layer: int, batch: Any, tail: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def attention_mass(
+    backend: Any, q: Any, pools: Any, layer: int, batch: Any, tail: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
     ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``."""
     n_kv_heads = pools.spec.n_kv_heads

@@ -26,7 +26,7 @@ import numpy as np
 from . import registry, validate
 from .backend import AttentionBatch, Backend
 from .blocks import BlockAllocator
-from .codec import Codec
+from .codec import Codec, Pending
 from .errors import CapacityError, PositionError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, Evictor, OnEvict, Policy
 from .fingerprint import Fingerprint, extra_digest
@@ -246,7 +246,7 @@ class KVCache:
         k, v = self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
         if validate.kv_rows(k, v, self.spec.n_kv_heads, self.spec.head_dim) == 0:
             return
-        spec, pending = self.spec, {}
+        spec, pending = self.spec, Pending()
         if spec.transformed or spec.uses_tail:
             k, v, pending = self.codec.encode(self.backend, layer, k, v)
             if spec.uses_tail:
@@ -264,7 +264,7 @@ class KVCache:
         if len(s.tokens) > len(s.hashes) * spec.block_size:
             self.prefix.seal(s)
 
-    def _committed(self, pending: dict[tuple[str, int], np.ndarray]) -> None:
+    def _committed(self, pending: Pending) -> None:
         if self.codec.commit(pending):
             self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
@@ -344,7 +344,9 @@ class KVCache:
                     if base
                     else "store the new tokens' K/V before attending"
                 )
-                raise PositionError(f"sequence {seqs[i]} has {n + base} tokens at layer {layer} but {n_q} queries; {why}")
+                raise PositionError(
+                    f"sequence {seqs[i]} has {n + base} tokens at layer {layer} but {n_q} queries; {why}"
+                )
         scale, window = validate.attention_options(scale, causal, window, observe, spec.head_dim)
         causal = bool(causal)
         if observe and spec.uses_tail:

@@ -37,7 +37,6 @@ import numpy as np
 
 from . import formats
 from .cache import KVCache
-from .validate import is_int
 from .errors import (
     BackendUnavailableError,
     FormatError,
@@ -50,6 +49,7 @@ from .errors import (
 from .interop import to_numpy
 from .progress import progress
 from .spec import CacheSpec
+from .validate import is_int
 
 TOP_P = 0.9
 DEFAULT_TOKENS = 512

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -23,9 +23,6 @@ from .blocks import BlockAllocator
 from .errors import SequenceError, UnsupportedError
 from .spec import CacheSpec
 from .validate import is_int
-
-if TYPE_CHECKING:
-    from .streaming import HostBlocks
 
 
 @dataclass
@@ -44,7 +41,7 @@ class Seq:
     sealable: int | None = None
     # block streaming: the first ``base`` positions (whole blocks) live in host memory (streaming.py)
     base: int = 0
-    host: HostBlocks | None = field(default=None, repr=False)
+    host: Any = field(default=None, repr=False)  # a streaming.HostBlocks once offloaded
     # attention mass per layer (observe=True): [n_kv_heads, positions] float64, all queries / last window
     mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     window_mass: dict[int, np.ndarray] = field(default_factory=dict, repr=False)

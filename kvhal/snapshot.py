@@ -32,11 +32,13 @@ import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from .backend import Backend, Pools
 from .backend_util import blocks_to_pages, pages_to_blocks
+from .codec import Codec
 from .errors import (
     CapacityError,
     FingerprintMismatchError,
@@ -46,11 +48,35 @@ from .errors import (
     SnapshotVersionError,
     UnsupportedError,
 )
-from .fingerprint import FORMAT_VERSION, hash_chain
+from .fingerprint import FORMAT_VERSION, Fingerprint, hash_chain
+from .seqs import Seq, SeqTable
+from .spec import CacheSpec
 
-if TYPE_CHECKING:
-    from .cache import KVCache
-    from .seqs import Seq
+
+class SnapshotCache(Protocol):
+    """What a snapshot reads of a cache and writes into it (``kvhal.KVCache`` is one)."""
+
+    spec: CacheSpec
+    backend: Backend
+    pools: Pools
+    fingerprint: Fingerprint
+    n_blocks: int
+    seq_table: SeqTable
+    codec: Codec
+
+    @property
+    def seqs(self) -> list[int]: ...
+
+    @property
+    def resolved_spec(self) -> CacheSpec: ...
+
+    @property
+    def root_hash(self) -> bytes: ...
+
+    def calibrating(self) -> bool: ...
+
+    def adopt_scales(self, per_layer: dict[str, list[np.ndarray | None]]) -> None: ...
+
 
 SNAPSHOT_VERSION = 1  # the file layout above; FORMAT_VERSION covers the meaning of the stored bytes
 
@@ -84,7 +110,7 @@ def _path(path: Any) -> Path:
     return Path(path)
 
 
-def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
+def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None:
     target = _path(path)
     ids = cache.seqs if seqs is None else seqs
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
@@ -284,7 +310,7 @@ class _Reader:
         return t
 
 
-def restore(cache: KVCache, path: Any) -> list[int]:
+def restore(cache: SnapshotCache, path: Any) -> list[int]:
     r = _Reader(_path(path))
     try:
         return _restore(cache, r)
@@ -292,7 +318,7 @@ def restore(cache: KVCache, path: Any) -> list[int]:
         r.close()
 
 
-def _restore(cache: KVCache, r: _Reader) -> list[int]:
+def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
     r.check_version()
     meta, spec = r.meta, cache.spec
     fp = meta.get("fingerprint", {})
@@ -398,7 +424,7 @@ def _restore(cache: KVCache, r: _Reader) -> list[int]:
     return out
 
 
-def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:
+def _adopt_scales(cache: SnapshotCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:
     """Scales a "calibrate" cache that has not calibrated yet would take from a snapshot's spec (with the
     root hash they give), when that makes the specs equal; else nothing and the cache's own root."""
     import dataclasses
@@ -409,9 +435,7 @@ def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, list[np.ndarray
     fields = {
         f"{w}_scale": saved.get(f"{w}_scale")
         for w in "kv"
-        if isinstance(saved, dict)
-        and getattr(spec, f"{w}_scale") == "calibrate"
-        and cache.codec.uncalibrated(w)
+        if isinstance(saved, dict) and getattr(spec, f"{w}_scale") == "calibrate" and cache.codec.uncalibrated(w)
     }
     if not fields or not all(isinstance(x, list) and all(isinstance(r, list) for r in x) for x in fields.values()):
         return {}, cache.root_hash

@@ -102,9 +102,13 @@ class TailStore:
             if P:
                 o = np.zeros(rows.shape, np.float32)
                 lse = np.full(rows.shape[:2], -np.inf)
-                pages = AttentionBatch(s.table()[None, : P // bs], np.array([P], np.int32), np.array([0], np.int32), scale)
+                pages = AttentionBatch(
+                    s.table()[None, : P // bs], np.array([P], np.int32), np.array([0], np.int32), scale
+                )
 
-                def run(r: np.ndarray, causal_: bool, win: int | None) -> tuple[np.ndarray, np.ndarray]:
+                def run(
+                    r: np.ndarray, causal_: bool, win: int | None, pages: AttentionBatch = pages
+                ) -> tuple[np.ndarray, np.ndarray]:
                     batch = pages.with_(q_lens=np.array([len(r)], np.int32), causal=causal_, window=win)
                     return self.backend.attention_lse(r, pools, layer, batch)
 
