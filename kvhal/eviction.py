@@ -223,19 +223,54 @@ class Evictor:
             self.on_evict(result)
         return result
 
-    def make_room(self, needed: int, storing: Seq) -> bool:
-        """on_full=EvictOnFull: evict the longest resident sequence once; True if that freed anything."""
+    def make_room(self, storing: Seq, layer: int, n: int) -> bool:
+        """on_full=EvictOnFull, before a store of ``n`` rows into ``storing`` at ``layer`` that does not fit: evict
+        the longest resident sequences, one after another, until it fits. All or nothing: the evictions are
+        planned on a copy of the refcounts first (copy-on-write included) and carried out only when the store
+        then fits; otherwise nothing is evicted and the store's ``CapacityError`` follows. True if it evicted."""
         if not isinstance(self.on_full, EvictOnFull):
             return False
-        candidates = [(sid, x) for sid, x in self.table.items() if not x.base]
-        if not candidates:
-            return False
-        sid, victim = max(candidates, key=lambda kv: (max(kv[1].lens, default=0), -kv[0]))
-        n = max(victim.lens, default=0)
-        keep = self.on_full.keep_tokens
-        if n <= keep:
-            return False
-        kept = self.on_full.policy.select(n, keep, self.scores(victim, n))
-        before = self.table.allocator.n_usable
-        self._compact(sid, victim, kept, self.on_full.policy.name, "on_full")
-        return self.table.allocator.n_usable > before
+        bs, policy, keep = self.spec.block_size, self.on_full.policy, self.on_full.keep_tokens
+        alloc = self.table.allocator
+        refs: dict[int, int] = {}  # planned refcount changes over the allocator's; copies get ids < 0
+
+        def ref(b: int) -> int:
+            return refs.get(b, 1 if b < 0 else int(alloc.ref[b]))
+
+        usable, fresh = alloc.n_usable, 0
+        state = {sid: (list(x.blocks), list(x.lens), x) for sid, x in self.table.items() if not x.base}
+        plan: list[tuple[int, Seq, np.ndarray]] = []
+        while True:
+            blocks, lens = next(
+                ((b, ln) for b, ln, x in state.values() if x is storing), (storing.blocks, storing.lens)
+            )
+            p0 = lens[layer] - storing.base
+            if self.table.blocks_needed(blocks, p0, p0 + n, ref) <= usable:
+                break
+            todo = [(sid, st) for sid, st in state.items() if sid not in {p[0] for p in plan}]
+            if not todo:
+                return False
+            sid, (blocks_v, lens_v, victim) = max(todo, key=lambda kv: (max(kv[1][1], default=0), -kv[0]))
+            n_v = max(lens_v, default=0)
+            if n_v <= keep:
+                return False
+            kept = np.asarray(policy.select(n_v, keep, self.scores(victim, n_v)), np.int64)
+            moved = np.flatnonzero(kept != np.arange(len(kept)))
+            first = int(moved[0]) if moved.size else len(kept)
+            new_lens = [int(np.searchsorted(kept, L)) for L in lens_v]
+            n_keep = -(-max(new_lens, default=0) // bs)
+            for i in range(first // bs, n_keep) if moved.size else ():  # copy-on-write of shared pages
+                if ref(blocks_v[i]) > 1:
+                    if usable == 0:
+                        return False  # the compaction itself would not fit
+                    usable, fresh = usable - 1, fresh + 1
+                    refs[blocks_v[i]] = ref(blocks_v[i]) - 1
+                    blocks_v[i] = -fresh
+            for b in blocks_v[n_keep:]:
+                refs[b] = ref(b) - 1
+                usable += refs[b] == 0
+            state[sid] = (blocks_v[:n_keep], new_lens, victim)
+            plan.append((sid, victim, kept))
+        for sid, victim, kept in plan:
+            self._compact(sid, victim, kept, policy.name, "on_full")
+        return bool(plan)

@@ -187,21 +187,19 @@ class SeqTable:
         k: Any,
         v: Any,
         p0: int,
-        make_room: Callable[[int, Seq], bool] | None = None,
+        make_room: Callable[[Seq, int, int], bool] | None = None,
     ) -> int:
-        """Store rows ``k``/``v`` at resident positions ``p0..``: reserve (``make_room`` may free blocks and move
-        this sequence's rows, then the position is read again), own, allocate, write; a failure gives the
-        blocks back. Returns the resident end position."""
+        """Store rows ``k``/``v`` at resident positions ``p0..``: reserve (``make_room(s, layer, n)`` may first free
+        blocks, all it needs or none, and compact this sequence too: the position is then read again), own,
+        allocate, write; a failure gives the blocks back. Returns the resident end position."""
         bs, n = self.spec.block_size, len(k)
-        while True:
-            p1 = p0 + n
-            touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
-            n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
-            needed = n_new + self.shared(s, touched)
-            if needed <= self.allocator.n_usable or make_room is None or not make_room(needed, s):
-                break
-            p0 = s.lens[layer] - s.base  # eviction compacted this sequence: it may have moved
-        self.reserve(needed)
+        if make_room is not None and self.blocks_needed(s.blocks, p0, p0 + n) > self.allocator.n_usable:
+            if make_room(s, layer, n):
+                p0 = s.lens[layer] - s.base
+        p1 = p0 + n
+        touched = list(range(p0 // bs, min(len(s.blocks), math.ceil(p1 / bs))))
+        n_new = max(0, math.ceil(p1 / bs) - len(s.blocks))
+        self.reserve(n_new + self.shared(s, touched))
         self.own(s, touched)
         added = self.allocator.alloc(n_new)
         if added:
@@ -216,6 +214,14 @@ class SeqTable:
                 s.changed()
             raise
         return p1
+
+    def blocks_needed(self, blocks: list[int], p0: int, p1: int, ref: Callable[[int], int] | None = None) -> int:
+        """Free blocks a write of positions ``[p0, p1)`` into pages ``blocks`` takes: new pages plus a copy of each
+        shared page it touches (``ref``: refcounts to read instead of the allocator's, for a plan)."""
+        bs = self.spec.block_size
+        count = ref if ref is not None else (lambda b: int(self.ref[b]))
+        touched = range(p0 // bs, min(len(blocks), math.ceil(p1 / bs)))
+        return max(0, math.ceil(p1 / bs) - len(blocks)) + sum(count(blocks[i]) > 1 for i in touched)
 
     def fork(self, s: Seq, lo: int, hi: int) -> Seq:
         """A new record of positions ``[lo, hi)`` of ``s``: whole pages shared when ``lo`` is page-aligned,
