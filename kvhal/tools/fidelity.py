@@ -1,7 +1,7 @@
 """``kvhal eval``: how faithfully each KV format keeps a real model's attention.
 
 A capture holds one run's queries, keys and values per layer (post-projection, post-RoPE, per head:
-what an engine stores; ``kvhal.fidelity_model`` takes them from a real model). For each format the
+what an engine stores; ``kvhal.tools.fidelity_model`` takes them from a real model). For each format the
 keys and values go into a ``KVCache`` on the chosen backend, the cache's own attention runs for every
 query position (causal), and the result is compared with float64 attention over the f32 K/V:
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from . import formats
-from .cache import KVCache, _is_int
-from .errors import (
+from .. import formats
+from ..cache import KVCache, _is_int
+from ..errors import (
     BackendUnavailableError,
     FormatError,
     KVHalError,
@@ -46,9 +46,9 @@ from .errors import (
     SpecError,
     UnsupportedError,
 )
-from .interop import to_numpy
-from .progress import progress
-from .spec import CacheSpec
+from ..interop import to_numpy
+from ..progress import progress
+from ..spec import CacheSpec
 
 TOP_P = 0.9
 DEFAULT_TOKENS = 512
@@ -445,7 +445,7 @@ def check_backend(name: str) -> None:
         raise SpecError(f"backend must be a name or 'auto', got {type(name).__name__}")
     if name == "auto":
         return
-    from .registry import backends
+    from ..registry import backends
 
     info = {b.name: b for b in backends()}.get(name)
     if info is None:
@@ -516,9 +516,9 @@ def run(
     unless ``skip_invalid`` (then it is a "skipped" row with the reason: the default list's behaviour), as
     is a choice with a ``skip`` reason. Rows keep the order of ``choices``."""
     if not isinstance(capture, Capture):
-        raise SpecError(f"capture must be a kvhal.fidelity.Capture, got {type(capture).__name__}")
+        raise SpecError(f"capture must be a kvhal.tools.fidelity.Capture, got {type(capture).__name__}")
     if isinstance(choices, (str, bytes)) or not all(isinstance(c, FormatChoice) for c in choices) or not choices:
-        raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.fidelity.parse_formats)")
+        raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.tools.fidelity.parse_formats)")
     if not _is_int(block_size) or block_size < 1:
         raise SpecError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:

