@@ -27,7 +27,7 @@ from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
 from .fingerprint import Fingerprint, block_hash, extra_digest, hash_chain
 from .formats.ggml import round_f16
 from .spec import CacheSpec
-from .streaming import HostBlocks
+from .streaming import HostBlocks, Streamer
 
 # a "calibrate" scale of a per-value format (fp8) is searched over this many fractions of a power of two,
 # on at most this many values per head of the layer's first store (strided tokens)
@@ -198,6 +198,7 @@ class KVCache:
         self.pools = self.backend.allocate(spec, self.n_blocks)
         self._blocks = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
         self._arena = self._blocks.alloc(arena)  # never released: the streaming window
+        self.streamer = Streamer(self._arena, self._seq)
         if self.tiers:
             self._blocks.on_evict = self._write_down
         self._ref = self._blocks.ref
@@ -444,6 +445,10 @@ class KVCache:
         """Tokens stored for ``seq`` (at ``layer``; the longest layer when None)."""
         s = self._seq(seq)
         return max(s.lens) if layer is None else s.lens[self._layer(layer)]
+
+    def block_ids(self, seq: int) -> list[int]:
+        """The block ids of ``seq``'s resident pages, in order."""
+        return list(self._seq(seq).blocks)
 
     @property
     def seqs(self) -> list[int]:

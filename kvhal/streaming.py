@@ -13,10 +13,13 @@ Two layouts, chosen per cache from where its pools live:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .errors import SequenceError
 from .spec import CacheSpec
 
 
@@ -83,3 +86,20 @@ class HostBlocks:
                 table = arena[None, :m]
                 parts.append(self.backend.attention_lse(rows, pools, layer, table, lens, ql, scale, False, None))
         return parts
+
+
+class Streamer:
+    """A cache's block streaming as tools see it (``KVCache.streamer``): ``arena``, the block ids set aside to
+    stream offloaded blocks through, and ``host_blocks(seq)``, a sequence's blocks kept in host memory."""
+
+    def __init__(self, arena: list[int], seq_of: Callable[[int], Any]) -> None:
+        self.arena = arena
+        self._seq_of = weakref.WeakMethod(seq_of)  # the cache's sequence lookup, without keeping the cache alive
+
+    def host_blocks(self, seq: int) -> HostBlocks | None:
+        """The offloaded blocks of ``seq`` (None while none is offloaded); ``SequenceError`` if ``seq`` is not live."""
+        seq_of = self._seq_of()
+        if seq_of is None:
+            raise SequenceError("the cache of this streamer is gone")
+        host: HostBlocks | None = seq_of(seq).host
+        return host

@@ -38,6 +38,20 @@ def test_import_is_light():
     assert min(times) < 0.3, f"import kvhal took {min(times):.3f}s"
 
 
+def test_block_ids_are_the_pages_in_order():
+    c = cache(cap=64)
+    s = c.new_seq()
+    c.store(s, 0, rows(20), rows(20))
+    ids = c.block_ids(s)
+    assert len(ids) == 3 and len(set(ids)) == 3  # 20 tokens in pages of 8
+    t = c.seq_cp(s, 0, 16)  # whole pages: shared
+    assert c.block_ids(t) == ids[:2]
+    ids.append(-1)  # a copy: the cache's own list is untouched
+    assert len(c.block_ids(s)) == 3
+    with pytest.raises(kvhal.SequenceError):
+        c.block_ids(99)
+
+
 def test_spec_validation():
     with pytest.raises(kvhal.SpecError, match="head_dim"):
         kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=0)
