@@ -64,9 +64,9 @@ def run(
     streamed_s = median_time(lambda: small.attention(0, q, [s], [1]), sync, repeats)
 
     # the arena copies alone: what the streamed step adds in data movement (none where the blocks are attended in place)
-    host = small._seqs[s].host
+    host = small.streamer.host_blocks(s)
     assert host is not None
-    arena_ids = np.asarray(small._arena, np.int64)
+    arena_ids = np.asarray(small.streamer.arena, np.int64)
     raw = host.raw
 
     def copy() -> None:

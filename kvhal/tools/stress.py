@@ -107,7 +107,7 @@ class _Audit:
             return f"accounting: {st.blocks_used} used + {st.blocks_free} free != {st.n_blocks} blocks"
         if sorted(c.seqs) != sorted(self.k):
             return f"sequences: cache has {sorted(c.seqs)}, expected {sorted(self.k)}"
-        held = [b for s in c.seqs for b in c._seqs[s].blocks]
+        held = [b for s in c.seqs for b in c.block_ids(s)]
         if st.blocks_used != len(set(held)) or st.blocks_shared != sum(1 for b in set(held) if held.count(b) > 1):
             return f"accounting: {st.blocks_used} used / {st.blocks_shared} shared, page lists hold {len(set(held))}"
         expected_tokens = sum(max(x.shape[0] for x in self.k[s]) for s in self.k)
@@ -121,7 +121,7 @@ class _Audit:
         kb, vb = spec.page_nbytes("k"), spec.page_nbytes("v")
         bs = spec.block_size
         for s in c.seqs:
-            blocks = c._seqs[s].blocks
+            blocks = c.block_ids(s)
             if len(blocks) != math.ceil(max(x.shape[0] for x in self.k[s]) / bs):
                 return f"sequence {s}: {len(blocks)} pages for {max(x.shape[0] for x in self.k[s])} tokens"
             if c.tokens(s) != self.toks[s]:
@@ -208,9 +208,8 @@ def _empty_slots(cache: KVCache) -> int:
     bs = cache.spec.block_size
     filled: dict[int, int] = {}
     for s in cache.seqs:
-        obj = cache._seqs[s]
-        n = max(obj.lens, default=0)
-        for i, b in enumerate(obj.blocks):
+        n = cache.seq_len(s)
+        for i, b in enumerate(cache.block_ids(s)):
             filled[b] = max(filled.get(b, 0), min(bs, n - i * bs))
     return sum(bs - f for f in filled.values())
 
