@@ -38,6 +38,23 @@ def test_import_is_light():
     assert min(times) < 0.3, f"import kvhal took {min(times):.3f}s"
 
 
+def test_import_loads_no_tool():
+    """The library never imports kvhal.tools (the command, benchmarks, plan, eval): not on ``import kvhal``, nor
+    from any other library module."""
+    code = (
+        "import importlib, pathlib, sys, kvhal; at_import = sorted(m for m in sys.modules if m.startswith('kvhal.tools')); "
+        "root = pathlib.Path(kvhal.__file__).parent; "
+        "names = ['.'.join(('kvhal', *f.relative_to(root).with_suffix('').parts)).removesuffix('.__init__') "
+        "for f in sorted(root.rglob('*.py'))]; "
+        "names = [n for n in names if not n.startswith(('kvhal.tools', 'kvhal.__main__', 'kvhal.integrations.'))]; "
+        "[importlib.import_module(n) for n in names]; "
+        "print(at_import, sorted(m for m in sys.modules if m.startswith('kvhal.tools')), len(names))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[:2] == ["[]", "[]"], f"a tool module was imported: {out}"
+    assert int(out[2]) > 20  # the walk saw the library
+
+
 def test_block_ids_are_the_pages_in_order():
     c = cache(cap=64)
     s = c.new_seq()
