@@ -124,11 +124,11 @@ bench() {
   local parts=$root/.gpu-check/bench rc=0 sdpa=() fmt
   rm -rf "$parts" && mkdir -p "$parts"
   "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null || sdpa=(--no-sdpa)
-  for fmt in $("$py" -c 'import kvhal, kvhal.bench as b
+  for fmt in $("$py" -c 'import kvhal, kvhal.tools.bench as b
 cuda = {i.name: i for i in kvhal.backends()}["cuda"]
 print(" ".join(b.job_format("cuda", f) for f in kvhal.formats.names() if f in cuda.formats))'); do
     echo "== $fmt"
-    "$py" -m kvhal.cli bench --backend cuda --format "$fmt" --contexts "$contexts" \
+    "$py" -m kvhal bench --backend cuda --format "$fmt" --contexts "$contexts" \
       --prefill-contexts 4096,16384 --repeats 5 "${sdpa[@]}" --json -o "$parts/${fmt//\//_}.json" >/dev/null || rc=1
     sdpa=(--no-sdpa)
   done

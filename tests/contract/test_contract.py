@@ -513,15 +513,15 @@ def test_snapshot_restores_byte_identically_across_backends(backend_info, rng, t
     ref = cache("reference")
     ref.new_seq()  # occupy nothing, but shift the ids
     [r] = ref.restore(path)
-    got = ref.backend.read_blocks(ref.pools, np.array(ref.seq_table.get(r).blocks))
-    want = src.backend.read_blocks(src.pools, np.array(src.seq_table.get(s).blocks))
+    got = ref.backend.read_blocks(ref.pools, np.array(ref.block_ids(r)))
+    want = src.backend.read_blocks(src.pools, np.array(src.block_ids(s)))
     np.testing.assert_array_equal(got, want)
     ref.save(tmp_path / "back.kvs", seqs=[r])
     back = cache(backend_info.name)
     [b] = back.restore(tmp_path / "back.kvs")
     np.testing.assert_array_equal(
-        back.backend.read_blocks(back.pools, np.array(back.seq_table.get(b).blocks)),
-        src.backend.read_blocks(src.pools, np.array(src.seq_table.get(s).blocks)),
+        back.backend.read_blocks(back.pools, np.array(back.block_ids(b))),
+        src.backend.read_blocks(src.pools, np.array(src.block_ids(s))),
     )
     assert back.match_prefix(list(range(30)))[1] == 24
     q = rng.standard_normal((3, 4, 64), dtype=np.float32)
@@ -547,7 +547,7 @@ def test_evict_equals_a_fresh_cache_of_the_kept_tokens(backend_info, rng):
     kept = np.r_[np.arange(8), np.arange(36, 45)]
     np.testing.assert_array_equal(res.kept, kept)
     np.testing.assert_array_equal(res.dropped, np.setdiff1d(np.arange(45), kept))
-    assert c.seq_len(s) == 17 and c.seq_table.get(s).blocks[0] == c.seq_table.get(shared).blocks[0]
+    assert c.seq_len(s) == 17 and c.block_ids(s)[0] == c.block_ids(shared)[0]
     fresh = make_cache(backend_info.name, fmt, layers=2, bs=8, cap=256)
     f = fresh.new_seq()
     for layer in (0, 1):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvhal.tiers import BlockKey
-from kvhal.tiers.server import RedisServer, redis_server_path
+from kvhal.tools.tiers_server import RedisServer, redis_server_path
 
 NS = hashlib.sha256(b"model-a").digest()
 NS_B = hashlib.sha256(b"model-b").digest()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhal.cli import main
+from kvhal.tools.cli import main
 
 from .conftest import require_redis
 
@@ -38,7 +38,7 @@ def test_bench_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
 
 
 def test_bench_table_and_errors(tmp_path: Path):
-    cmd = [sys.executable, "-m", "kvhal.cli", "tiers", "bench", "--tier", "disk", "--block-sizes", "16K", "--total",
+    cmd = [sys.executable, "-m", "kvhal", "tiers", "bench", "--tier", "disk", "--block-sizes", "16K", "--total",
            "64K", "--repeats", "1", "--disk-path", str(tmp_path), "--redis", "none"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     head = ["tier", "block", "op", "GB/s", "blocks/s", "ceiling", "ratio", "files", "of", "files"]

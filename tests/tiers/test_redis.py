@@ -14,7 +14,7 @@ import pytest
 import kvhal
 from kvhal.tiers import RedisTier, encode_blob
 from kvhal.tiers.redis_tier import redis_key
-from kvhal.tiers.server import RedisServer, free_port
+from kvhal.tools.tiers_server import RedisServer, free_port
 
 from .conftest import NS_B, key, keys, payload, require_redis, unavailable, version1_blob
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhal.cli import main  # noqa: E402
+from kvhal.tools.cli import main  # noqa: E402
 
 FORMATS = "f16,q8_0,q8_0/q4_0,q4_0,fp8_e4m3,mxfp4"
 REDUCED = ["eval", "--layers", "2", "--tokens", "256", "--formats", FORMATS, "--json"]

@@ -38,6 +38,37 @@ def test_import_is_light():
     assert min(times) < 0.3, f"import kvhal took {min(times):.3f}s"
 
 
+def test_import_loads_no_tool():
+    """The library never imports kvhal.tools (the command, benchmarks, plan, eval): not on ``import kvhal``, nor
+    from any other library module."""
+    code = (
+        "import importlib, pathlib, sys, kvhal; at_import = sorted(m for m in sys.modules if m.startswith('kvhal.tools')); "
+        "root = pathlib.Path(kvhal.__file__).parent; "
+        "names = ['.'.join(('kvhal', *f.relative_to(root).with_suffix('').parts)).removesuffix('.__init__') "
+        "for f in sorted(root.rglob('*.py'))]; "
+        "names = [n for n in names if not n.startswith(('kvhal.tools', 'kvhal.__main__', 'kvhal.integrations.'))]; "
+        "[importlib.import_module(n) for n in names]; "
+        "print(at_import, sorted(m for m in sys.modules if m.startswith('kvhal.tools')), len(names))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[:2] == ["[]", "[]"], f"a tool module was imported: {out}"
+    assert int(out[2]) > 20  # the walk saw the library
+
+
+def test_block_ids_are_the_pages_in_order():
+    c = cache(cap=64)
+    s = c.new_seq()
+    c.store(s, 0, rows(20), rows(20))
+    ids = c.block_ids(s)
+    assert len(ids) == 3 and len(set(ids)) == 3  # 20 tokens in pages of 8
+    t = c.seq_cp(s, 0, 16)  # whole pages: shared
+    assert c.block_ids(t) == ids[:2]
+    ids.append(-1)  # a copy: the cache's own list is untouched
+    assert len(c.block_ids(s)) == 3
+    with pytest.raises(kvhal.SequenceError):
+        c.block_ids(99)
+
+
 def test_spec_validation():
     with pytest.raises(kvhal.SpecError, match="head_dim"):
         kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=0)
@@ -261,14 +292,14 @@ def test_supports_sees_the_spec_and_auto_moves_on(monkeypatch):
     info = {b.name: b for b in kvhal.backends()}
     assert info["smallheads"].refusal(big) == "head_dim 128 > 64" and info["smallheads"].refusal(small) is None
     assert "no such device here" in info["absent"].refusal(small)
-    from kvhal.cli import info_data
+    from kvhal.tools.cli import info_data
 
     rows = {r["name"]: r for r in info_data(big)["backends"]}
     assert rows["smallheads"]["spec_refused"] == "head_dim 128 > 64" and rows["reference"]["spec_refused"] is None
 
 
 def test_info_spec_cli(capsys):
-    from kvhal.cli import main
+    from kvhal.tools.cli import main
 
     assert main(["info", "--spec", "head_dim=512,k_format=q8_0", "--json"]) == 0
     import json
@@ -283,7 +314,7 @@ def test_info_spec_cli(capsys):
 
 def test_info_marks_formats_a_backend_runs_as_v_only():
     # the oracle: whether a cache with that format as K (and as V beside f16 K) can be made at all
-    from kvhal.cli import info_data, info_text
+    from kvhal.tools.cli import info_data, info_text
 
     data = info_data()
     for row in data["backends"]:

@@ -11,8 +11,9 @@ import os
 import numpy as np
 import pytest
 
-from kvhal import SpecError, backends, bench, formats
-from kvhal.cli import main
+from kvhal import SpecError, backends, formats
+from kvhal.tools import bench
+from kvhal.tools.cli import main
 from tests.oracle import attention_f64
 
 TINY = dict(contexts=[32, 64], prefill_contexts=[64], prefill_queries=16, repeats=1, show_progress=False)

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from kvhal import SpecError, bench_streaming
-from kvhal.cli import main
+from kvhal import SpecError
+from kvhal.tools import bench_streaming
+from kvhal.tools.cli import main
 
 
 def test_run_streams_all_but_the_resident_tail_through_the_arena():

@@ -102,7 +102,7 @@ class CacheMachine(RuleBasedStateMachine):
         path = SNAPDIR / "state.kvs"
         self.cache.save(path, seqs=picked)
         free = self.cache.stats().blocks_free
-        need = len({b for s in picked for b in self.cache.seq_table.get(s).blocks})
+        need = len({b for s in picked for b in self.cache.block_ids(s)})
         try:
             new = self.cache.restore(path)
         except kvhal.CapacityError:
@@ -123,7 +123,7 @@ class CacheMachine(RuleBasedStateMachine):
             k, v = rows(self._tokens_for(data, s, L + n)[L : L + n], L, lay)
             free = self.cache.stats().blocks_free
             L = self.model[s][lay][0].shape[0]
-            blocks = len(self.cache.seq_table.get(s).blocks)
+            blocks = len(self.cache.block_ids(s))
             new_blocks = max(0, math.ceil((L + n) / BS) - blocks)
             touched = min(blocks, math.ceil((L + n) / BS)) - L // BS
             try:
@@ -215,11 +215,11 @@ class CacheMachine(RuleBasedStateMachine):
         assert st_.tokens == sum(max(k.shape[0] for k, _ in layers) for layers in self.model.values())
         assert st_.blocks_used + st_.blocks_free == st_.n_blocks == CAP // BS
         # every block a sequence needs is held, and none beyond what some sequence references
-        refs = [b for seq in self.cache.seq_table.values() for b in seq.blocks]
+        refs = [b for s in self.cache.seqs for b in self.cache.block_ids(s)]
         assert st_.blocks_used == len(set(refs))
         assert st_.blocks_shared == sum(1 for b in set(refs) if refs.count(b) > 1)
-        for seq in self.cache.seq_table.values():
-            assert len(seq.blocks) == math.ceil(max(seq.lens) / BS)
+        for s in self.cache.seqs:
+            assert len(self.cache.block_ids(s)) == math.ceil(self.cache.seq_len(s) / BS)
 
 
 CacheMachine.TestCase.settings = settings(

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import kvhal
-from kvhal import fidelity
-from kvhal.cli import main
 from kvhal.errors import BackendUnavailableError, FormatError, KVHalError, ShapeError, SpecError, UnsupportedError
-from kvhal.fidelity import (
+from kvhal.tools import fidelity
+from kvhal.tools.cli import main
+from kvhal.tools.fidelity import (
     Capture,
     FormatChoice,
     attention_output,
@@ -468,6 +468,6 @@ def test_import_kvhal_stays_light():
     import subprocess
     import sys
 
-    code = "import sys, kvhal, kvhal.cli, kvhal.fidelity; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = "import sys, kvhal, kvhal.tools.cli, kvhal.tools.fidelity; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

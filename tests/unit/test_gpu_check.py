@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvhal import bench
+from kvhal.tools import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ci" / "gpu-check.sh"

@@ -12,9 +12,10 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import kvhal
-from kvhal import formats, plan
-from kvhal.cli import main
-from kvhal.plan import ModelShape, estimate
+from kvhal import formats
+from kvhal.tools import plan
+from kvhal.tools.cli import main
+from kvhal.tools.plan import ModelShape, estimate
 
 GIB = 2**30
 

@@ -220,7 +220,7 @@ def test_restore_needs_free_blocks_not_contiguous_ones(saved):
 
 
 def test_snapshot_inspect_cli(saved, tmp_path, capsys):
-    from kvhal.cli import main
+    from kvhal.tools.cli import main
 
     path, _ = saved
     assert main(["snapshot", "inspect", str(path), "--json"]) == 0

@@ -73,3 +73,22 @@ def test_offloaded_sequences_refuse_what_they_cannot_do():
         c.offload(s, keep_tokens=-1)
     c.free_seq(s)
     assert c.stats().blocks_used == 2 and c.stats().offloaded_tokens == 0
+
+
+def test_the_streamer_shows_the_arena_and_each_sequences_host_blocks():
+    c = kvhal.KVCache(SPEC, 64, backend="reference", stream_arena_tokens=48)
+    arena = c.streamer.arena
+    assert len(arena) == 6 and len(set(arena)) == 6  # 48 tokens in blocks of 8
+    s, t = c.new_seq(), c.new_seq()
+    x = np.random.default_rng(0).standard_normal((40, 2, 32), dtype=np.float32)
+    for layer in (0, 1):
+        c.store(s, layer, x, x)
+        c.store(t, layer, x[:8], x[:8])
+    assert c.streamer.host_blocks(s) is None  # nothing offloaded yet
+    moved = c.offload(s, keep_tokens=8)
+    host = c.streamer.host_blocks(s)
+    assert host is not None and host.n * 8 == moved == 32
+    assert c.streamer.host_blocks(t) is None
+    assert not set(arena) & {b for q in c.seqs for b in c.block_ids(q)}  # the arena holds no sequence's page
+    with pytest.raises(kvhal.SequenceError):
+        c.streamer.host_blocks(99)

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kvhal import stress
 from kvhal.blocks import BlockAllocator
-from kvhal.cli import main
+from kvhal.tools import stress
+from kvhal.tools.cli import main
 
 
 def test_clean_run_audits_every_op(capsys):

@@ -775,7 +775,7 @@ def test_kivi_k_non_finite_scale_or_query_attends_as_nan(isa, fmt, bad):
     )
     q = rng.standard_normal((1, 8, 128), dtype=np.float32)
     if bad.startswith("d"):
-        page = pools(c)[0][c.seq_table.get(s).blocks[1]].reshape(2, -1)  # page 1 of KV head 1: codes, f16 d[128], m[128]
+        page = pools(c)[0][c.block_ids(s)[1]].reshape(2, -1)  # page 1 of KV head 1: codes, f16 d[128], m[128]
         page[1, page.shape[1] - 4 * 128 + 2 * 5 : page.shape[1] - 4 * 128 + 2 * 6] = np.frombuffer(
             np.float16(np.inf if bad == "d_inf" else np.nan).tobytes(), np.uint8
         )
@@ -811,7 +811,7 @@ def test_paged_k_pages_and_attention(isa, fmt, bs, dim, gqa, n_q):
     codec = formats.get(fmt).k_page
     pages = k[:full].astype(np.float16).astype(np.float32).reshape(-1, bs, heads, dim).transpose(0, 2, 1, 3)
     want_pages = codec.quantize_page(np.ascontiguousarray(pages).reshape(-1, bs, dim))
-    blocks = ref.seq_table.get(0).blocks[: full // bs]
+    blocks = ref.block_ids(0)[: full // bs]
     for c in (*ours, ref):
         kp = pools(c)[0][np.asarray(blocks)]  # [pages, heads, bs, row]
         np.testing.assert_array_equal(kp.reshape(len(blocks) * heads, -1), want_pages)

@@ -395,7 +395,7 @@ def test_kivi_k_pages_store_bit_exact_and_load(fmt, bs):
         c.store(s, 0, k[bs + 3 :], -k[bs + 3 :])
     for got, want in zip(pools(a), pools(b), strict=True):
         np.testing.assert_array_equal(got, want)
-    blocks = np.asarray(a.seq_table.get(0).blocks[:3])  # the three whole pages; the fourth is open (f16 tail)
+    blocks = np.asarray(a.block_ids(0)[:3])  # the three whole pages; the fourth is open (f16 tail)
     want = kpage_bytes(fmt, k, bs)  # the spec itself, independent of the reference backend
     np.testing.assert_array_equal(pools(a)[0][blocks].reshape(3, 2, -1), want)
     lk, lv = (kvhal.to_numpy(x) for x in a.load(0, 0))

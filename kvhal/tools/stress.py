@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from .cache import KVCache
-from .errors import CapacityError
-from .eviction import EvictionResult, EvictOnFull, SinkWindow
-from .fingerprint import Fingerprint
-from .progress import progress
-from .spec import CacheSpec
+from ..cache import KVCache
+from ..errors import CapacityError
+from ..eviction import EvictionResult, EvictOnFull, SinkWindow
+from ..fingerprint import Fingerprint
+from ..progress import progress
+from ..spec import CacheSpec
 
 VOCAB = 4  # a small vocabulary: prompts share prefixes often
 

@@ -30,9 +30,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from . import formats
-from .errors import PlanError
-from .spec import CacheSpec
+from .. import formats
+from ..errors import PlanError
+from ..spec import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ THIS_PROBE_BYTES = 1 << 29
 
 
 def device(name: str) -> Device:
-    """A device from the table, or ``"this"``: host read bandwidth measured now (``kvhal.bench.read_bandwidth``)."""
+    """A device from the table, or ``"this"``: host read bandwidth measured now (``kvhal.tools.bench.read_bandwidth``)."""
     if not isinstance(name, str):
         raise PlanError(f"a device is a name (str), got {name!r}")
     if name.lower() == THIS:
@@ -107,7 +107,7 @@ def device(name: str) -> Device:
             f"this machine ({cpu_model()})",
             read_bandwidth(THIS_PROBE_BYTES, threads=threads),
             f"measured now: numpy sums over {THIS_PROBE_BYTES >> 20} MiB on {threads} threads, "
-            "median of 9 (kvhal.bench.read_bandwidth)",
+            "median of 9 (kvhal.tools.bench.read_bandwidth)",
         )
     try:
         return DEVICES[name.lower()]
@@ -396,7 +396,7 @@ def estimate(
 ) -> Plan:
     """The plan for each format (default: every registered one, K = V); see the module doc for the model."""
     if not isinstance(shape, ModelShape):
-        raise PlanError(f"shape must be a kvhal.plan.ModelShape, got {type(shape).__name__}")
+        raise PlanError(f"shape must be a kvhal.tools.plan.ModelShape, got {type(shape).__name__}")
     if formats_ is None:
         formats_ = formats.names()
     if isinstance(formats_, str) or not isinstance(formats_, Sequence) or not formats_:

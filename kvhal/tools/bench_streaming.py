@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from ..cache import KVCache
+from ..errors import SpecError
+from ..progress import progress
+from ..spec import CacheSpec
 from .bench import HEAD_DIM, N_HEADS, N_KV_HEADS, STORE_CHUNK, Workload, cpu_model, median_time, read_bandwidth
-from .cache import KVCache
-from .errors import SpecError
-from .progress import progress
-from .spec import CacheSpec
 
 
 def _positive(name: str, x: Any) -> int:

@@ -39,12 +39,12 @@ from typing import Any
 
 from ..errors import KVHalError
 from ..progress import progress
-from .base import Tier
-from .disk import WORKERS, DiskTier, _fsync_dir, _syncfs, _syncfs_fn
-from .host import HostTier
-from .keys import BlockKey
-from .redis_tier import RedisTier
-from .server import RedisServer, redis_server_path
+from ..tiers.base import Tier
+from ..tiers.disk import WORKERS, DiskTier, _fsync_dir, _syncfs, _syncfs_fn
+from ..tiers.host import HostTier
+from ..tiers.keys import BlockKey
+from ..tiers.redis_tier import RedisTier
+from .tiers_server import RedisServer, redis_server_path
 
 TIERS = ("host", "disk", "redis")
 Times = tuple[float, float]  # put, get seconds
