@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..validate import is_int
 from ..errors import ShapeError, SpecError
+from ..validate import is_int
 
 # -- the capture -------------------------------------------------------------------------------------
 
