@@ -9,11 +9,11 @@ Conventions every backend follows, so pools are byte-identical everywhere:
 * pool layout: ``CacheSpec.pool_shape`` — ``[n_blocks, n_kv_heads, block_size, row_bytes]`` uint8,
   each row one token of one head in the format's byte layout;
 * a slot is ``block_id * block_size + offset``;
-* ``attention`` gets host int32 arrays: ``block_table [n_seqs, max_blocks]`` (padded with -1),
-  ``seq_lens [n_seqs]`` (KV tokens per sequence) and ``q_lens [n_seqs]``; query ``i`` of a sequence
+* ``attention`` gets an ``AttentionBatch`` of host int32 arrays: ``block_table [n_seqs, max_blocks]``
+  (padded with -1), ``seq_lens [n_seqs]`` (KV tokens per sequence) and ``q_lens [n_seqs]``; query ``i`` of a sequence
   sits at position ``seq_len - q_len + i`` and sees KV position ``j`` iff ``j <= pos`` (when causal) and
   ``j > pos - window`` (when a window is given); query head ``h`` reads KV head
-  ``h // (n_heads // n_kv_heads)`` (``kvhal.backend_util.visible_range`` computes this once);
+  ``h // (n_heads // n_kv_heads)`` (``AttentionBatch.visible`` computes this once);
 * raw block I/O (``read_blocks``/``write_blocks``) moves whole blocks of all layers as
   ``CacheSpec.block_nbytes`` bytes each: for every layer in order, the K page
   ``[n_kv_heads, block_size, k_row_bytes]`` then the V page. Every backend produces the same bytes.
@@ -136,19 +136,8 @@ class Backend(ABC):
         """The first ``n`` tokens of the pages ``block_ids``, dequantized: ``[n, n_kv_heads, head_dim]`` f32."""
 
     @abstractmethod
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> Any:
-        """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over the quantized pages; f32, q's shape."""
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
+        """Attention of ``q [sum(batch.q_lens), n_heads, head_dim]`` over the quantized pages; f32, q's shape."""
 
     @abstractmethod
     def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
@@ -163,44 +152,22 @@ class Backend(ABC):
         """Write ``data`` (as ``read_blocks`` returns it) into the blocks ``block_ids``, all layers."""
 
     def attention_mass(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-        tail: int,
+        self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, tail: int
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per sequence, the attention weight each key received from all queries and from the last
         ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
         The default works on every backend (float64 over ``load``); a backend may fuse it."""
         from .backend_util import attention_mass
 
-        args = (q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, tail)
-        return attention_mass(self, *args)
+        return attention_mass(self, q, pools, layer, batch, tail)
 
-    def attention_lse(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """``attention`` plus each row's log-sum-exp of its scores (host f32 ``[n_q, H, D]``, f64 ``[n_q, H]``):
         what block streaming merges. The default works on every backend (float64 over ``load``); a backend
         may return it from its kernel."""
         from .backend_util import attention_lse
 
-        return attention_lse(self, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window)
+        return attention_lse(self, q, pools, layer, batch)
 
     def synchronize(self) -> None:
         """Wait for queued device work; host backends have none."""

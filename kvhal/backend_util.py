@@ -8,13 +8,16 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import formats
 from .errors import FormatError, PositionError, ShapeError, SpecError
 from .spec import CacheSpec
+
+if TYPE_CHECKING:  # backend imports this module lazily; a runtime import would be circular
+    from .backend import AttentionBatch
 
 # -- formats ----------------------------------------------------------------------------------------
 
@@ -181,31 +184,22 @@ def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:
 
 
 def _scores_f64(
-    backend: Any,
-    q: Any,
-    pools: Any,
-    layer: int,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    q_lens: np.ndarray,
-    scale: float,
-    causal: bool,
-    window: int | None,
+    backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch
 ) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
     """Per sequence: its query rows, masked scores ``[Hq, n_q, n_kv]`` (-inf where not visible) and its V
     ``[n_kv, Hq, D]``, in float64 from the backend's own ``load`` (so from the bytes as stored)."""
     spec = pools.spec
     qh = np.asarray(backend.to_numpy(q), np.float64)
     group = qh.shape[1] // spec.n_kv_heads
-    _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+    _, _, lo, hi = batch.visible
     start = 0
-    for s, (n_kv, n_q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+    for s, (n_kv, n_q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
         rows = slice(start, start + n_q)
         start += n_q
-        k, v = backend.load(pools, layer, block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        k, v = backend.load(pools, layer, batch.block_table[s, : -(-n_kv // spec.block_size)], n_kv)
         k = np.repeat(np.asarray(backend.to_numpy(k), np.float64), group, axis=1)  # [n_kv, Hq, D]
         v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * scale
+        scores = np.einsum("qhd,khd->hqk", qh[rows], k) * batch.scale
         j = np.arange(n_kv)[None, :]
         yield rows, np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf), v
 
@@ -221,48 +215,27 @@ def _softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def attention_mass(
-    backend: Any,
-    q: Any,
-    pools: Any,
-    layer: int,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    q_lens: np.ndarray,
-    scale: float,
-    causal: bool,
-    window: int | None,
-    tail: int,
+    backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch, tail: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
     ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``."""
     n_kv_heads = pools.spec.n_kv_heads
     out = []
-    for _, scores, _ in _scores_f64(backend, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window):
+    for _, scores, _ in _scores_f64(backend, q, pools, layer, batch):
         p, _ = _softmax(scores)  # [Hq, n_q, n_kv]
         per_kv = p.reshape(n_kv_heads, -1, *p.shape[1:]).sum(axis=1)  # [H, n_q, n_kv]
         out.append((per_kv.sum(axis=1), per_kv[:, max(0, p.shape[1] - tail) :].sum(axis=1)))
     return out
 
 
-def attention_lse(
-    backend: Any,
-    q: Any,
-    pools: Any,
-    layer: int,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    q_lens: np.ndarray,
-    scale: float,
-    causal: bool,
-    window: int | None,
-) -> tuple[np.ndarray, np.ndarray]:
+def attention_lse(backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
     """Attention and the log-sum-exp of each row's scores (natural log, scale applied): f32 ``[n_q, H, D]``
     and f64 ``[n_q, H]`` (-inf where a row sees no key). Partial results over disjoint key sets merge
     exactly with ``merge_lse``."""
     shape = backend.to_numpy(q).shape
     out = np.zeros(shape, np.float32)
     lse = np.full(shape[:2], -np.inf)
-    for rows, scores, v in _scores_f64(backend, q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window):
+    for rows, scores, v in _scores_f64(backend, q, pools, layer, batch):
         p, lse_rows = _softmax(scores)
         out[rows] = np.einsum("hqk,khd->qhd", p, v)
         lse[rows] = lse_rows.T

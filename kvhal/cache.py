@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import formats, registry, transforms
-from .backend import Backend
+from .backend import AttentionBatch, Backend
 from .blocks import BlockAllocator
 from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
@@ -801,6 +801,7 @@ class KVCache:
         if not isinstance(observe, (bool, np.bool_)):
             raise ShapeError(f"observe must be a bool, got {observe!r}")
         win = None if window is None else int(window)
+        batch = AttentionBatch(table, lens_arr, ql, float(scale), bool(causal), win)
         if self.spec.transformed or self.spec.uses_tail:
             if observe and self.spec.uses_tail:
                 raise UnsupportedError(
@@ -818,10 +819,9 @@ class KVCache:
                     )
                 res = self._streamed_attention(layer, tq, seq_objs, qls, float(scale), bool(causal))
             else:
-                args = (tq, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
-                res = self.backend.attention(*args)
+                res = self.backend.attention(tq, self.pools, layer, batch)
                 if observe:
-                    self._observe(seq_objs, layer, args)
+                    self._observe(seq_objs, layer, tq, batch)
             return self._out_backward(layer, res) if self.spec.transformed else self.backend.asarray(res, "out")
         if any(s.base for s in seq_objs):
             if window is not None or observe:
@@ -830,14 +830,13 @@ class KVCache:
                     "observe=False (or keep the sequence resident)"
                 )
             return self._streamed_attention(layer, q, seq_objs, qls, float(scale), bool(causal))
-        args = (q, self.pools, layer, table, lens_arr, ql, float(scale), bool(causal), win)
-        out = self.backend.attention(*args)
+        out = self.backend.attention(q, self.pools, layer, batch)
         if observe:
-            self._observe(seq_objs, layer, args)
+            self._observe(seq_objs, layer, q, batch)
         return out
 
-    def _observe(self, seq_objs: list[_Seq], layer: int, args: tuple[Any, ...]) -> None:
-        mass = self.backend.attention_mass(*args, self.observe_window)  # type: ignore[call-arg]
+    def _observe(self, seq_objs: list[_Seq], layer: int, q: Any, batch: AttentionBatch) -> None:
+        mass = self.backend.attention_mass(q, self.pools, layer, batch, self.observe_window)
         for s, (total, tail) in zip(seq_objs, mass):
             old = s.mass.get(layer)
             if old is not None:
@@ -892,7 +891,8 @@ class KVCache:
                     r: np.ndarray, causal_: bool, win: int | None, n_kv: int = P, table: np.ndarray = table
                 ) -> tuple[np.ndarray, np.ndarray]:
                     lens, ql = np.array([n_kv], np.int32), np.array([len(r)], np.int32)
-                    return self.backend.attention_lse(r, pools, layer, table, lens, ql, scale, causal_, win)
+                    batch = AttentionBatch(table, lens, ql, scale, causal_, win)
+                    return self.backend.attention_lse(r, pools, layer, batch)
 
                 if a:  # the last `a` positions of the pages: the kernel's own masking
                     o[:a], lse[:a] = run(rows[:a], causal, window)
@@ -964,8 +964,8 @@ class KVCache:
             parts = []
             if tail:
                 table = s.table()[None, : -(-tail // bs)]
-                lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
-                parts.append(self.backend.attention_lse(rows, self.pools, layer, table, lens, ql, scale, causal, None))
+                batch = AttentionBatch(table, np.array([tail], np.int32), np.array([n_q], np.int32), scale, causal)
+                parts.append(self.backend.attention_lse(rows, self.pools, layer, batch))
             if s.host is not None:
                 parts += s.host.attention_parts(self.pools, arena, rows, layer, n_q, scale)
             out[start : start + n_q] = merge_lse(parts)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import formats
-from .backend import HostPoolsBackend, Pools, Probe
-from .backend_util import visible_range, whole_pages
+from .backend import AttentionBatch, HostPoolsBackend, Pools, Probe
+from .backend_util import whole_pages
 from .formats import Format
 
 
@@ -51,30 +51,19 @@ class ReferenceBackend(HostPoolsBackend):
             self._gather(pools.v[layer], spec.v_fmt, block_ids, n),
         )
 
-    def attention(
-        self,
-        q: np.ndarray,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> np.ndarray:
+    def attention(self, q: np.ndarray, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         spec = pools.spec
         group = q.shape[1] // spec.n_kv_heads
         out = np.empty(q.shape, np.float32)
-        _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+        _, _, lo, hi = batch.visible
         q_start = 0
-        for s, (n_kv, n_q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
-            blocks = block_table[s, : -(-n_kv // spec.block_size)]
+        for s, (n_kv, n_q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
+            blocks = batch.block_table[s, : -(-n_kv // spec.block_size)]
             k, v = self.load(pools, layer, blocks, n_kv)
             k = np.repeat(k.astype(np.float64), group, axis=1)  # [n_kv, Hq, D]
             v = np.repeat(v.astype(np.float64), group, axis=1)
             rows = slice(q_start, q_start + n_q)
-            scores = np.einsum("qhd,khd->hqk", q[rows].astype(np.float64), k) * scale
+            scores = np.einsum("qhd,khd->hqk", q[rows].astype(np.float64), k) * batch.scale
             j = np.arange(n_kv)[None, :]
             visible = (j >= lo[rows, None]) & (j < hi[rows, None])
             scores = np.where(visible[None], scores, -np.inf)

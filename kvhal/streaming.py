@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .backend import AttentionBatch
 from .spec import CacheSpec
 
 
@@ -73,13 +74,11 @@ class HostBlocks:
             m = min(self.arena_blocks, self.n - c0)
             lens = np.array([m * bs], np.int32)
             if self.in_place:
-                table = np.arange(m, dtype=np.int32)[None]
-                parts.append(
-                    self.backend.attention_lse(rows, self.segments[i], layer, table, lens, ql, scale, False, None)
-                )
+                batch = AttentionBatch(np.arange(m, dtype=np.int32)[None], lens, ql, scale, causal=False)
+                parts.append(self.backend.attention_lse(rows, self.segments[i], layer, batch))
             else:
                 assert self.raw is not None
                 self.backend.write_blocks(pools, arena[:m].astype(np.int64), self.raw[c0 : c0 + m])
-                table = arena[None, :m]
-                parts.append(self.backend.attention_lse(rows, pools, layer, table, lens, ql, scale, False, None))
+                batch = AttentionBatch(arena[None, :m], lens, ql, scale, causal=False)
+                parts.append(self.backend.attention_lse(rows, pools, layer, batch))
         return parts

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import HostPoolsBackend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, HostPoolsBackend, Op, Pools, Probe
 from kvhal.backend_util import (
     Option,
     check_block_data,
@@ -223,62 +223,30 @@ class CpuBackend(HostPoolsBackend):
         self._check(self._lib.kvc_load(a), "load")
         return k, v
 
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> np.ndarray:
-        return self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, False)[0]
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
+        return self._attention(q, pools, layer, batch, False)[0]
 
-    def attention_lse(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """``attention`` and each row's log-sum-exp from the same kernel call (the online softmax's max and sum)."""
-        out, lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
+        out, lse = self._attention(q, pools, layer, batch, True)
         assert lse is not None
         return out, lse
 
     def _attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-        with_lse: bool,
+        self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, with_lse: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
-        bt = np.ascontiguousarray(block_table, dtype=np.int32)
-        sl = np.ascontiguousarray(seq_lens, dtype=np.int32)
-        ql = np.ascontiguousarray(q_lens, dtype=np.int32)
+        bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)
+        sl = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
+        ql = np.ascontiguousarray(batch.q_lens, dtype=np.int32)
         a = Args.from_buffer_copy(pools.state[layer])
         a.q, a.out, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(out), _ptr(bt), _ptr(sl), _ptr(ql)
         lse = np.empty(q.shape[:2], np.float64) if with_lse else None
         if lse is not None and lse.size:
             a.lse = _ptr(lse)
         a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
-        a.scale, a.causal, a.window = scale, causal, window or 0
+        a.scale, a.causal, a.window = batch.scale, batch.causal, batch.window or 0
         self._check(self._lib.kvc_attention(a), "attention")
         return out, lse
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import Backend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, Backend, Op, Pools, Probe
 from kvhal.backend_util import Option, check_block_data, logsumexp, non_negative, parse_options, whole_pages
 from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
 from kvhal.interop import host_float_array
@@ -149,56 +149,23 @@ class CudaBackend(Backend):
                 self._rt.launch("kvhal_load", grid, block, args)
         return out
 
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> Any:
-        return self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, False)
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
+        return self._attention(q, pools, layer, batch, False)
 
-    def attention_lse(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """The kernels' own log-sum-exp (what the cache merges with its f16 tail, e.g. under a per-channel K
         format): every split's partial output and lse are kept, merged by the kernel and, for lse, here."""
         q = self.asarray(q, "q")  # the cache passes host rows here: onto the device once, as attention takes them
-        out, part_lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
+        out, part_lse = self._attention(q, pools, layer, batch, True)
         return self.to_numpy(out), logsumexp(self.to_numpy(part_lse).astype(np.float64))  # over [n_splits, R, Hq]
 
-    def _attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-        want_lse: bool,
-    ) -> Any:
+    def _attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, want_lse: bool) -> Any:
         cp: plan.CachePlan = pools.state.plan
         R, Hq, D = (int(d) for d in q.shape)
         pl = plan.plan_attention(
-            block_table, seq_lens, q_lens, n_heads=Hq, head_dim=D, block_size=cp.block_size, n_sm=self._rt.n_sm,
-            causal=causal, window=window, geometry=cp.prefill, n_kv_heads=cp.n_kv_heads,
+            batch.block_table, batch.seq_lens, batch.q_lens, n_heads=Hq, head_dim=D, block_size=cp.block_size,
+            n_sm=self._rt.n_sm, causal=batch.causal, window=batch.window, geometry=cp.prefill,
+            n_kv_heads=cp.n_kv_heads,
         )  # fmt: skip
         xp = self._xp
         with self._rt.device:
@@ -214,7 +181,7 @@ class CudaBackend(Backend):
             else:  # never written with one split
                 part_o, part_lse = out, out
             shape = (_i32(R), _i32(Hq), _i32(cp.n_kv_heads), _i32(D), _i32(cp.block_size), _i32(cp.k.row_bytes),
-                     _i32(cp.v.row_bytes), _i32(cp.k.fmt_id), _i32(cp.v.fmt_id), _f32(scale), _i32(pl.split_pages),
+                     _i32(cp.v.row_bytes), _i32(cp.k.fmt_id), _i32(cp.v.fmt_id), _f32(batch.scale), _i32(pl.split_pages),
                      _i32(n_splits))  # fmt: skip
             block = (plan.NUM_WARPS * 32, 1, 1)
             ptrs = (qd, pools.k[layer], pools.v[layer], meta, out, part_o, part_lse)
