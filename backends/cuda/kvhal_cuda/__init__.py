@@ -16,8 +16,16 @@ import numpy as np
 
 from kvhal import formats
 from kvhal.backend import AttentionBatch, Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, logsumexp, non_negative, parse_options, whole_pages
-from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
+from kvhal.backend_util import (
+    Option,
+    check_block_data,
+    check_block_ids,
+    logsumexp,
+    non_negative,
+    parse_options,
+    whole_pages,
+)
+from kvhal.errors import DTypeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
 
@@ -218,16 +226,6 @@ class CudaBackend(Backend):
 
     # -- raw block I/O: one launch over every layer's pages and one transfer ------------------------------
 
-    @staticmethod
-    def _block_ids(pools: Pools, block_ids: Any) -> np.ndarray:
-        ids = np.asarray(block_ids)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise PositionError(f"block ids must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
-        ids = ids.astype(np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= pools.n_blocks):
-            raise PositionError(f"block ids must lie in [0, {pools.n_blocks}), got {ids.min()}..{ids.max()}")
-        return ids
-
     def _blocks_launch(self, pools: Pools, kernel: str, ids: np.ndarray, raw: Any) -> None:
         cp: plan.CachePlan = pools.state.plan
         L = pools.spec.n_layers
@@ -237,7 +235,7 @@ class CudaBackend(Backend):
         self._rt.launch(kernel, grid, block, args)
 
     def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
-        ids = self._block_ids(pools, block_ids)
+        ids = check_block_ids(pools.n_blocks, block_ids)
         nb = pools.spec.block_nbytes
         if ids.size == 0:
             return np.zeros((0, nb), np.uint8)
@@ -247,10 +245,8 @@ class CudaBackend(Backend):
             return self._rt.to_host(raw)
 
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
-        ids = self._block_ids(pools, block_ids)
         data = check_block_data(pools.spec, data)
-        if data.shape[0] != ids.size:
-            raise ShapeError(f"{ids.size} block ids for {data.shape[0]} blocks of data; give one id per block")
+        ids = check_block_ids(pools.n_blocks, block_ids, len(data))
         if ids.size == 0:
             return
         with self._rt.device:
