@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from .errors import SpecError
 from .formats import Format
 from .spec import CacheSpec
 
@@ -83,6 +84,22 @@ class AttentionBatch:
 
         return dataclasses.replace(self, **changes)
 
+    def shape(self, n_heads: int) -> AttentionShape:
+        """The static parts of this call with ``n_heads`` query heads: what ``Backend.supports`` sees."""
+        return AttentionShape(n_heads, self.causal, self.window, int(self.q_lens.max()) if self.n_seqs else 0)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The static parts of an attention call: query heads (the GQA ratio is ``n_heads // spec.n_kv_heads``),
+    causal, the window, and the longest ``q_len`` (1: decode). ``supports(spec, "attention", shape)`` refuses
+    from these what a backend cannot run; hashable, so an answer can be kept per shape."""
+
+    n_heads: int
+    causal: bool = True
+    window: int | None = None
+    max_q_len: int = 1
+
 
 @dataclass
 class Pools:
@@ -104,20 +121,26 @@ class Backend(ABC):
     # max |attention - float64 oracle on the dequantized K/V|, for unit-scale inputs; the contract
     # suite holds each backend to its own declared figure
     attention_tolerance: float = 1e-4  # an instance may set its own (e.g. per device precision)
+    # True where supports() refuses some AttentionShapes: the cache then asks it on every attention call
+    shape_limits: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
     def probe(cls) -> Probe:
         """Cheap check of this machine; imports nothing heavy. Says why in ``reason`` either way."""
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        """None when this backend runs ``op`` for ``spec``, else the reason it refuses.
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        """None when this backend runs ``op`` for ``spec`` (and, for attention, calls of ``shape``), else the
+        reason it refuses.
 
         The base checks the formats; backends extend it with their device limits (head_dim, block
         size, workgroup memory, ...), so ``backend="auto"`` and ``kvhal info --spec`` see every refusal
-        before anything is allocated."""
+        before anything is allocated. A backend that also refuses some shapes (a window, a GQA ratio,
+        prefill) sets ``shape_limits``; without a shape, supports answers for the spec alone."""
         if op not in OPS:
             return f"unknown op {op!r} (one of {', '.join(OPS)})"
+        if shape is not None and not isinstance(shape, AttentionShape):
+            raise SpecError(f"shape must be a kvhal.AttentionShape or None, got {type(shape).__name__}")
         for which, fmt in (("K", spec.k_format), ("V", spec.v_format)):
             if fmt not in self.formats:
                 return f"does not run format {fmt} ({which}); it runs {', '.join(sorted(self.formats))}"

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import formats
-from .errors import FormatError, PositionError, ShapeError, SpecError
+from .errors import FormatError, PositionError, ShapeError, SpecError, UnsupportedError
 from .spec import CacheSpec
 
 if TYPE_CHECKING:  # backend imports this module lazily; a runtime import would be circular
-    from .backend import AttentionBatch
+    from .backend import AttentionBatch, Backend
 
 # -- formats ----------------------------------------------------------------------------------------
 
@@ -65,6 +65,16 @@ def visible_range(
     hi = pos + 1 if causal else seq_lens[seq].copy()
     lo = np.maximum(0, pos - window + 1) if window is not None else np.zeros_like(pos)
     return seq, pos, lo, hi
+
+
+def check_shape(backend: Backend, spec: CacheSpec, batch: AttentionBatch, n_heads: int) -> None:
+    """UnsupportedError where ``backend`` declares ``shape_limits`` and refuses this call's shape; a caller
+    of ``attention*`` runs it first. Costs one attribute read on backends without per-call limits."""
+    if backend.shape_limits and (why := backend.supports(spec, "attention", batch.shape(n_heads))) is not None:
+        raise UnsupportedError(
+            f"backend {backend.name!r} refuses this attention call ({why}); change the call or create the cache on "
+            "a backend that runs it (see `kvhal info`)"
+        )
 
 
 # -- options ----------------------------------------------------------------------------------------

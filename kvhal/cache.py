@@ -21,6 +21,7 @@ import numpy as np
 
 from . import formats, registry, transforms
 from .backend import AttentionBatch, Backend
+from .backend_util import check_shape
 from .blocks import BlockAllocator
 from .errors import PositionError, SequenceError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, OnEvict, Policy, Scores
@@ -802,6 +803,7 @@ class KVCache:
             raise ShapeError(f"observe must be a bool, got {observe!r}")
         win = None if window is None else int(window)
         batch = AttentionBatch(table, lens_arr, ql, float(scale), bool(causal), win)
+        check_shape(self.backend, self.spec, batch, n_heads)  # a backend's per-call limits, where it declares any
         if self.spec.transformed or self.spec.uses_tail:
             if observe and self.spec.uses_tail:
                 raise UnsupportedError(

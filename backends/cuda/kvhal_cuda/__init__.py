@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import AttentionBatch, Backend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
 from kvhal.backend_util import (
     Option,
     check_block_data,
@@ -80,8 +80,8 @@ class CudaBackend(Backend):
 
         return runtime.CupyRuntime(options["device"], self.platform)
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        return super().supports(spec, op) or plan.spec_refusal(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        return super().supports(spec, op, shape) or plan.spec_refusal(spec, op)
 
     # -- pools --------------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import AttentionBatch, Backend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
 from kvhal.backend_util import Option, check_block_data, parse_options
 from kvhal.errors import BackendUnavailableError, CapacityError, PositionError, ShapeError
 from kvhal.formats import Format
@@ -82,8 +82,8 @@ class OpenCLBackend(Backend):
         self.cl_array = cl_array
         self.dev: Device = runtime(cl, *found)
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        why = super().supports(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        why = super().supports(spec, op, shape)
         if why is not None:
             return why
         quantized = sorted({f.name for f in (spec.k_fmt, spec.v_fmt) if f.block_len > 1})

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import AttentionBatch, HostPoolsBackend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, AttentionShape, HostPoolsBackend, Op, Pools, Probe
 from kvhal.backend_util import Option, parse_options
 from kvhal.errors import BackendUnavailableError, UnsupportedError
 from kvhal.spec import CacheSpec
@@ -103,8 +103,8 @@ class OpenVINOBackend(HostPoolsBackend):
         # the CPU plugin reads host arrays in place; a discrete device would upload a whole pool per call
         self._in_place = self.device.split(".")[0] == "CPU"
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        return super().supports(spec, op) or self._g.refusal(self.device, spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        return super().supports(spec, op, shape) or self._g.refusal(self.device, spec, op)
 
     # -- graphs -------------------------------------------------------------------------------------------
 

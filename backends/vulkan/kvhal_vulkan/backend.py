@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhal.backend import AttentionBatch, Backend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
 from kvhal.backend_util import Option, blocks_to_pages, check_block_ids, pages_to_blocks, parse_options
 from kvhal.errors import BackendUnavailableError, CapacityError
 from kvhal.spec import CacheSpec
@@ -62,8 +62,8 @@ class VulkanBackend(Backend):
         self.pool_binding_limit = min(limit, opts["max_binding_bytes"] or limit) // 4 * 4
         self.workgroup_memory = int(limits["max-compute-workgroup-storage-size"])
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        why = super().supports(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        why = super().supports(spec, op, shape)
         if why is not None:
             return why
         for which, rb in (("K", spec.k_row_bytes), ("V", spec.v_row_bytes)):
