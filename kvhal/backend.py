@@ -34,6 +34,9 @@ from .spec import CacheSpec
 
 Op = Literal["store", "load", "attention"]
 OPS: tuple[Op, ...] = ("store", "load", "attention")
+# what a backend may run natively beyond attention (``Backend.fused``); anything else is the host's float64 path
+FusedOp = Literal["attention_lse", "attention_mass", "transform"]
+FUSED: tuple[FusedOp, ...] = ("attention_lse", "attention_mass", "transform")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class Backend(ABC):
     # max |attention - float64 oracle on the dequantized K/V|, for unit-scale inputs; the contract
     # suite holds each backend to its own declared figure
     attention_tolerance: float = 1e-4  # an instance may set its own (e.g. per device precision)
+    # what it runs natively of FUSED (each one an override here); the rest runs on the host in float64
+    fused: ClassVar[frozenset[FusedOp]] = frozenset()
     # True where supports() refuses some AttentionShapes: the cache then asks it on every attention call
     shape_limits: ClassVar[bool] = False
 
@@ -179,7 +184,8 @@ class Backend(ABC):
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per sequence, the attention weight each key received from all queries and from the last
         ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
-        The default works on every backend (float64 over ``load``); a backend may fuse it."""
+        The default works on every backend (float64 over ``load``); a backend that fuses it lists
+        "attention_mass" in ``fused``."""
         from .backend_util import attention_mass
 
         return attention_mass(self, q, pools, layer, batch, tail)
@@ -187,7 +193,7 @@ class Backend(ABC):
     def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """``attention`` plus each row's log-sum-exp of its scores (host f32 ``[n_q, H, D]``, f64 ``[n_q, H]``):
         what block streaming merges. The default works on every backend (float64 over ``load``); a backend
-        may return it from its kernel."""
+        that returns it from its kernel lists "attention_lse" in ``fused``."""
         from .backend_util import attention_lse
 
         return attention_lse(self, q, pools, layer, batch)

@@ -647,3 +647,13 @@ def test_transforms_match_reference(backend_info, rng, tail):
         q = rng.standard_normal((n_q, 4, 64), dtype=np.float32)
         outs = [kvhal.to_numpy(c.attention(1, q, [s], window=window)) for c, s in zip(caches, seqs)]
         assert float(np.abs(outs[0] - outs[1]).max()) <= tol
+
+
+def test_fused_declaration_matches_the_overrides(backend_info):
+    """``fused`` names exactly the optional attention ops the backend overrides; the rest run the host's float64
+    default. No backend hook for "transform" exists yet: the cache applies value transforms on the host."""
+    cls = backend_info.cls
+    assert cls is not None and cls.fused <= set(kvhal.backend.FUSED)
+    for op in ("attention_lse", "attention_mass"):
+        assert (op in cls.fused) == (getattr(cls, op) is not getattr(kvhal.Backend, op)), op
+    assert "transform" not in cls.fused

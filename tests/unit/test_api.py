@@ -309,6 +309,21 @@ def test_supports_sees_the_attention_shape():
         c.backend.supports(spec, "attention", (4, True, None, 1))
 
 
+def test_fused_ops_are_declared_and_shown(capsys):
+    """``kvhal info`` shows each backend's native fused ops and where the float64 host path runs instead."""
+    from kvhal.cli import info_data, info_text, main
+
+    rows_ = {r["name"]: r for r in info_data()["backends"]}
+    assert rows_["reference"]["fused"] == [] and rows_["reference"]["host_fallback"] == list(kvhal.backend.FUSED)
+    for r in rows_.values():
+        assert sorted(r["fused"] + r["host_fallback"]) == sorted(kvhal.backend.FUSED)
+    assert "native" in info_text(info_data())
+    assert main(["info", "--json"]) == 0
+    import json
+
+    assert "host_fallback" in json.loads(capsys.readouterr().out)["backends"][0]
+
+
 def test_info_spec_cli(capsys):
     from kvhal.cli import main
 

@@ -145,6 +145,7 @@ class CpuBackend(HostPoolsBackend):
     INT_TOLERANCE = 3e-4
     F32_TOLERANCE = 1e-5
     attention_tolerance = INT_TOLERANCE
+    fused = frozenset({"attention_lse"})
 
     @classmethod
     def probe(cls) -> Probe:

@@ -55,6 +55,7 @@ class CudaBackend(Backend):
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
+    fused = frozenset({"attention_lse"})
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("device", int, 0, env="KVHAL_CUDA_DEVICE", check=non_negative, help="CUDA device index"),
     )
