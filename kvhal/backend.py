@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from .errors import SpecError
+from .errors import ShapeError, SpecError
 from .formats import Format
 from .spec import CacheSpec
 
@@ -102,6 +102,15 @@ class AttentionShape:
     causal: bool = True
     window: int | None = None
     max_q_len: int = 1
+
+    def __post_init__(self) -> None:
+        def count(x: Any, least: int) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and bool(x >= least)
+
+        if not (count(self.n_heads, 1) and count(self.max_q_len, 0) and isinstance(self.causal, (bool, np.bool_))):
+            raise ShapeError(f"{self}: n_heads must be an int >= 1, max_q_len an int >= 0 and causal a bool")
+        if self.window is not None and not count(self.window, 1):
+            raise ShapeError(f"{self}: window must be a positive int or None")
 
 
 @dataclass
