@@ -7,7 +7,7 @@ that backend is first used.
 from __future__ import annotations
 
 from . import formats
-from .backend import AttentionBatch, Backend, HostPoolsBackend, Pools, Probe
+from .backend import AttentionBatch, AttentionShape, Backend, HostPoolsBackend, Pools, Probe
 from .cache import CacheStats, KVCache
 from .errors import (
     BackendUnavailableError,
@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionBatch",
+    "AttentionShape",
     "Backend",
     "BackendInfo",
     "BackendUnavailableError",

@@ -9,11 +9,11 @@ Conventions every backend follows, so pools are byte-identical everywhere:
 * pool layout: ``CacheSpec.pool_shape`` — ``[n_blocks, n_kv_heads, block_size, row_bytes]`` uint8,
   each row one token of one head in the format's byte layout;
 * a slot is ``block_id * block_size + offset``;
-* ``attention`` gets host int32 arrays: ``block_table [n_seqs, max_blocks]`` (padded with -1),
-  ``seq_lens [n_seqs]`` (KV tokens per sequence) and ``q_lens [n_seqs]``; query ``i`` of a sequence
+* ``attention`` gets an ``AttentionBatch`` of host int32 arrays: ``block_table [n_seqs, max_blocks]``
+  (padded with -1), ``seq_lens [n_seqs]`` (KV tokens per sequence) and ``q_lens [n_seqs]``; query ``i`` of a sequence
   sits at position ``seq_len - q_len + i`` and sees KV position ``j`` iff ``j <= pos`` (when causal) and
   ``j > pos - window`` (when a window is given); query head ``h`` reads KV head
-  ``h // (n_heads // n_kv_heads)`` (``kvhal.backend_util.visible_range`` computes this once);
+  ``h // (n_heads // n_kv_heads)`` (``AttentionBatch.visible`` computes this once);
 * raw block I/O (``read_blocks``/``write_blocks``) moves whole blocks of all layers as
   ``CacheSpec.block_nbytes`` bytes each: for every layer in order, the K page
   ``[n_kv_heads, block_size, k_row_bytes]`` then the V page. Every backend produces the same bytes.
@@ -28,11 +28,15 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from .errors import ShapeError, SpecError
 from .formats import Format
 from .spec import CacheSpec
 
 Op = Literal["store", "load", "attention"]
 OPS: tuple[Op, ...] = ("store", "load", "attention")
+# what a backend may run natively beyond attention (``Backend.fused``); anything else is the host's float64 path
+FusedOp = Literal["attention_lse", "attention_mass", "transform"]
+FUSED: tuple[FusedOp, ...] = ("attention_lse", "attention_mass", "transform")
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,31 @@ class AttentionBatch:
 
         return dataclasses.replace(self, **changes)
 
+    def shape(self, n_heads: int) -> AttentionShape:
+        """The static parts of this call with ``n_heads`` query heads: what ``Backend.supports`` sees."""
+        return AttentionShape(n_heads, self.causal, self.window, int(self.q_lens.max()) if self.n_seqs else 0)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The static parts of an attention call: query heads (the GQA ratio is ``n_heads // spec.n_kv_heads``),
+    causal, the window, and the longest ``q_len`` (1: decode). ``supports(spec, "attention", shape)`` refuses
+    from these what a backend cannot run; hashable, so an answer can be kept per shape."""
+
+    n_heads: int
+    causal: bool = True
+    window: int | None = None
+    max_q_len: int = 1
+
+    def __post_init__(self) -> None:
+        def count(x: Any, least: int) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and bool(x >= least)
+
+        if not (count(self.n_heads, 1) and count(self.max_q_len, 0) and isinstance(self.causal, (bool, np.bool_))):
+            raise ShapeError(f"{self}: n_heads must be an int >= 1, max_q_len an int >= 0 and causal a bool")
+        if self.window is not None and not count(self.window, 1):
+            raise ShapeError(f"{self}: window must be a positive int or None")
+
 
 @dataclass
 class Pools:
@@ -104,20 +133,28 @@ class Backend(ABC):
     # max |attention - float64 oracle on the dequantized K/V|, for unit-scale inputs; the contract
     # suite holds each backend to its own declared figure
     attention_tolerance: float = 1e-4  # an instance may set its own (e.g. per device precision)
+    # what it runs natively of FUSED (each one an override here); the rest runs on the host in float64
+    fused: ClassVar[frozenset[FusedOp]] = frozenset()
+    # True where supports() refuses some AttentionShapes: the cache then asks it on every attention call
+    shape_limits: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
     def probe(cls) -> Probe:
         """Cheap check of this machine; imports nothing heavy. Says why in ``reason`` either way."""
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        """None when this backend runs ``op`` for ``spec``, else the reason it refuses.
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        """None when this backend runs ``op`` for ``spec`` (and, for attention, calls of ``shape``), else the
+        reason it refuses.
 
         The base checks the formats; backends extend it with their device limits (head_dim, block
         size, workgroup memory, ...), so ``backend="auto"`` and ``kvhal info --spec`` see every refusal
-        before anything is allocated."""
+        before anything is allocated. A backend that also refuses some shapes (a window, a GQA ratio,
+        prefill) sets ``shape_limits``; without a shape, supports answers for the spec alone."""
         if op not in OPS:
             return f"unknown op {op!r} (one of {', '.join(OPS)})"
+        if shape is not None and not isinstance(shape, AttentionShape):
+            raise SpecError(f"shape must be a kvhal.AttentionShape or None, got {type(shape).__name__}")
         for which, fmt in (("K", spec.k_format), ("V", spec.v_format)):
             if fmt not in self.formats:
                 return f"does not run format {fmt} ({which}); it runs {', '.join(sorted(self.formats))}"
@@ -137,7 +174,7 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
-        """Attention of ``q [sum(q_lens), n_heads, head_dim]`` over the quantized pages; f32, q's shape."""
+        """Attention of ``q [sum(batch.q_lens), n_heads, head_dim]`` over the quantized pages; f32, q's shape."""
 
     @abstractmethod
     def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
@@ -156,7 +193,8 @@ class Backend(ABC):
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per sequence, the attention weight each key received from all queries and from the last
         ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
-        The default works on every backend (float64 over ``load``); a backend may fuse it."""
+        The default works on every backend (float64 over ``load``); a backend that fuses it lists
+        "attention_mass" in ``fused``."""
         from .backend_util import attention_mass
 
         return attention_mass(self, q, pools, layer, batch, tail)
@@ -164,7 +202,7 @@ class Backend(ABC):
     def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """``attention`` plus each row's log-sum-exp of its scores (host f32 ``[n_q, H, D]``, f64 ``[n_q, H]``):
         what block streaming merges. The default works on every backend (float64 over ``load``); a backend
-        may return it from its kernel."""
+        that returns it from its kernel lists "attention_lse" in ``fused``."""
         from .backend_util import attention_lse
 
         return attention_lse(self, q, pools, layer, batch)
@@ -172,7 +210,7 @@ class Backend(ABC):
     def transform_heads(self, x: Any, scale: np.ndarray, rotation: str | None, inverse: bool) -> Any:
         """``scale * R x`` per KV head of ``x [n, n_heads, D]`` (``inverse``: ``scale * R^T x``; query heads grouped
         over ``len(scale)`` KV heads), f32 in this backend's array type: the codec's step for queries and outputs.
-        Here on the host in float64; a backend may run it on its device."""
+        Here on the host in float64; a backend that runs it on its device lists "transform" in ``fused``."""
         from . import transforms
 
         h = np.asarray(self.to_numpy(x), np.float64)

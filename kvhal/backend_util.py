@@ -8,13 +8,16 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import formats
-from .errors import FormatError, PositionError, ShapeError, SpecError
+from .errors import FormatError, PositionError, ShapeError, SpecError, UnsupportedError
 from .spec import CacheSpec
+
+if TYPE_CHECKING:  # backend imports this module lazily; a runtime import would be circular
+    from .backend import AttentionBatch, Backend
 
 # -- formats ----------------------------------------------------------------------------------------
 
@@ -62,6 +65,16 @@ def visible_range(
     hi = pos + 1 if causal else seq_lens[seq].copy()
     lo = np.maximum(0, pos - window + 1) if window is not None else np.zeros_like(pos)
     return seq, pos, lo, hi
+
+
+def check_shape(backend: Backend, spec: CacheSpec, batch: AttentionBatch, n_heads: int) -> None:
+    """UnsupportedError where ``backend`` declares ``shape_limits`` and refuses this call's shape; a caller
+    of ``attention*`` runs it first. Costs one attribute read on backends without per-call limits."""
+    if backend.shape_limits and (why := backend.supports(spec, "attention", batch.shape(n_heads))) is not None:
+        raise UnsupportedError(
+            f"backend {backend.name!r} refuses this attention call ({why}); change the call or create the cache on "
+            "a backend that runs it (see `kvhal info`)"
+        )
 
 
 # -- options ----------------------------------------------------------------------------------------
@@ -181,7 +194,7 @@ def check_block_data(spec: CacheSpec, data: Any) -> np.ndarray:
 
 
 def _scores_f64(
-    backend: Any, q: Any, pools: Any, layer: int, batch: Any
+    backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch
 ) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
     """Per sequence: its query rows, masked scores ``[Hq, n_q, n_kv]`` (-inf where not visible) and its V
     ``[n_kv, Hq, D]``, in float64 from the backend's own ``load`` (so from the bytes as stored)."""
@@ -212,7 +225,7 @@ def softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def attention_mass(
-    backend: Any, q: Any, pools: Any, layer: int, batch: Any, tail: int
+    backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch, tail: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
     ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``."""
@@ -225,7 +238,7 @@ def attention_mass(
     return out
 
 
-def attention_lse(backend: Any, q: Any, pools: Any, layer: int, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+def attention_lse(backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
     """Attention and the log-sum-exp of each row's scores (natural log, scale applied): f32 ``[n_q, H, D]``
     and f64 ``[n_q, H]`` (-inf where a row sees no key). Partial results over disjoint key sets merge
     exactly with ``merge_lse``."""

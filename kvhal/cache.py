@@ -25,6 +25,7 @@ import numpy as np
 
 from . import registry, validate
 from .backend import AttentionBatch, Backend
+from .backend_util import check_shape
 from .blocks import BlockAllocator
 from .codec import Codec, Pending
 from .errors import CapacityError, PositionError, ShapeError, SpecError, UnsupportedError
@@ -360,6 +361,11 @@ class KVCache:
                 "attention over an offloaded sequence takes neither window nor observe; pass window=None, "
                 "observe=False (or keep the sequence resident)"
             )
+        bs = spec.block_size
+        n_pages = [0 if spec.uses_tail else -(-n // bs) for n in lens]  # the tail path builds its own tables
+        table = self.seq_table.batch_table(seq_objs, n_pages)
+        batch = AttentionBatch(table, np.array(lens, np.int32), np.array(qls, np.int32), scale, causal, window)
+        check_shape(self.backend, spec, batch, int(q.shape[1]))  # a backend's per-call limits, where it has any
         if spec.transformed:
             q = self.codec.query(self.backend, layer, q)
         if spec.uses_tail:
@@ -367,9 +373,6 @@ class KVCache:
         elif offloaded:
             out = self.streamer.attention(layer, q, seq_objs, qls, scale, causal)
         else:
-            bs = spec.block_size
-            table = self.seq_table.batch_table(seq_objs, [-(-n // bs) for n in lens])
-            batch = AttentionBatch(table, np.array(lens, np.int32), np.array(qls, np.int32), scale, causal, window)
             out = self.backend.attention(q, self.pools, layer, batch)
             if observe:
                 self.evictor.observe(seq_objs, layer, q, batch)

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from .. import formats
-from ..backend import OPS
+from ..backend import FUSED, OPS
 from ..errors import KVHalError, SpecError
 from ..registry import backends
 from ..spec import CacheSpec
@@ -62,6 +62,9 @@ def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
             "reason": b.reason,
             "formats": {f: list(OPS) if f in b.formats else [] for f in formats.names()},
             "v_only": _v_only(b),
+            # FUSED ops it runs natively; the others run on the host in float64 (over load)
+            "fused": sorted(b.cls.fused) if b.cls is not None else [],
+            "host_fallback": [op for op in FUSED if b.cls is None or op not in b.cls.fused],
         }
         if spec is not None:
             row["spec_refused"] = b.refusal(spec)  # None: takes it
@@ -90,13 +93,16 @@ def info_text(data: dict[str, Any]) -> str:
         dev = f" [{b['device']}]" if b["device"] else ""
         lines.append(f"  {b['name']:<10} {state:<12}{dev} {b['reason']}")
     lines.append("")
-    lines.append("support (S store, L load, A attention; * as V only, K refused):")
+    lines.append("support (S store, L load, A attention; * as V only, K refused; of attention_lse, attention_mass and")
+    lines.append("value transforms, native: run by the backend; host f64: run on the host in float64):")
     width = {n: max(5, len(n)) for n in names}
-    lines.append("  " + f"{'':<10} " + " ".join(f"{n:>{width[n]}}" for n in names))
+    lines.append("  " + f"{'':<10} " + " ".join(f"{n:>{width[n]}}" for n in names) + f"  {'native':<14} host f64")
     for b in data["backends"]:
         cells = ["".join(op[0].upper() for op in b["formats"][n]) if b["available"] else "-" for n in names]
         cells = [(c or "-") + ("*" if n in b["v_only"] else "") for c, n in zip(cells, names)]
-        lines.append("  " + f"{b['name']:<10} " + " ".join(f"{c:>{width[n]}}" for c, n in zip(cells, names)))
+        row = " ".join(f"{c:>{width[n]}}" for c, n in zip(cells, names))
+        native, host = (",".join(o.removeprefix("attention_") for o in b[k]) or "-" for k in ("fused", "host_fallback"))
+        lines.append("  " + f"{b['name']:<10} " + row + f"  {native:<14} {host}")
     lines.append("")
     lines.append("formats: " + ", ".join(f"{f['name']} {f['bits_per_element']:g} bits" for f in data["formats"]))
     if "spec" in data:

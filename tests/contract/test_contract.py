@@ -647,3 +647,12 @@ def test_transforms_match_reference(backend_info, rng, tail):
         q = rng.standard_normal((n_q, 4, 64), dtype=np.float32)
         outs = [kvhal.to_numpy(c.attention(1, q, [s], window=window)) for c, s in zip(caches, seqs)]
         assert float(np.abs(outs[0] - outs[1]).max()) <= tol
+
+
+def test_fused_declaration_matches_the_overrides(backend_info):
+    """``fused`` names exactly the optional ops the backend overrides (``transform``: ``transform_heads``, the
+    codec's per-head step); the rest run the host's float64 default."""
+    cls = backend_info.cls
+    assert cls is not None and cls.fused <= set(kvhal.backend.FUSED)
+    for op, method in (("attention_lse",) * 2, ("attention_mass",) * 2, ("transform", "transform_heads")):
+        assert (op in cls.fused) == (getattr(cls, method) is not getattr(kvhal.Backend, method)), op

@@ -298,6 +298,66 @@ def test_supports_sees_the_spec_and_auto_moves_on(monkeypatch):
     assert rows["smallheads"]["spec_refused"] == "head_dim 128 > 64" and rows["reference"]["spec_refused"] is None
 
 
+def test_supports_sees_the_attention_shape():
+    """A backend with per-call limits (shape_limits) refuses a call's static shape with its reason, before
+    the call runs; a backend without them is never asked, and the 2-argument supports() keeps working."""
+    asked = []
+
+    class DecodeNoWindow(ReferenceBackend):
+        name = "decode-no-window"
+        shape_limits = True
+
+        def supports(self, spec, op, shape=None):
+            asked.append(shape)
+            why = super().supports(spec, op, shape)
+            if why is None and shape is not None and shape.window is not None:
+                why = "no sliding window"
+            if why is None and shape is not None and shape.max_q_len > 4:
+                why = f"decode only, {shape.max_q_len} queries"
+            return why
+
+    class TwoArgs(ReferenceBackend):
+        name = "two-args"
+
+        def supports(self, spec, op):
+            return super().supports(spec, op)
+
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=32, block_size=8)
+    c, plain = kvhal.KVCache(spec, 64, backend=DecodeNoWindow()), kvhal.KVCache(spec, 64, backend=TwoArgs())
+    k = rows(9)
+    for x in (c, plain):
+        x.store(x.new_seq(), 0, k, k)
+    q = rows(2, heads=4, seed=2)
+    np.testing.assert_array_equal(kvhal.to_numpy(c.attention(0, q, [0])), kvhal.to_numpy(plain.attention(0, q, [0])))
+    assert asked[-1] == kvhal.AttentionShape(n_heads=4, causal=True, window=None, max_q_len=2)
+    with pytest.raises(kvhal.UnsupportedError, match="no sliding window"):
+        c.attention(0, q, [0], window=3)
+    with pytest.raises(kvhal.UnsupportedError, match="decode only, 9 queries"):
+        c.attention(0, rows(9, heads=4), [0])
+    plain.attention(0, q, [0], window=3)
+    assert c.backend.supports(spec, "attention") is None and plain.backend.supports(spec, "attention") is None
+    with pytest.raises(kvhal.SpecError, match="AttentionShape"):
+        c.backend.supports(spec, "attention", (4, True, None, 1))
+    for bad in ({"n_heads": True}, {"n_heads": 0}, {"n_heads": 4, "window": 0}, {"n_heads": 4, "causal": 1}):
+        with pytest.raises(kvhal.ShapeError):
+            kvhal.AttentionShape(**bad)
+
+
+def test_fused_ops_are_declared_and_shown(capsys):
+    """``kvhal info`` shows each backend's native fused ops and where the float64 host path runs instead."""
+    from kvhal.tools.cli import info_data, info_text, main
+
+    rows_ = {r["name"]: r for r in info_data()["backends"]}
+    assert rows_["reference"]["fused"] == [] and rows_["reference"]["host_fallback"] == list(kvhal.backend.FUSED)
+    for r in rows_.values():
+        assert sorted(r["fused"] + r["host_fallback"]) == sorted(kvhal.backend.FUSED)
+    assert "native" in info_text(info_data())
+    assert main(["info", "--json"]) == 0
+    import json
+
+    assert "host_fallback" in json.loads(capsys.readouterr().out)["backends"][0]
+
+
 def test_info_spec_cli(capsys):
     from kvhal.tools.cli import main
 

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvhal.backend import HostPoolsBackend, Pools, Probe
+from kvhal.backend import AttentionBatch, HostPoolsBackend, Pools, Probe
 from kvhal.backend_util import Option, non_negative, one_of, parse_options
 from kvhal.errors import BackendUnavailableError, SpecError
 from kvhal.spec import CacheSpec
@@ -261,18 +261,7 @@ class ArmBackend(HostPoolsBackend):
         k, v = sess.run(None, feeds)
         return k, v
 
-    def attention(
-        self,
-        q: np.ndarray,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> np.ndarray:
+    def attention(self, q: np.ndarray, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         sp = pools.spec
         q = np.ascontiguousarray(q, np.float32)
         n_heads = q.shape[1]
@@ -281,15 +270,15 @@ class ArmBackend(HostPoolsBackend):
             "q": q,
             "k_pool": pools.state.k[layer],
             "v_pool": pools.state.v[layer],
-            "scale": np.array(scale, np.float32),
-            "causal": np.array(causal, np.bool_),
-            "window": np.array(NO_WINDOW if window is None else window, np.int64),
+            "scale": np.array(batch.scale, np.float32),
+            "causal": np.array(batch.causal, np.bool_),
+            "window": np.array(NO_WINDOW if batch.window is None else batch.window, np.int64),
         }
-        lens = seq_lens.astype(np.int64)
-        ql = q_lens.astype(np.int64)
+        lens = batch.seq_lens.astype(np.int64)
+        ql = batch.q_lens.astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(ql)[:-1]])
         outs = [
-            sess.run(["out"], {**fixed, **self._run_inputs(sp, block_table, lens, run, n_heads)})[0]
+            sess.run(["out"], {**fixed, **self._run_inputs(sp, batch.block_table, lens, run, n_heads)})[0]
             for run in self._plan(sp, lens, ql, starts, n_heads)
         ]
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)

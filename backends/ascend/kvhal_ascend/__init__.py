@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import Backend, Pools, Probe
+from kvhal.backend import AttentionBatch, Backend, Pools, Probe
 from kvhal.backend_util import Option, check_block_data, check_block_ids, parse_options, positive
 from kvhal.errors import BackendUnavailableError, DTypeError, SpecError
 from kvhal.formats import Format
@@ -281,18 +281,7 @@ class AscendBackend(Backend):
                 groups.append([s])
         return [np.asarray(g, np.int64) for g in groups]
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, pools: Pools, layer: int, batch: AttentionBatch) -> torch.Tensor:
         import torch
 
         spec = pools.spec
@@ -300,8 +289,9 @@ class AscendBackend(Backend):
         n_tok, n_heads, dim = (int(x) for x in q.shape)
         hkv = spec.n_kv_heads
         group = n_heads // hkv
-        seq_lens = np.asarray(seq_lens, np.int64)
-        q_lens = np.asarray(q_lens, np.int64)
+        seq_lens = np.asarray(batch.seq_lens, np.int64)
+        q_lens = np.asarray(batch.q_lens, np.int64)
+        block_table, scale, causal, window = batch.block_table, batch.scale, batch.causal, batch.window
         q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
         q = q.to(torch.float32)
         out = torch.empty((n_tok, n_heads, dim), dtype=torch.float32, device=self.device)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import AttentionBatch, HostPoolsBackend, Op, Pools, Probe
+from kvhal.backend import AttentionBatch, AttentionShape, HostPoolsBackend, Op, Pools, Probe
 from kvhal.backend_util import (
     Option,
     check_block_data,
@@ -145,6 +145,7 @@ class CpuBackend(HostPoolsBackend):
     INT_TOLERANCE = 3e-4
     F32_TOLERANCE = 1e-5
     attention_tolerance = INT_TOLERANCE
+    fused = frozenset({"attention_lse"})
 
     @classmethod
     def probe(cls) -> Probe:
@@ -166,8 +167,8 @@ class CpuBackend(HostPoolsBackend):
         self.tile: int = opts["tile"]
         self.attention_tolerance = self.INT_TOLERANCE if self.isa == "avx512" else self.F32_TOLERANCE
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        why = super().supports(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        why = super().supports(spec, op, shape)
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"

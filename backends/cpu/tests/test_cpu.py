@@ -582,7 +582,8 @@ def test_attention_lse_matches_the_float64_default(isa, tile, fmt, shape):
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=n_kv, head_dim=dim, k_format=k_of(fmt), v_format=fmt, block_size=bs)
     pools, table = paged_pools(be, spec, lens, rng)
     q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
-    args = (q, pools, 0, table, np.array(lens, np.int32), np.array(q_lens, np.int32), dim**-0.5, causal, window)
+    batch = kvhal.AttentionBatch(table, np.array(lens, np.int32), np.array(q_lens, np.int32), dim**-0.5, causal, window)
+    args = (q, pools, 0, batch)
     out, lse = be.attention_lse(*args)
     want_out, want_lse = attention_lse(ReferenceBackend(), *args)
     assert out.dtype == np.float32 and lse.dtype == np.float64 and lse.shape == q.shape[:2]

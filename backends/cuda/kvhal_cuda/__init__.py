@@ -15,9 +15,17 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, logsumexp, non_negative, parse_options, whole_pages
-from kvhal.errors import DTypeError, PositionError, ShapeError, SpecError
+from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
+from kvhal.backend_util import (
+    Option,
+    check_block_data,
+    check_block_ids,
+    logsumexp,
+    non_negative,
+    parse_options,
+    whole_pages,
+)
+from kvhal.errors import DTypeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
 
@@ -47,6 +55,7 @@ class CudaBackend(Backend):
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
+    fused = frozenset({"attention_lse"})
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("device", int, 0, env="KVHAL_CUDA_DEVICE", check=non_negative, help="CUDA device index"),
     )
@@ -72,8 +81,8 @@ class CudaBackend(Backend):
 
         return runtime.CupyRuntime(options["device"], self.platform)
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        return super().supports(spec, op) or plan.spec_refusal(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        return super().supports(spec, op, shape) or plan.spec_refusal(spec, op)
 
     # -- pools --------------------------------------------------------------------------------------------
 
@@ -149,56 +158,23 @@ class CudaBackend(Backend):
                 self._rt.launch("kvhal_load", grid, block, args)
         return out
 
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> Any:
-        return self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, False)
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
+        return self._attention(q, pools, layer, batch, False)
 
-    def attention_lse(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def attention_lse(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """The kernels' own log-sum-exp (what the cache merges with its f16 tail, e.g. under a per-channel K
         format): every split's partial output and lse are kept, merged by the kernel and, for lse, here."""
         q = self.asarray(q, "q")  # the cache passes host rows here: onto the device once, as attention takes them
-        out, part_lse = self._attention(q, pools, layer, block_table, seq_lens, q_lens, scale, causal, window, True)
+        out, part_lse = self._attention(q, pools, layer, batch, True)
         return self.to_numpy(out), logsumexp(self.to_numpy(part_lse).astype(np.float64))  # over [n_splits, R, Hq]
 
-    def _attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-        want_lse: bool,
-    ) -> Any:
+    def _attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, want_lse: bool) -> Any:
         cp: plan.CachePlan = pools.state.plan
         R, Hq, D = (int(d) for d in q.shape)
         pl = plan.plan_attention(
-            block_table, seq_lens, q_lens, n_heads=Hq, head_dim=D, block_size=cp.block_size, n_sm=self._rt.n_sm,
-            causal=causal, window=window, geometry=cp.prefill, n_kv_heads=cp.n_kv_heads,
+            batch.block_table, batch.seq_lens, batch.q_lens, n_heads=Hq, head_dim=D, block_size=cp.block_size,
+            n_sm=self._rt.n_sm, causal=batch.causal, window=batch.window, geometry=cp.prefill,
+            n_kv_heads=cp.n_kv_heads,
         )  # fmt: skip
         xp = self._xp
         with self._rt.device:
@@ -214,7 +190,7 @@ class CudaBackend(Backend):
             else:  # never written with one split
                 part_o, part_lse = out, out
             shape = (_i32(R), _i32(Hq), _i32(cp.n_kv_heads), _i32(D), _i32(cp.block_size), _i32(cp.k.row_bytes),
-                     _i32(cp.v.row_bytes), _i32(cp.k.fmt_id), _i32(cp.v.fmt_id), _f32(scale), _i32(pl.split_pages),
+                     _i32(cp.v.row_bytes), _i32(cp.k.fmt_id), _i32(cp.v.fmt_id), _f32(batch.scale), _i32(pl.split_pages),
                      _i32(n_splits))  # fmt: skip
             block = (plan.NUM_WARPS * 32, 1, 1)
             ptrs = (qd, pools.k[layer], pools.v[layer], meta, out, part_o, part_lse)
@@ -251,16 +227,6 @@ class CudaBackend(Backend):
 
     # -- raw block I/O: one launch over every layer's pages and one transfer ------------------------------
 
-    @staticmethod
-    def _block_ids(pools: Pools, block_ids: Any) -> np.ndarray:
-        ids = np.asarray(block_ids)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise PositionError(f"block ids must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
-        ids = ids.astype(np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= pools.n_blocks):
-            raise PositionError(f"block ids must lie in [0, {pools.n_blocks}), got {ids.min()}..{ids.max()}")
-        return ids
-
     def _blocks_launch(self, pools: Pools, kernel: str, ids: np.ndarray, raw: Any) -> None:
         cp: plan.CachePlan = pools.state.plan
         L = pools.spec.n_layers
@@ -270,7 +236,7 @@ class CudaBackend(Backend):
         self._rt.launch(kernel, grid, block, args)
 
     def read_blocks(self, pools: Pools, block_ids: np.ndarray) -> np.ndarray:
-        ids = self._block_ids(pools, block_ids)
+        ids = check_block_ids(pools.n_blocks, block_ids)
         nb = pools.spec.block_nbytes
         if ids.size == 0:
             return np.zeros((0, nb), np.uint8)
@@ -280,10 +246,8 @@ class CudaBackend(Backend):
             return self._rt.to_host(raw)
 
     def write_blocks(self, pools: Pools, block_ids: np.ndarray, data: np.ndarray) -> None:
-        ids = self._block_ids(pools, block_ids)
         data = check_block_data(pools.spec, data)
-        if data.shape[0] != ids.size:
-            raise ShapeError(f"{ids.size} block ids for {data.shape[0]} blocks of data; give one id per block")
+        ids = check_block_ids(pools.n_blocks, block_ids, len(data))
         if ids.size == 0:
             return
         with self._rt.device:

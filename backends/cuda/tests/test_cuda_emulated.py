@@ -445,8 +445,8 @@ def test_attention_kivi_k(case, n_sm):
     rt = be._rt
     rt.launches.clear()
     scale = float(d) ** -0.5
-    out = be.to_numpy(be.attention(be.asarray(q, "q"), pools, 0, table, np.array(lens, np.int32),
-                                   np.array(qls, np.int32), scale, causal, window))  # fmt: skip
+    batch = kvhal.AttentionBatch(table, np.array(lens, np.int32), np.array(qls, np.int32), scale, causal, window)
+    out = be.to_numpy(be.attention(be.asarray(q, "q"), pools, 0, batch))
     want = attention_f64(q, ks, vs, qls, scale=scale, causal=causal, window=window)
     err = float(np.abs(out - want).max())
     assert err <= 2e-6, err
@@ -500,7 +500,7 @@ def test_attention_lse_matches_float64_over_load(n, q_len):
     k = rng.standard_normal((n, 2, 64), dtype=np.float32)
     be.store(pools, 0, be.asarray(k, "k"), be.asarray(-k, "v"), np.arange(n, dtype=np.int64))
     table = np.arange(-(-n // 16), dtype=np.int32)[None]
-    args = (pools, 0, table, np.array([n], np.int32), np.array([q_len], np.int32), 0.125, False, None)
+    args = (pools, 0, kvhal.AttentionBatch(table, np.array([n], np.int32), np.array([q_len], np.int32), 0.125, False))
     q = rng.standard_normal((q_len, 4, 64), dtype=np.float32)
     be._rt.launches.clear()
     out, lse = be.attention_lse(be.asarray(q, "q"), *args)

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, check_block_data, parse_options, visible_range
+from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
+from kvhal.backend_util import Option, check_block_data, parse_options
 from kvhal.errors import BackendUnavailableError, CapacityError, PositionError, ShapeError
 from kvhal.formats import Format
 from kvhal.interop import host_float_array
@@ -82,8 +82,8 @@ class OpenCLBackend(Backend):
         self.cl_array = cl_array
         self.dev: Device = runtime(cl, *found)
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        why = super().supports(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        why = super().supports(spec, op, shape)
         if why is not None:
             return why
         quantized = sorted({f.name for f in (spec.k_fmt, spec.v_fmt) if f.block_len > 1})
@@ -210,29 +210,18 @@ class OpenCLBackend(Backend):
                 self.dev.launch(codec["gather_rows"], n_rows, [pool.data, src_d.data], [rows.data])
                 self.dev.launch(codec["scatter_rows"], n_rows, [rows.data, dst_d.data], [pool.data])
 
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> Any:
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
         s, dev = pools.spec, self.dev
         n_rows, n_heads = int(q.shape[0]), int(q.shape[1])
         group = n_heads // s.n_kv_heads
         kernels, qt = self._attention(pools, group)
-        seq, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+        seq, _, lo, hi = batch.visible
         items = n_rows * s.n_kv_heads * (group // qt)
         longest = int((hi - lo).max())
         splits = max(1, min(-(-SPLIT_TARGET[dev.is_cpu] * dev.units // max(1, items)), -(-longest // MIN_SPLIT_TOKENS)))
         with dev.lock:
             rows = self._ints(np.stack([seq, lo, hi], axis=1))
-            table = self._ints(block_table)
+            table = self._ints(batch.block_table)
             qd = self._f32(q)
             out = self._empty((n_rows, n_heads, s.head_dim))
             if splits > 1:
@@ -243,8 +232,8 @@ class OpenCLBackend(Backend):
             local = 1 if dev.is_cpu else dev.local_size(kernels["attention"])
             kernels["attention"](
                 dev.queue, (-(-items // local) * local, splits), (local, 1),
-                qd.data, pools.k[layer].data, pools.v[layer].data, table.data, np.int32(block_table.shape[1]),
-                rows.data, np.float32(scale * math.log2(math.e)), np.int32(n_rows), np.int32(splits),
+                qd.data, pools.k[layer].data, pools.v[layer].data, table.data, np.int32(batch.block_table.shape[1]),
+                rows.data, np.float32(batch.scale * math.log2(math.e)), np.int32(n_rows), np.int32(splits),
                 out.data, part_acc.data, part_ml.data,
             )  # fmt: skip
             if splits > 1:

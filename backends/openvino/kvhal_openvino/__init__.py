@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend import HostPoolsBackend, Op, Pools, Probe
-from kvhal.backend_util import Option, parse_options, visible_range
+from kvhal.backend import AttentionBatch, AttentionShape, HostPoolsBackend, Op, Pools, Probe
+from kvhal.backend_util import Option, parse_options
 from kvhal.errors import BackendUnavailableError, UnsupportedError
 from kvhal.spec import CacheSpec
 
@@ -103,8 +103,8 @@ class OpenVINOBackend(HostPoolsBackend):
         # the CPU plugin reads host arrays in place; a discrete device would upload a whole pool per call
         self._in_place = self.device.split(".")[0] == "CPU"
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        return super().supports(spec, op) or self._g.refusal(self.device, spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        return super().supports(spec, op, shape) or self._g.refusal(self.device, spec, op)
 
     # -- graphs -------------------------------------------------------------------------------------------
 
@@ -193,30 +193,19 @@ class OpenVINOBackend(HostPoolsBackend):
         k, v = self._run(pools, self._g.key("load", spec), [*views, ids])
         return k[:n], v[:n]
 
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> np.ndarray:
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         spec = pools.spec
         q = np.ascontiguousarray(q, np.float32)
         n_heads = int(q.shape[1])
         g = n_heads // spec.n_kv_heads
-        qn = np.asarray(q_lens, np.int64)
+        qn = np.asarray(batch.q_lens, np.int64)
         n_seqs, q_max = len(qn), int(qn.max())
         starts = np.cumsum(qn) - qn
         i = np.arange(q_max)
         rows = starts[:, None] + np.minimum(i[None, :], qn[:, None] - 1)  # padded slots repeat the last query
-        _, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+        _, _, lo, hi = batch.visible
         hi, lo = hi[rows] - 1, lo[rows] - 1  # the graph's mask: lo < j <= hi
-        views, table = self._pages(pools, layer, np.maximum(block_table, 0))
+        views, table = self._pages(pools, layer, np.maximum(batch.block_table, 0))
         key = self._g.key("attention", spec, n_heads)
         ctx = table.shape[1] * spec.block_size
         chunk = max(1, SCORE_BUDGET_BYTES // max(1, 4 * n_seqs * n_heads * ctx))
@@ -224,7 +213,7 @@ class OpenVINOBackend(HostPoolsBackend):
         for a in range(0, q_max, chunk):
             b = min(q_max, a + chunk)
             hi_c, lo_c = (np.repeat(x[:, a:b], g, axis=1).astype(np.int32) for x in (hi, lo))
-            inputs = [q, *views, table, rows[:, a:b].astype(np.int32), hi_c, lo_c, np.asarray(scale, np.float32)]
+            inputs = [q, *views, table, rows[:, a:b].astype(np.int32), hi_c, lo_c, np.asarray(batch.scale, np.float32)]
             (res,) = self._run(pools, key, inputs, True)
             valid = i[None, a:b] < qn[:, None]
             out[(starts[:, None] + i[None, a:b])[valid]] = res[valid]

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from kvhal.backend import Backend, Op, Pools, Probe
-from kvhal.backend_util import Option, blocks_to_pages, check_block_ids, pages_to_blocks, parse_options, visible_range
+from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
+from kvhal.backend_util import Option, blocks_to_pages, check_block_ids, pages_to_blocks, parse_options
 from kvhal.errors import BackendUnavailableError, CapacityError
 from kvhal.spec import CacheSpec
 
@@ -62,8 +62,8 @@ class VulkanBackend(Backend):
         self.pool_binding_limit = min(limit, opts["max_binding_bytes"] or limit) // 4 * 4
         self.workgroup_memory = int(limits["max-compute-workgroup-storage-size"])
 
-    def supports(self, spec: CacheSpec, op: Op) -> str | None:
-        why = super().supports(spec, op)
+    def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
+        why = super().supports(spec, op, shape)
         if why is not None:
             return why
         for which, rb in (("K", spec.k_row_bytes), ("V", spec.v_row_bytes)):
@@ -154,36 +154,25 @@ class VulkanBackend(Backend):
         kv = ctx.read(steps, out, 8 * size).view(np.float32)
         return kv[:size].reshape(shape), kv[size:].reshape(shape)
 
-    def attention(
-        self,
-        q: Any,
-        pools: Pools,
-        layer: int,
-        block_table: np.ndarray,
-        seq_lens: np.ndarray,
-        q_lens: np.ndarray,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> np.ndarray:
+    def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         spec, ctx = pools.spec, _ctx(pools)
         kp, vp = pools.k[layer], pools.v[layer]
         qx = np.ascontiguousarray(q, np.float32)
         rows, hq, d = qx.shape
-        seq, _, lo, hi = visible_range(seq_lens, q_lens, causal, window)
+        seq, _, lo, hi = batch.visible
         info = np.stack([seq, lo, hi, np.zeros_like(seq)], axis=1).astype(np.uint32)
         group = hq // spec.n_kv_heads
         ht = shaders.heads_per_tile(group, d, self.workgroup_memory)  # >= 1: supports() checked one head fits
         tiles = rows * spec.n_kv_heads * (group // ht)
         # split long contexts into partitions of >= 256 keys until there are enough workgroups
         parts = max(1, min(-(-512 // tiles), -(-int((hi - lo).max()) // 256)))
-        table = np.asarray(block_table, np.int64).astype(np.uint32)  # -1 padding is never read
+        table = np.asarray(batch.block_table, np.int64).astype(np.uint32)  # -1 padding is never read
         qbuf, _ = ctx.upload("q", [qx.reshape(-1)])
         meta, (_, toff) = ctx.upload("meta", [info.reshape(-1), table.reshape(-1)])
         # tiles * parts < tiles + 512: sized so a growing context never regrows it
         part = ctx.buffer("part", (tiles + 512) * ht * (d + 2) * 4)
         out = ctx.buffer("out", rows * hq * d * 4)
-        scale_bits = int(np.float32(scale).view(np.uint32))
+        scale_bits = int(np.float32(batch.scale).view(np.uint32))
         steps = [
             Dispatch(
                 shaders.attention(kp.geometry, vp.geometry, d, ht),
