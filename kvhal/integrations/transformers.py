@@ -395,9 +395,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._step = _Step(mask, first, n_new, rows)
         return self._step
 
-    def _attend(
+    def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float
     ) -> torch.Tensor:
+        """Store this step's new ``key``/``value`` columns of ``layer`` and attend with ``query`` over the cache:
+        what ``attn_implementation="kvhal"`` runs for each layer (``[batch, heads, tokens, head_dim]`` tensors)."""
         batch, n_heads, n_new, head_dim = query.shape
         if tuple(key.shape[::2]) != (batch, n_new):
             raise ShapeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on batch or tokens")
@@ -478,7 +480,7 @@ def kvhal_attention(
             f"{cache.windows[layer]}; build it from this model with KVHalCache.from_model"
         )
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
-    return cache._attend(layer, query, key, value, attention_mask, scale), None
+    return cache.attend(layer, query, key, value, attention_mask, scale), None
 
 
 def kvhal_mask(*, attention_mask: Any = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
