@@ -27,7 +27,11 @@ class TierStats:
     evictions: blocks the tier dropped for space (None where the server evicts unseen, e.g. Redis).
     corrupt_dropped: foreign, torn or corrupt blobs found and deleted (and a crashed writer's temp files).
     errors: I/O or connection failures, each answered as a miss or a False flag; last_error: the latest one.
-    blocks / bytes_stored: what the tier holds now (None where only the server knows).
+    blocks / bytes_stored: what the tier holds now (None where only the server knows; DiskTier: every byte of its
+    segment files, dead records included, which is what its budget counts).
+    state: "ok" for a local tier; RedisTier: "untried" (not yet connected), "connected" or "degraded" (the server
+    unreachable: every call a miss until a reconnect, tried with backoff, succeeds). down_misses: blocks asked for
+    (get) while degraded.
     """
 
     hits: int = 0
@@ -41,6 +45,8 @@ class TierStats:
     last_error: str | None = None
     blocks: int | None = None
     bytes_stored: int | None = None
+    state: str = "ok"
+    down_misses: int = 0
 
 
 class Tier(ABC):
