@@ -2,7 +2,8 @@
 
 A blob is read back only if every header field matches the key asked for and the payload's CRC-32 matches:
 a foreign (other model or block), torn (short), corrupt or older-version blob decodes to None, never to wrong
-bytes. CRC-32 (zlib's, in C, the GIL released for large buffers) is an integrity check against torn writes and
+bytes. CRC-32 (zlib-ng's where installed, ``pip install 'kvhal[tiers]'``: tens of GB/s with carry-less multiply;
+else zlib's, a few GB/s; the same checksum either way) is an integrity check against torn writes and
 bit rot, not against an adversary: the blob sits in the tier's own directory or server, and the exact header
 fields already keep other blocks' and other models' blobs out. It runs at about 2.5x sha256's speed (format 1).
 """
@@ -10,7 +11,11 @@ fields already keep other blocks' and other models' blobs out. It runs at about 
 from __future__ import annotations
 
 import struct
-import zlib
+
+try:  # the same CRC-32 as zlib's, an order of magnitude faster (SIMD); zlib's where zlib-ng is not installed
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32
 
 from ..errors import TierError
 from .keys import BlockKey, Payload, check_payload
@@ -30,7 +35,7 @@ def blob_size(payload_len: int) -> int:
 
 def blob_header(key: BlockKey, payload: bytes | memoryview) -> bytes:
     """The header of ``payload``'s blob (a writer may send it and the payload without joining them)."""
-    return _HEADER.pack(MAGIC, VERSION, 0, key.namespace, key.block_hash, len(payload), zlib.crc32(payload), 0)
+    return _HEADER.pack(MAGIC, VERSION, 0, key.namespace, key.block_hash, len(payload), crc32(payload), 0)
 
 
 def payload_length(key: BlockKey, header: bytes | memoryview) -> int | None:
@@ -53,7 +58,7 @@ def payload_length(key: BlockKey, header: bytes | memoryview) -> int | None:
 def payload_matches(header: bytes | memoryview, payload: bytes | memoryview) -> bool:
     """Whether ``payload`` is whole and intact: the length and CRC-32 ``header`` (already checked) records."""
     length, crc = _HEADER.unpack_from(header)[5:7]
-    return len(payload) == length and zlib.crc32(payload) == crc
+    return len(payload) == length and crc32(payload) == crc
 
 
 def encode_blob(key: BlockKey, payload: Payload) -> bytes:

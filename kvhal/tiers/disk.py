@@ -13,9 +13,11 @@ runs past the end of its file ends that segment: the segment is cut there (a tor
 returned. A get checks the header against the key and the payload against its CRC: a bad record is a miss.
 
 Durability: group commit. A put returns once its records are written (page cache); one fsync makes a whole
-batch durable, issued when ``commit_bytes`` are waiting or the oldest waiting record is ``commit_s`` old (a
-background flusher), at a segment's seal and at close. ``durable=True`` fsyncs before each put returns;
-``durable=False`` fsyncs only at seal and close (a crash of the process loses nothing, a power cut may).
+batch durable (the open segment, segments sealed since the last commit, and the directory if a segment was
+created), issued when ``commit_bytes`` are waiting or the oldest waiting record is ``commit_s`` old (a background
+flusher), by ``flush()`` and at close. ``durable=True`` commits before each put returns; ``durable=False`` never
+commits by itself (``flush()``, a ``put(..., durable=True)`` and close still do): a crash of the process loses
+nothing (the bytes are in the page cache), a power cut may lose recent blocks (torn tails are cut at restart).
 
 Space: the budget counts every byte of every segment file (dead records included) and holds at all times.
 Before an append would exceed it, the oldest segment is reclaimed whole: its live records used since they
@@ -33,14 +35,13 @@ import re
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import TierError
 from .base import Tier
 from .blob import HEADER_SIZE as BLOB_HEADER_SIZE
-from .blob import decode_blob
+from .blob import crc32, decode_blob
 from .keys import BlockKey, Payload, check_count, check_seconds
 
 RECORD_MAGIC = b"KVSR"
@@ -63,8 +64,8 @@ MAX_SEGMENT = 64 << 20
 
 def record_header(kind: int, key: BlockKey, payload: bytes | memoryview) -> bytes:
     head = _RECORD.pack(RECORD_MAGIC, RECORD_VERSION, kind, key.namespace, key.block_hash, len(payload),
-                        zlib.crc32(payload), 0)
-    return head[:-4] + struct.pack("<I", zlib.crc32(head[:-4]))
+                        crc32(payload), 0)
+    return head[:-4] + struct.pack("<I", crc32(head[:-4]))
 
 
 def parse_header(raw: bytes | memoryview) -> tuple[int, BlockKey, int, int] | None:
@@ -74,7 +75,7 @@ def parse_header(raw: bytes | memoryview) -> tuple[int, BlockKey, int, int] | No
     magic, version, kind, ns, h, length, crc, hcrc = _RECORD.unpack_from(raw)
     if magic != RECORD_MAGIC or version != RECORD_VERSION or kind not in (PUT, TOMBSTONE):
         return None
-    if zlib.crc32(raw[: RECORD_HEADER - 4]) != hcrc:
+    if crc32(raw[: RECORD_HEADER - 4]) != hcrc:
         return None
     return kind, BlockKey(bytes(ns), bytes(h)), int(length), int(crc)
 
@@ -133,7 +134,7 @@ class DiskTier(Tier):
     """Blocks in append-only segment files under ``path``, within ``max_bytes`` (every byte of every segment).
 
     ``durable``: None (group commit: fsync per ``commit_bytes`` or ``commit_s``), True (fsync before each put
-    returns), False (fsync at segment seal and close only). ``segment_bytes``: a segment is sealed and a new one
+    returns), False (no fsync but by ``flush()`` and close). ``segment_bytes``: a segment is sealed and a new one
     opened past this size (default: max_bytes / 16, within 1..64 MiB). ``workers``: threads that checksum the
     blocks of one call in parallel (zlib's CRC-32 releases the GIL).
     """
@@ -184,6 +185,8 @@ class DiskTier(Tier):
         self._wfd = -1
         self._unsynced = 0
         self._unsynced_since = 0.0
+        self._sealed: list[int] = []  # write descriptors of sealed segments with bytes not yet fsynced
+        self._dir_dirty = False
         self._tick = 0
         self._mu = threading.RLock()
         self._stop = threading.Event()
@@ -237,7 +240,7 @@ class DiskTier(Tier):
             if parsed is None or off + RECORD_HEADER + parsed[2] > size:
                 break
             kind, key, length, crc = parsed
-            if last and zlib.crc32(os.pread(fd, length, off + RECORD_HEADER)) != crc:
+            if last and crc32(os.pread(fd, length, off + RECORD_HEADER)) != crc:
                 break  # the newest segment's records are checked whole: a torn tail ends there
             self._unindex(key)
             if kind == PUT:
@@ -353,8 +356,7 @@ class DiskTier(Tier):
                     room -= n
             fit.reverse()
             if fit:
-                heads = self._map(record_header, [(PUT, k, batch[k]) for k in fit])
-                self._append([(k, h, batch[k]) for k, h in zip(fit, heads)], count_puts=True)
+                self._append([(k, record_header(PUT, k, batch[k]), batch[k]) for k in fit], count_puts=True)
             return [k in self._index for k in keys]
 
     def _delete(self, keys: list[BlockKey]) -> int:
@@ -378,6 +380,8 @@ class DiskTier(Tier):
             self._close_fds()
 
     def _close_fds(self) -> None:
+        while self._sealed:
+            os.close(self._sealed.pop())
         for s in self._segs.values():
             if s.fd >= 0:
                 os.close(s.fd)
@@ -451,31 +455,40 @@ class DiskTier(Tier):
         try:
             wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
             rfd = os.open(path, os.O_RDONLY)
-            _fsync_dir(self._root)
         except OSError as e:
             self._error(e)
             return None
         self._next_id += 1
+        self._dir_dirty = True  # its name made durable with the group commit of its first records
         seg = _Segment(sid, path, fd=rfd)
         self._segs[sid] = seg
         self._open, self._wfd = seg, wfd
         return seg
 
     def _seal(self) -> None:
-        """The open segment made durable and closed for appends."""
+        """The open segment closed for appends; its last bytes made durable by the next group commit."""
         if self._open is None:
             return
-        self._flush()
-        os.close(self._wfd)
+        if self._unsynced and self.durable is not False:
+            self._sealed.append(self._wfd)
+        else:
+            os.close(self._wfd)
         self._open, self._wfd = None, -1
 
     def _flush(self) -> None:
-        if self._unsynced and self._wfd >= 0:
-            try:
+        """One group commit: the sealed segments' and the open segment's bytes, and new segment names, durable."""
+        try:
+            while self._sealed:
+                os.fsync(self._sealed[0])
+                os.close(self._sealed.pop(0))
+            if self._unsynced and self._wfd >= 0:
                 os.fsync(self._wfd)
-            except OSError as e:
-                self._error(e)
-                return
+            if self._dir_dirty:
+                _fsync_dir(self._root)
+                self._dir_dirty = False
+        except OSError as e:
+            self._error(e)
+            return
         self._unsynced = 0
 
     def _flush_loop(self) -> None:
@@ -616,9 +629,11 @@ def _read(key: BlockKey, where: tuple[int, int, int] | None) -> tuple[int, objec
         payload = os.pread(fd, n, off + RECORD_HEADER)
     except OSError as e:
         return _ERROR, e
-    parsed = parse_header(head)
-    if parsed is None or parsed[0] != PUT or parsed[1] != key or parsed[2] != n or len(payload) != n:
+    if len(head) != RECORD_HEADER or len(payload) != n:
         return _CORRUPT, None
-    if zlib.crc32(payload) != parsed[3]:
+    magic, version, kind, ns, h, length, crc, hcrc = _RECORD.unpack(head)
+    if (magic, version, kind, ns, h, length) != (RECORD_MAGIC, RECORD_VERSION, PUT, key.namespace, key.block_hash, n):
+        return _CORRUPT, None
+    if crc32(head[:-4]) != hcrc or crc32(payload) != crc:
         return _CORRUPT, None
     return _OK, payload
