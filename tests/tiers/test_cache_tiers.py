@@ -147,7 +147,10 @@ np.save(sys.argv[2], kvhal.to_numpy(c.attention(0, QUERY, [s], [1])))
     flood(c3)  # evictions try to write down to the dead server
     st = c3.stats()
     assert st.tier_unwritten_blocks == 6 and c3.tiers[0].stats().errors >= 1
-    redis_server.start()  # it comes back on the same port: the tier works again
+    redis_server.start()  # it comes back on the same port: the tier works again, after its reconnect backoff
+    from .test_redis import wait_connected
+
+    wait_connected(c3.tiers[0])
     c4 = kvhal.KVCache(SPEC, 8 * 4, backend="reference", fingerprint=FP, tiers=[c3.tiers[0]], write_through=True)
     prefill(c4, PROMPT)
     assert c4.stats().tier_written_blocks == 6
