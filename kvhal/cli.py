@@ -110,6 +110,7 @@ def info_text(data: dict[str, Any]) -> str:
 
 def snapshot_text(r: dict[str, Any]) -> str:
     fp, spec = r["fingerprint"] or {}, r["spec"] or {}
+    verdict = "ok: restorable into a cache of this fingerprint" if r["ok"] else f"REFUSED: {r['error']}"
     lines = [
         f"{r['path']}: {r['bytes']} bytes, snapshot v{r['snapshot_version']}, format v{r['format_version']}",
         f"  fingerprint  model={fp.get('model')!r} extra={fp.get('extra')} digest={str(fp.get('digest'))[:16]}...",
@@ -121,6 +122,7 @@ def snapshot_text(r: dict[str, Any]) -> str:
     bad = {k: v for k, v in r["checksums"].items() if v != "ok"}
     lines.append(f"  checksums    {len(r['checksums']) - len(bad)}/{len(r['checksums'])} tensors ok")
     lines += [f"    {k}: {v}" for k, v in bad.items()]
+    lines.append(f"  verdict      {verdict}")
     return "\n".join(lines)
 
 
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report = inspect(args.file)
             print(json.dumps(report, indent=2) if args.json else snapshot_text(report))
-            return 0 if report["checksums_ok"] else 1
+            return 0 if report["ok"] else 1
         if args.cmd == "info":
             data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
