@@ -68,7 +68,8 @@ class Tier(ABC):
 
     def get(self, keys: Sequence[BlockKey]) -> list[bytes | memoryview | None]:
         """Each key's payload, or None for a miss. A bad blob is a miss and is deleted. A payload is ``bytes``, or
-        (RedisTier) a read-only ``memoryview`` of the value as the server sent it, so it is not copied again."""
+        a read-only ``memoryview`` (RedisTier: of the value as the server sent it; DiskTier: of the buffer one read
+        of adjacent records filled), so it is not copied again."""
         ks = self._open_keys(keys)
         out = self._get(ks) if ks else []
         hits = sum(p is not None for p in out)
