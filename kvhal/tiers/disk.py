@@ -35,6 +35,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,12 +197,30 @@ class DiskTier(Tier):
         self._flusher: threading.Thread | None = None
         try:
             self._recover()
+        except OSError as e:
+            self._close_fds()
+            raise TierError(f"cannot read the disk tier directory {self.path}: {e}; pass a readable directory") from e
         except BaseException:
             self._close_fds()
             raise
-        if durable is None:
-            self._flusher = threading.Thread(target=self._flush_loop, name="kvhal-disk-commit", daemon=True)
+        if durable is None:  # the thread holds the tier weakly: a tier dropped without close() is still collected
+            self._flusher = threading.Thread(
+                target=_flush_loop, args=(weakref.ref(self), self._stop, self._commit_s), name="kvhal-disk-commit",
+                daemon=True,
+            )
             self._flusher.start()
+
+    def __del__(self) -> None:
+        """Dropped without close(): the last records committed and the directory released (no thread joined)."""
+        try:
+            if not self._closed:
+                self._closed = True
+                self._stop.set()
+                with self._mu:
+                    self._flush()
+                    self._close_fds()
+        except Exception:  # half-built, or at interpreter exit
+            pass
 
     # -- start -------------------------------------------------------------------------------------------------
 
@@ -503,11 +522,10 @@ class DiskTier(Tier):
             return
         self._unsynced = 0
 
-    def _flush_loop(self) -> None:
-        while not self._stop.wait(self._commit_s / 2):
-            with self._mu:
-                if self._unsynced and time.monotonic() - self._unsynced_since >= self._commit_s:
-                    self._flush()
+    def _commit_due(self) -> None:
+        with self._mu:
+            if self._unsynced and not self._closed and time.monotonic() - self._unsynced_since >= self._commit_s:
+                self._flush()
 
     # -- space -------------------------------------------------------------------------------------------------
 
@@ -629,6 +647,16 @@ class DiskTier(Tier):
 
 
 _OK, _MISSING, _CORRUPT, _ERROR = range(4)
+
+
+def _flush_loop(ref: weakref.ReferenceType[DiskTier], stop: threading.Event, every: float) -> None:
+    """The group commit's time bound: a commit once the oldest waiting record is ``every`` seconds old."""
+    while not stop.wait(every / 2):
+        tier = ref()
+        if tier is None:
+            return
+        tier._commit_due()
+        del tier
 
 
 def _read_run(keys: list[BlockKey], run: tuple[int, int, list[tuple[int, int, int]]]) -> list[tuple[int, object]]:

@@ -107,6 +107,14 @@ def test_one_tier_per_directory(tmp_path: Path):
         with pytest.raises(kvhal.TierError, match="in use by another DiskTier"):
             DiskTier(tmp_path, 1 << 20)
     DiskTier(tmp_path, 1 << 20).close()  # released at close
+    t = DiskTier(tmp_path, 1 << 20)
+    t.put([key(1)], [payload(1)])
+    del t  # dropped without close: collected (its commit thread holds it weakly), the directory released
+    import gc
+
+    gc.collect()
+    with DiskTier(tmp_path, 1 << 20) as t:
+        assert t.get([key(1)]) == [payload(1)]
 
 
 def test_torn_tail_corrupt_and_foreign_records(tmp_path: Path):
