@@ -63,7 +63,7 @@ COMMIT_S = 0.02
 # read-back ran at 0.55 of one sequential file in 4 MiB segments, 0.8-0.95 in 16-32 MiB ones)
 MIN_SEGMENT = 16 << 20
 MAX_SEGMENT = 256 << 20
-RUN_BYTES = 1 << 20  # a get reads adjacent records in runs up to this size
+RUN_BYTES = 8 << 20  # a get groups adjacent records in runs up to this size
 
 
 def record_header(kind: int, key: BlockKey, payload: bytes | memoryview) -> bytes:
@@ -343,8 +343,9 @@ class DiskTier(Tier):
         return len(keys)
 
     def _get(self, keys: list[BlockKey]) -> list[bytes | memoryview | None]:
-        """Records next to each other in a segment (a batch put together, in order) are read with one pread per
-        run of at most ``RUN_BYTES``; each block is a read-only view of its run's buffer (no copy), checked."""
+        """Records next to each other in a segment (a batch put together, in order) form runs of at most
+        ``RUN_BYTES``, read in order (runs in parallel by the worker threads); each record with one pread of header
+        and payload, the block a read-only view of the payload in that buffer (no copy), checked."""
         with self._mu:
             runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # fd, offset, [(key index, offset, len)]
             last: tuple[int, int] | None = None  # (segment, end offset) of the run being grown
@@ -660,18 +661,19 @@ def _flush_loop(ref: weakref.ReferenceType[DiskTier], stop: threading.Event, eve
 
 
 def _read_run(keys: list[BlockKey], run: tuple[int, int, list[tuple[int, int, int]]]) -> list[tuple[int, object]]:
-    """(state, payload view or exception) per record of a run of adjacent records, read with one pread."""
-    fd, start, recs = run
-    end = recs[-1][1] + RECORD_HEADER + recs[-1][2]
-    try:
-        buf = os.pread(fd, end - start, start)
-    except OSError as e:
-        return [(_ERROR, e)] * len(recs)
-    view = memoryview(buf)
+    """(state, payload view or exception) per record of a run of adjacent records: one pread per record, in
+    order, so the kernel sees a sequential reader and reads ahead (one large pread per run measured 0.3-0.6 of
+    the speed of record-sized reads from cold segments: a synchronous read gets no readahead behind it)."""
+    fd, _, recs = run
     out: list[tuple[int, object]] = []
     for i, off, n in recs:
-        at = off - start
-        head, payload = view[at : at + RECORD_HEADER], view[at + RECORD_HEADER : at + RECORD_HEADER + n]
+        try:
+            buf = os.pread(fd, RECORD_HEADER + n, off)
+        except OSError as e:
+            out.append((_ERROR, e))
+            continue
+        view = memoryview(buf)
+        head, payload = view[:RECORD_HEADER], view[RECORD_HEADER:]
         out.append((_OK, payload) if _intact(keys[i], head, payload, n) else (_CORRUPT, None))
     return out
 
