@@ -102,21 +102,21 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    total = sum(len(p) for p in parts)
-    done = 0
-    while parts:
-        n = os.writev(fd, parts[:1024])
-        done += n
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts = parts[1:]
+def _write_all(fd: int, parts: list[bytes | memoryview], total: int) -> None:
+    """``writev`` until all ``total`` bytes of ``parts`` are written (a short write resumes where it stopped)."""
+    i = 0
+    while i < len(parts):
+        n = os.writev(fd, parts[i : i + 1024])
+        if i == 0 and n == total:
+            return
+        while i < len(parts) and n >= len(parts[i]):
+            n -= len(parts[i])
+            i += 1
         if n:
-            parts[0] = memoryview(parts[0])[n:]
-    assert done == total
+            parts[i] = memoryview(parts[i])[n:]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Segment:
     id: int
     path: str
@@ -125,7 +125,7 @@ class _Segment:
     fd: int = -1  # read descriptor
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     seg: int
     offset: int
@@ -454,8 +454,9 @@ class DiskTier(Tier):
     def _append_to(self, seg: _Segment, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool) -> bool:
         parts: list[bytes | memoryview] = [x for _, h, p in records for x in (h, p)]
         start = seg.size
+        size = sum(map(len, parts))
         try:
-            _write_all(self._wfd, parts)
+            _write_all(self._wfd, parts, size)
         except OSError as e:
             self._error(e)
             try:  # cut whatever part of the batch landed: the segment ends where it ended before
@@ -463,16 +464,16 @@ class DiskTier(Tier):
             except OSError:
                 self._seal()
             return False
-        off = start
-        for k, h, p in records:
-            self._unindex(k)
-            if h[6:8] == b"\x01\x00":  # a block record (a tombstone indexes nothing)
-                self._tick += 1
-                self._index[k] = _Entry(seg.id, off, len(p), tick=self._tick)
-                seg.live[k] = off
-                if count_puts:
-                    self._stats.puts += 1
-            off += len(h) + len(p)
+        off, index, live, tick = start, self._index, seg.live, self._tick
+        for k, h, p in records:  # keys not indexed (put) or no longer (delete)
+            if count_puts:  # block records (a delete's tombstones index nothing)
+                tick += 1
+                index[k] = _Entry(seg.id, off, len(p), False, tick)
+                live[k] = off
+            off += RECORD_HEADER + len(p)
+        self._tick = tick
+        if count_puts:
+            self._stats.puts += len(records)
         seg.size = off
         self._total += off - start
         if not self._unsynced:
@@ -586,7 +587,7 @@ class DiskTier(Tier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, parts)
+                _write_all(fd, parts, new.size)
                 os.fsync(fd)
             finally:
                 os.close(fd)
