@@ -219,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     pst.add_argument("--capacity", type=_positive, default=512, help="capacity_tokens of the cache")
     pst.add_argument("--block-size", type=_positive, default=8)
     pst.add_argument(
-        "--tiers", default="", help="comma list of block tiers the cache writes down to and pulls back from "
-        "(host,disk,redis; redis starts a private redis-server), every block audited byte for byte"
+        "--tiers",
+        default="",
+        help="comma list of block tiers the cache writes down to and pulls back from "
+        "(host,disk,redis; redis starts a private redis-server), every block audited byte for byte",
     )
     pst.add_argument(
-        "--faults", action="store_true", help="with --tiers: kill -9 and restart the Redis server, truncate disk segments"
+        "--faults",
+        action="store_true",
+        help="with --tiers: kill -9 and restart the Redis server, truncate disk segments",
     )
     pst.add_argument("--json", action="store_true", help="print JSON instead of text")
     plan.add_parser(sub)

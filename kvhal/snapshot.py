@@ -416,17 +416,25 @@ def validate(r: _Reader) -> None:
     if r.problem is not None:
         raise r.problem
     r.check_version()
-    m = r.meta
+    m: Any = r.meta
     if _depth(m) > MAX_DEPTH:
         raise bad(f"its metadata nests deeper than {MAX_DEPTH} levels")
-    fp, spec_d, n_blocks, seqs, sums = (m.get(k) for k in ("fingerprint", "spec", "n_blocks", "seqs", "checksums"))
+    fp: Any = m.get("fingerprint")
+    spec_d: Any = m.get("spec")
+    n_blocks: Any = m.get("n_blocks")
+    seqs: Any = m.get("seqs")
+    sums: Any = m.get("checksums")
     if not (isinstance(fp, dict) and isinstance(fp.get("model"), str) and isinstance(fp.get("extra"), dict)):
         raise bad("its fingerprint is not an object with a model name (str) and extra keys (object)")
     if not (isinstance(fp.get("digest"), str) and _HEX64.fullmatch(fp["digest"])):
         raise bad("its fingerprint digest is not 64 hex digits")
     if not isinstance(spec_d, dict) or not _is_int(n_blocks) or not isinstance(seqs, list):
         raise bad("spec (object), n_blocks (int >= 0) or seqs (list) is missing or of another type")
-    if m.get("checksum") != "crc32" or not isinstance(sums, dict) or not all(_is_int(v, 0, 1 << 32) for v in sums.values()):
+    if (
+        m.get("checksum") != "crc32"
+        or not isinstance(sums, dict)
+        or not all(_is_int(v, 0, 1 << 32) for v in sums.values())
+    ):
         raise bad('checksum is not "crc32" with a CRC-32 (int) per tensor')
     try:
         spec = CacheSpec(**{k: _tupled(v) for k, v in spec_d.items()})
@@ -467,8 +475,11 @@ def validate(r: _Reader) -> None:
     for i, s in enumerate(seqs):
         if not isinstance(s, dict):
             raise bad(f"sequence {i}'s metadata is not an object")
-        lens, extra, hashes, sealable = (s.get(k) for k in ("lens", "extra", "hashes", "sealable"))
-        paged = s.get("paged") if tail else lens
+        lens: Any = s.get("lens")
+        extra: Any = s.get("extra")
+        hashes: Any = s.get("hashes")
+        sealable: Any = s.get("sealable")
+        paged: Any = s.get("paged") if tail else lens
         for name, v in (("lens", lens), ("paged", paged)):
             if not (isinstance(v, list) and len(v) == spec.n_layers and all(_is_int(x) for x in v)):
                 raise bad(f"sequence {i}'s {name} is not one int >= 0 per layer ({spec.n_layers})")
@@ -501,7 +512,9 @@ def validate(r: _Reader) -> None:
             raise bad(f"sequence {i} has a negative token id ({int(tokens.min())}); ids are in [0, 2**31)")
         sealed = min(len(tokens), min(paged, default=0)) // bs
         sealed = sealed if sealable is None else min(sealed, sealable)
-        if [bytes.fromhex(h) for h in hashes] != hash_chain(root, tokens[: sealed * bs].tolist(), bs, bytes.fromhex(extra)):
+        if [bytes.fromhex(h) for h in hashes] != hash_chain(
+            root, tokens[: sealed * bs].tolist(), bs, bytes.fromhex(extra)
+        ):
             raise bad(f"sequence {i}'s block hash chain does not match its token ids")
 
 
@@ -663,11 +676,11 @@ def inspect(path: Any) -> dict[str, Any]:
         if error is None and not ok:
             error = next(v for v in checks.values() if v != "ok")
         m = r.meta
-        seqs = m.get("seqs") if isinstance(m.get("seqs"), list) else []
+        seqs: list[Any] = m["seqs"] if isinstance(m.get("seqs"), list) else []
         summary = []
         for s in seqs:
-            lens = s.get("lens") if isinstance(s, dict) else None
-            hashes = s.get("hashes") if isinstance(s, dict) else None
+            lens: Any = s.get("lens") if isinstance(s, dict) else None
+            hashes: Any = s.get("hashes") if isinstance(s, dict) else None
             summary.append(
                 {
                     "tokens": max((x for x in lens if _is_int(x)), default=0) if isinstance(lens, list) else None,

@@ -181,8 +181,21 @@ def run(
         raise KVHalError("--faults injects tier faults: name the tiers too, e.g. --tiers host,disk,redis")
     with ExitStack() as stack:
         audited = _make_tiers(names, stack)
-        return _run(backend, k_format, v_format, steps, seed, capacity_tokens, block_size, n_layers, n_kv_heads,
-                    head_dim, show_progress, audited, faults)
+        return _run(
+            backend,
+            k_format,
+            v_format,
+            steps,
+            seed,
+            capacity_tokens,
+            block_size,
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            show_progress,
+            audited,
+            faults,
+        )
 
 
 def _run(
@@ -212,14 +225,25 @@ def _run(
     on_full = EvictOnFull(SinkWindow(sinks=block_size), keep_tokens=4 * block_size)
     for t in audited:
         t.size(spec.block_nbytes)
-    cache = KVCache(spec, capacity_tokens, backend=backend, fingerprint=Fingerprint("kvhal-stress"), on_full=on_full,
-                    tiers=list(audited) or None)
+    cache = KVCache(
+        spec,
+        capacity_tokens,
+        backend=backend,
+        fingerprint=Fingerprint("kvhal-stress"),
+        on_full=on_full,
+        tiers=list(audited) or None,
+    )
     fault_rng = np.random.default_rng([seed, 1])
     rep_faults = {"redis_kills": 0, "disk_truncations": 0}
     rng = np.random.default_rng(seed)
     audit = _Audit(cache)
     rep = StressReport(
-        cache.backend.name, k_format, v_format, seed, steps, advertised_tokens=cache.stats().capacity_tokens,
+        cache.backend.name,
+        k_format,
+        v_format,
+        seed,
+        steps,
+        advertised_tokens=cache.stats().capacity_tokens,
         tiers=[t.name for t in audited],
     )
     ops = {k: 0 for k in ("prefill", "append", "fork", "remove", "evict", "free", "observe")}
@@ -318,7 +342,9 @@ def _make_tiers(names: list[str], stack: ExitStack) -> list[Any]:
                 if p is not None:
                     self.checked += 1
                     if hashlib.sha256(p).digest() != self.sums.get(k):
-                        self.bad = f"{self.name} tier: block {k.block_hash.hex()[:16]} read back other bytes than written"
+                        self.bad = (
+                            f"{self.name} tier: block {k.block_hash.hex()[:16]} read back other bytes than written"
+                        )
             return list(out)
 
         def _put(self, keys: list[Any], payloads: list[Any]) -> list[bool]:
@@ -344,10 +370,20 @@ def _make_tiers(names: list[str], stack: ExitStack) -> list[Any]:
             out.append(Audited("disk", None, root=os.path.join(work, "disk")))
         else:
             if redis_server_path() is None:
-                raise KVHalError("--tiers redis starts a private redis-server: install it (apt-get install redis-server)")
+                raise KVHalError(
+                    "--tiers redis starts a private redis-server: install it (apt-get install redis-server)"
+                )
             server = stack.enter_context(RedisServer(os.path.join(work, "redis")).start())
-            tier = stack.enter_context(RedisTier(server.url, cluster=False, socket_timeout=0.5, connect_timeout=0.5,
-                                                 reconnect_s=0.01, max_reconnect_s=0.05))
+            tier = stack.enter_context(
+                RedisTier(
+                    server.url,
+                    cluster=False,
+                    socket_timeout=0.5,
+                    connect_timeout=0.5,
+                    reconnect_s=0.01,
+                    max_reconnect_s=0.05,
+                )
+            )
             out.append(Audited("redis", tier, server=server))
     return out
 

@@ -282,11 +282,12 @@ def run(
     try:
         for name, bs in progress(jobs, len(jobs), "tiers bench", show_progress):
             w = Workload(bs, total, batch)
-            pairs: list[tuple[str, int, int | None]] = {
+            layout: dict[str, list[tuple[str, int, int | None]]] = {
                 "host": [("host", 0, None)],
                 "disk": [("disk", 0, 1), ("disk-nosync", 2, 3)],
                 "redis": [("redis", 0, 1)],
-            }[name]
+            }
+            pairs = layout[name]
             runs = []
             for r in range(repeats + 1):  # the first run warms up (threads, page cache, server) and is dropped
                 if name == "host":

@@ -10,15 +10,24 @@ fields already keep other blocks' and other models' blobs out. It runs at about 
 
 from __future__ import annotations
 
+import importlib
 import struct
-
-try:  # the same CRC-32 as zlib's, an order of magnitude faster (SIMD); zlib's where zlib-ng is not installed
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    from zlib import crc32
+import zlib
+from typing import Any
 
 from ..errors import TierError
 from .keys import BlockKey, Payload, check_payload
+
+try:  # the same CRC-32 as zlib's, an order of magnitude faster (SIMD); zlib's where zlib-ng is not installed
+    _crc32: Any = importlib.import_module("zlib_ng.zlib_ng").crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
+
+def crc32(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC-32 (zlib's polynomial) of ``data``, continuing from ``value``."""
+    return int(_crc32(data, value))
+
 
 MAGIC = b"KVHB"
 VERSION = 2  # 1: sha256 of the payload (112-byte header); its blobs are misses now, deleted where found

@@ -36,8 +36,10 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import TierError
 from .base import Tier
@@ -67,8 +69,9 @@ RUN_BYTES = 8 << 20  # a get groups adjacent records in runs up to this size
 
 
 def record_header(kind: int, key: BlockKey, payload: bytes | memoryview) -> bytes:
-    head = _RECORD.pack(RECORD_MAGIC, RECORD_VERSION, kind, key.namespace, key.block_hash, len(payload),
-                        crc32(payload), 0)
+    head = _RECORD.pack(
+        RECORD_MAGIC, RECORD_VERSION, kind, key.namespace, key.block_hash, len(payload), crc32(payload), 0
+    )
     return head[:-4] + struct.pack("<I", crc32(head[:-4]))
 
 
@@ -205,7 +208,9 @@ class DiskTier(Tier):
             raise
         if durable is None:  # the thread holds the tier weakly: a tier dropped without close() is still collected
             self._flusher = threading.Thread(
-                target=_flush_loop, args=(weakref.ref(self), self._stop, self._commit_s), name="kvhal-disk-commit",
+                target=_flush_loop,
+                args=(weakref.ref(self), self._stop, self._commit_s),
+                name="kvhal-disk-commit",
                 daemon=True,
             )
             self._flusher.start()
@@ -320,7 +325,7 @@ class DiskTier(Tier):
 
     # -- the interface ---------------------------------------------------------------------------------------
 
-    def put(self, keys: list[BlockKey], payloads: list[Payload], *, durable: bool | None = None) -> list[bool]:
+    def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload], *, durable: bool | None = None) -> list[bool]:
         """Tier.put; ``durable=True``: the blocks are fsynced before it returns (else the tier's mode)."""
         if durable is not None and not isinstance(durable, bool):
             raise TierError(f"durable must be True, False or None, got {type(durable).__name__}")
@@ -440,7 +445,9 @@ class DiskTier(Tier):
                 if seg is None:
                     break
             n, size = 0, seg.size
-            while n < len(records) and (n == 0 or size + len(records[n][1]) + len(records[n][2]) <= self._segment_bytes):
+            while n < len(records) and (
+                n == 0 or size + len(records[n][1]) + len(records[n][2]) <= self._segment_bytes
+            ):
                 size += len(records[n][1]) + len(records[n][2])
                 n += 1
             if not self._append_to(seg, records[:n], count_puts):
@@ -451,7 +458,9 @@ class DiskTier(Tier):
         if self.durable is None and self._unsynced >= self._commit_bytes:
             self._flush()
 
-    def _append_to(self, seg: _Segment, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool) -> bool:
+    def _append_to(
+        self, seg: _Segment, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool
+    ) -> bool:
         parts: list[bytes | memoryview] = [x for _, h, p in records for x in (h, p)]
         start = seg.size
         size = sum(map(len, parts))
@@ -465,7 +474,7 @@ class DiskTier(Tier):
                 self._seal()
             return False
         off, index, live, tick = start, self._index, seg.live, self._tick
-        for k, h, p in records:  # keys not indexed (put) or no longer (delete)
+        for k, _, p in records:  # keys not indexed (put) or no longer (delete)
             if count_puts:  # block records (a delete's tombstones index nothing)
                 tick += 1
                 index[k] = _Entry(seg.id, off, len(p), False, tick)
@@ -661,12 +670,12 @@ def _flush_loop(ref: weakref.ReferenceType[DiskTier], stop: threading.Event, eve
         del tier
 
 
-def _read_run(keys: list[BlockKey], run: tuple[int, int, list[tuple[int, int, int]]]) -> list[tuple[int, object]]:
+def _read_run(keys: list[BlockKey], run: tuple[int, int, list[tuple[int, int, int]]]) -> list[tuple[int, Any]]:
     """(state, payload view or exception) per record of a run of adjacent records: one pread per record, in
     order, so the kernel sees a sequential reader and reads ahead (one large pread per run measured 0.3-0.6 of
     the speed of record-sized reads from cold segments: a synchronous read gets no readahead behind it)."""
     fd, _, recs = run
-    out: list[tuple[int, object]] = []
+    out: list[tuple[int, Any]] = []
     for i, off, n in recs:
         try:
             buf = os.pread(fd, RECORD_HEADER + n, off)
@@ -688,7 +697,7 @@ def _intact(key: BlockKey, head: bytes | memoryview, payload: bytes | memoryview
     return crc32(head[:-4]) == hcrc and crc32(payload) == crc
 
 
-def _read(key: BlockKey, where: tuple[int, int, int] | None) -> tuple[int, object]:
+def _read(key: BlockKey, where: tuple[int, int, int] | None) -> tuple[int, Any]:
     """(state, payload or exception) of ``key``'s record at (descriptor, offset, payload length)."""
     if where is None:
         return _MISSING, None

@@ -139,7 +139,9 @@ class RedisTier(Tier):
             self._logged = True
             log.warning(
                 "kvhal RedisTier: cannot reach %s (%s: %s); blocks are misses until it is back (retried with backoff)",
-                self.url, type(e).__name__, e,
+                self.url,
+                type(e).__name__,
+                e,
             )
 
     def _up(self) -> None:
