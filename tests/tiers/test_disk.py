@@ -240,10 +240,10 @@ for trial in range(trials):
             t.put(ks, [payload(base + j + n, size(base + j + n)) for n in range(3)], durable=not small)
             os.write(w, f"{base + j + 2}\n".encode())
             if small:
-                t.get([key(base + rng.randrange(max(1, j)))])
+                t.get([key(base + max(0, j - rng.randrange(1, 12)))])  # recent blocks: hot in compaction
         os._exit(0)
     os.close(w)
-    time.sleep(rng.uniform(0.0, 0.08))
+    time.sleep(rng.uniform(0.02, 0.25) if small else rng.uniform(0.0, 0.08))
     out["max_bytes_seen"] = max(out["max_bytes_seen"], on_disk(d) / budget)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
