@@ -8,6 +8,8 @@ declared ``attention_tolerance``, and sequence operations leave identical pools.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -19,11 +21,15 @@ from tests.oracle import attention_f64
 ALL_FORMATS = formats.names()
 
 
+def make_spec(fmt_k: str, fmt_v: str | None = None, *, layers: int = 1, heads: int = 2, dim: int = 64,
+              bs: int = 16) -> kvhal.CacheSpec:
+    return kvhal.CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt_k,
+                           v_format=fmt_v or fmt_k, block_size=bs)
+
+
 def make_cache(name: str, fmt_k: str, fmt_v: str | None = None, *, layers: int = 1, heads: int = 2,
                dim: int = 64, bs: int = 16, cap: int = 512) -> kvhal.KVCache:
-    spec = kvhal.CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt_k,
-                           v_format=fmt_v or fmt_k, block_size=bs)
-    return kvhal.KVCache(spec, cap, backend=name)
+    return kvhal.KVCache(make_spec(fmt_k, fmt_v, layers=layers, heads=heads, dim=dim, bs=bs), cap, backend=name)
 
 
 def pool_bytes(cache: kvhal.KVCache, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -90,15 +96,43 @@ def runs_as_k(info: kvhal.BackendInfo, fmt: str) -> bool:
     return True
 
 
-def k_v_pair(info: kvhal.BackendInfo, fmt: str) -> tuple[str, str] | None:
-    """The (K, V) formats that exercise ``fmt`` on ``info``: ``(fmt, fmt)``, ``("f16", fmt)`` where only its
-    V rows run there, or None, having checked the typed refusal, where it does not run at all."""
+OPS = ("store", "load", "attention")
+
+
+@functools.cache
+def backend_of(name: str) -> kvhal.Backend:
+    """The backend instance a ``KVCache(..., backend=name)`` runs on (every backend takes this f16 spec)."""
+    return make_cache(name, "f16", cap=16).backend
+
+
+def skip_if_refused(info: kvhal.BackendInfo, spec: kvhal.CacheSpec, capacity: int = 64) -> None:
+    """Nothing where ``info``'s backend takes ``spec`` for every op. Where ``supports`` refuses an op, the cache
+    refuses the spec with an ``UnsupportedError`` that names exactly that reason, and the test skips with it
+    (a refusal is a skip that says why, never a pass)."""
+    backend = backend_of(info.name)
+    refusals = [(op, why) for op in OPS if (why := backend.supports(spec, op)) is not None]
+    if not refusals:
+        return
+    with pytest.raises(kvhal.UnsupportedError) as refused:
+        kvhal.KVCache(spec, capacity, backend=info.name)
+    op, why = refusals[0]
+    assert why in str(refused.value), f"the cache's refusal {str(refused.value)!r} does not name supports({op!r}): {why!r}"
+    pytest.skip(f"{info.name} refuses {op}: {why}")
+
+
+def k_v_pair(info: kvhal.BackendInfo, fmt: str) -> tuple[str, str]:
+    """The (K, V) formats that exercise ``fmt`` on ``info``: ``(fmt, fmt)``, or ``("f16", fmt)`` where only its
+    V rows run there; where it does not run at all (not claimed, or refused by a device limit), the test skips
+    with ``supports``' reason, having checked that the cache's typed refusal names it."""
     if fmt not in claimed_all(info):
         with pytest.raises(kvhal.UnsupportedError):
             make_cache(info.name, fmt)
-        return None
+        skip_if_refused(info, make_spec(fmt))
+        pytest.fail(f"{info.name} refuses format {fmt} though its supports() takes it")
     if runs_as_k(info, fmt):
         return fmt, fmt
+    if formats.get(fmt).k_page is None:  # claimed, but this device's limits refuse it here: skip with the reason
+        skip_if_refused(info, make_spec(fmt))
     assert formats.get(fmt).k_page is not None, f"{info.name} claims {fmt} but refuses it as K"
     return "f16", fmt
 
@@ -115,8 +149,6 @@ def test_claims_at_least_f16(backend_info: kvhal.BackendInfo) -> None:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_store_load_bytes_match_reference(backend_info, fmt, rng):
     pair = k_v_pair(backend_info, fmt)
-    if pair is None:
-        return
     fk, fv = pair
     k, v = kv(rng, 37)
     caches = [make_cache(backend_info.name, fk, fv, bs=16), make_cache("reference", fk, fv, bs=16)]
@@ -157,8 +189,6 @@ def adversarial_rows(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_adversarial_bytes_match_reference(backend_info, fmt, rng):
     pair = k_v_pair(backend_info, fmt)
-    if pair is None:
-        return
     x = adversarial_rows(rng)
     caches = [make_cache(backend_info.name, *pair), make_cache("reference", *pair)]
     for c in caches:
@@ -199,8 +229,6 @@ CASES = {
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_attention_matches_float64(backend_info, fmt, case, rng):
     pair = k_v_pair(backend_info, fmt)
-    if pair is None:
-        return
     fk, fv = pair
     n_heads, n_kv, dim, lens, q_lens, causal, window = CASES[case]
     cache = make_cache(backend_info.name, fk, fv, heads=n_kv, dim=dim, cap=sum(lens) + 64)
@@ -227,9 +255,7 @@ def test_non_finite_query_value_gives_nan_in_its_row_only(backend_info, bad, rng
     """A NaN or inf in one query row (a model bug upstream) is not hidden: that row's output is NaN, as in
     float64 attention, and every other row is unchanged, for each claimed format, decode and prefill."""
     for fmt in claimed_all(backend_info):
-        pair = k_v_pair(backend_info, fmt)
-        if pair is None:
-            continue
+        pair = k_v_pair(backend_info, fmt)  # a claimed format: never skips
         cache = make_cache(backend_info.name, *pair, cap=96)
         k, v = kv(rng, 40)
         s = cache.new_seq()
