@@ -362,12 +362,11 @@ def test_sweep_store_load_match_reference(backend_info, case):
     _SWEEP_BUILT[backend_info.name, case] = [got, ref]  # only once every check passed
 
 
-@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
-def test_sweep_attention_matches_float64(backend_info, case, rng):
+def sweep_attention(info: kvhal.BackendInfo, case: tuple[str, int, int, int], rng: np.random.Generator) -> None:
     """Decode (1 query) and a causal prefill chunk (20 queries across the page boundary) against float64
     attention over the reference's dequantized K/V, within the backend's declared tolerance."""
     fmt, dim, bs, gqa = case
-    got, ref = sweep_caches(backend_info, case)
+    got, ref = sweep_caches(info, case)
     ks, vs = (kvhal.to_numpy(x).copy() for x in ref.load(0, 0))
     errs = {}
     for q_len in (1, 20):
@@ -377,6 +376,31 @@ def test_sweep_attention_matches_float64(backend_info, case, rng):
         errs[q_len] = float(np.abs(out - attention_f64(q, [ks], [vs], [q_len])).max())
     tol = got.backend.attention_tolerance
     assert max(errs.values()) <= tol, f"max error decode {errs[1]:.3g}, prefill {errs[20]:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
+def test_sweep_attention_matches_float64(backend_info, case, rng):
+    sweep_attention(backend_info, case, rng)
+
+
+# Cases outside the design that the full product found (every format x head_dim x block_size x GQA, 714 attention
+# cases, the queries drawn from seeds 1234, 7, 0, 1, 2): on cpu with its AVX-512 integer kernels (q and p*d_v at
+# 16 bits, declared tolerance 3e-4) the prefill error over 267 keys exceeds 3e-4 in 0-2 of the 714 cases per seed
+# (3.0e-4 to 3.8e-4, block_size 256, GQA 4/8, q8_0/q4_1/q5_0); decode stays <= 1.1e-4. The two with a clear
+# margin are kept as strict xfails there: a more exact kernel, or a declared figure the kernels meet, makes them
+# pass, and strict=True then asks for this mark to go. Everywhere else they are ordinary cases.
+SWEEP_FOUND = [(("q5_0", 96, 256, 8), 7), (("q4_1", 64, 256, 4), 2)]  # (case, seed of the queries)
+CPU_INT_TOLERANCE = 3e-4  # cpu's declared figure where its AVX-512 integer kernels run
+
+
+@pytest.mark.parametrize(("case", "q_seed"), SWEEP_FOUND, ids=[f"{sweep_id(c)}-q{s}" for c, s in SWEEP_FOUND])
+def test_sweep_found_attention_matches_float64(backend_info, case, q_seed, request):
+    if backend_info.name == "cpu" and backend_of("cpu").attention_tolerance == CPU_INT_TOLERANCE:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "cpu AVX-512 integer attention (q, p*d_v at 16 bits): prefill error over 267 keys 3.4e-4..3.8e-4, "
+            "above its declared 3e-4 (found by the full-product sweep)"
+        )))  # fmt: skip
+    sweep_attention(backend_info, case, np.random.default_rng(q_seed))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
