@@ -11,6 +11,8 @@ backend refuses skips with the reason its ``supports`` gives (which the cache's 
 from __future__ import annotations
 
 import functools
+import itertools
+import os
 
 import numpy as np
 import pytest
@@ -291,9 +293,18 @@ SWEEP_TABLE = [
     ("kivi4",      (32, 4),   _,         (16, 1),   (64, 8),   (256, 8)),
     ("kivi2",      (256, 1),  _,         (64, 8),   (16, 4),   (32, 8)),
 ]  # fmt: skip
-SWEEP = [
+SWEEP_DESIGN = [
     (fmt, dim, *cell) for fmt, *cells in SWEEP_TABLE for dim, cell in zip(SWEEP_DIMS, cells) if cell is not None
 ]
+# KVHAL_SWEEP=full runs the whole product instead (714 cases, each a valid spec; minutes on the host backends, far
+# longer emulated): how SWEEP_FOUND below was found
+SWEEP_FULL = [
+    (fmt, dim, bs, gqa)
+    for fmt in ALL_FORMATS
+    for dim, bs, gqa in itertools.product(SWEEP_DIMS, SWEEP_BLOCKS, SWEEP_GQA)
+    if dim % formats.get(fmt).block_len == 0 and (formats.get(fmt).k_page is None or 4 * dim % bs == 0)
+]
+SWEEP = SWEEP_FULL if os.environ.get("KVHAL_SWEEP") == "full" else SWEEP_DESIGN
 
 
 def sweep_id(case: tuple[str, int, int, int]) -> str:
@@ -306,21 +317,21 @@ def test_sweep_design_covers_every_pair():
     axes among the ggml-classic formats alone, and the largest case in every format family."""
     assert sorted(f for fam in FAMILIES.values() for f in fam) == sorted(ALL_FORMATS)
     for fmt in ALL_FORMATS:
-        rows = [c for c in SWEEP if c[0] == fmt]
+        rows = [c for c in SWEEP_DESIGN if c[0] == fmt]
         dims = {d for d in SWEEP_DIMS if d % formats.get(fmt).block_len == 0}
         assert {c[1] for c in rows} == dims, fmt
         assert {c[2] for c in rows} == set(SWEEP_BLOCKS), fmt
         assert {c[3] for c in rows} == set(SWEEP_GQA), fmt
     for subset in (formats.GGML_CLASSIC, ALL_FORMATS):
-        rows = [c for c in SWEEP if c[0] in subset]
+        rows = [c for c in SWEEP_DESIGN if c[0] in subset]
         for (i, a), (j, b) in [((1, SWEEP_DIMS), (2, SWEEP_BLOCKS)), ((1, SWEEP_DIMS), (3, SWEEP_GQA)),
                                ((2, SWEEP_BLOCKS), (3, SWEEP_GQA))]:  # fmt: skip
             missing = {(x, y) for x in a for y in b} - {(c[i], c[j]) for c in rows}
             assert not missing, (subset, missing)
     for family, fmts in FAMILIES.items():
-        assert any(c[0] in fmts and c[1:] == LARGEST for c in SWEEP), family
-    assert len(set(SWEEP)) == len(SWEEP)
-    for fmt, dim, bs, _gqa in SWEEP:
+        assert any(c[0] in fmts and c[1:] == LARGEST for c in SWEEP_DESIGN), family
+    assert len(set(SWEEP_DESIGN)) == len(SWEEP_DESIGN) and set(SWEEP_DESIGN) <= set(SWEEP_FULL)
+    for fmt, dim, bs, _gqa in SWEEP_DESIGN:
         make_spec(fmt, heads=2, dim=dim, bs=bs)  # a valid spec: only a backend may refuse it
 
 
