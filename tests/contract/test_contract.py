@@ -397,7 +397,8 @@ def test_sweep_attention_matches_float64(backend_info, case, rng):
 # Cases outside the design that the full product found (every format x head_dim x block_size x GQA, 714 attention
 # cases, the queries drawn from seeds 1234, 7, 0, 1, 2): on cpu with its AVX-512 integer kernels (q and p*d_v at
 # 16 bits, declared tolerance 3e-4) the prefill error over 267 keys exceeds 3e-4 in 0-2 of the 714 cases per seed
-# (3.0e-4 to 3.8e-4, block_size 256, GQA 4/8, q8_0/q4_1/q5_0); decode stays <= 1.1e-4. The two with a clear
+# (3.0e-4 to 3.8e-4, block_size 256, GQA 4/8, q8_0/q4_1/q5_0; decode <= 1.1e-4 in those cases, though other K/V
+# draws at d96 GQA 8 over 267 keys reach 3.5e-4 in decode too; isa=avx2's f32 paths stay near 1e-6). The two with a clear
 # margin are kept as strict xfails there: a more exact kernel, or a declared figure the kernels meet, makes them
 # pass, and strict=True then asks for this mark to go. Everywhere else they are ordinary cases.
 SWEEP_FOUND = [(("q5_0", 96, 256, 8), 7), (("q4_1", 64, 256, 4), 2)]  # (case, seed of the queries)
