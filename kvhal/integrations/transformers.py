@@ -139,7 +139,8 @@ class KVHalCache(Cache):  # type: ignore[misc]
     (the results are in ``self.evictions``). Later tokens keep their original positions (RoPE comes from
     the model's ``position_ids``), exactly as kvpress's compressed ``DynamicCache``. A ``KVCache`` whose
     ``on_full`` is ``EvictOnFull`` with a scoring policy observes every forward pass, so decode steps that
-    find the cache full evict with scores.
+    find the cache full evict with scores. The press runs after the first forward pass only: with transformers'
+    chunked prefill (``prefill_chunk_size``) that is the first chunk, so prefill in one pass with a press.
     """
 
     def __init__(
