@@ -385,10 +385,10 @@ class KVCache:
             out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
         elif offloaded:
             out = self.streamer.attention(layer, q, seq_objs, qls, scale, causal)
+        elif observe:
+            out = self.evictor.observe(seq_objs, layer, q, batch)
         else:
             out = self.backend.attention(q, self.pools, layer, batch)
-            if observe:
-                self.evictor.observe(seq_objs, layer, q, batch)
         if spec.transformed:
             return self.codec.output(self.backend, layer, out)
         return self.backend.asarray(out, "out") if spec.uses_tail or offloaded else out

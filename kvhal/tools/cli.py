@@ -253,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             return tiers_bench.main(args)
         if args.cmd == "plan":
             return plan.cli(args)
+        if args.cmd == "eval" and args.evict:
+            from . import evict_eval
+
+            return evict_eval.cli(args)
         if args.cmd == "eval":
             return fidelity.cli(args)
         if args.cmd == "stress":
