@@ -182,7 +182,7 @@ typedef struct {
     float *xf;           /* [AMX_T][D] f32 rows of the tile (K, then V) */
     uint32_t *vx;        /* [3][AMX_T/2][D] token pairs of V's pieces before the transpose */
     uint32_t *v[3];      /* V^T pieces [D][AMX_T/2]: dword (d, tp) = bf16 v[2tp][d], v[2tp+1][d] */
-    float *s;            /* S^T of one row block [AMX_T][32] */
+    float *s;            /* S^T of two row blocks [2][AMX_T][32]: one scored while the other's softmax runs */
     uint32_t *p[3];      /* P^T pieces of one row block [AMX_T/2][32]: dword (tp, r) = bf16 p[2tp][r], p[2tp+1][r] */
     float *o;            /* O^T [RP/32][D][32] */
     float *m, *l;        /* [RP] */
@@ -204,7 +204,7 @@ static size_t amx_layout(int D, int rows, uint8_t *base, amx_ws *L) {
     TAKE(xf, float, T * d);
     TAKE(vx, uint32_t, 3 * T / 2 * d);
     for (int i = 0; i < 3; i++) TAKE(v[i], uint32_t, d * T / 2);
-    TAKE(s, float, T * 32);
+    TAKE(s, float, 2 * T * 32);
     for (int i = 0; i < 3; i++) TAKE(p[i], uint32_t, T / 2 * 32);
     TAKE(o, float, d * RP);
     TAKE(m, float, RP);
@@ -287,43 +287,86 @@ static void amx_q(const kv_call *c, const kv_item *it, int h, int R, int RP, con
     }
 }
 
-/* S^T = K . Q^T for the tile and the 32 rows of block rb, over the pieces (K piece i with q pieces j,
- * i + j < the larger count: the products of order 2^-9(i+j) kept): C tiles 0-3 = 32 tokens x 32 rows, A (K) in 4-5, B (Q^T) in 6-7 */
-static void amx_scores(const amx_ws *L, int D, int rb) {
-    const long ka = (long)D * 2;
-    const size_t qblk = (size_t)(rb / 32) * D * 16;
-    for (int tb = 0; tb < AMX_T; tb += 32) {
+/* S^T = K . Q^T for the tile and the 32 rows of block rb into s [AMX_T][32], over the pieces (K piece i
+ * with q piece j, i + j < the larger count: the products of order 2^-9(i+j) kept): C tiles 0-3 = 32 tokens
+ * x 32 rows, A (K) in 4-5, B (Q^T) in 6-7. Run as steps of 4 TDPBF16PS (amx_sc_step), so that amx_softmax
+ * can issue the next row block's scores between its own vector work: the tile unit and the vector
+ * units then overlap instead of taking turns. */
+typedef struct {
+    const amx_ws *L;
+    float *s;
+    size_t qoff;                     /* the row block's Q^T within each piece */
+    int D, tb, kk, i, jj, nj, lastb; /* the next step */
+    int done;
+} amx_sc;
+
+static inline int amx_sc_nj(const amx_ws *L, int i) { return L->nq < L->nqk - i ? L->nq : L->nqk - i; }
+
+static inline void amx_sc_load_a(const amx_sc *st) {
+    const uint16_t *k0 = st->L->k[st->i] + (size_t)st->tb * st->D + st->kk;
+    TLOAD(4, k0, (long)st->D * 2);
+    TLOAD(5, k0 + (size_t)16 * st->D, (long)st->D * 2);
+}
+
+static void amx_sc_begin(amx_sc *st, const amx_ws *L, int D, int rb, float *s) {
+    *st = (amx_sc){L, s, (size_t)(rb / 32) * D * 16, D, 0, 0, 0, 0, amx_sc_nj(L, 0), -1, 0};
+    TZERO(0);
+    TZERO(1);
+    TZERO(2);
+    TZERO(3);
+    amx_sc_load_a(st);
+}
+
+static inline void amx_sc_step(amx_sc *st) {
+    if (st->done) return;
+    const amx_ws *L = st->L;
+    const int j = st->i & 1 ? st->jj : st->nj - 1 - st->jj; /* q pieces down for even K pieces, up for odd:
+                                                           * the last B stays in 6-7 for the next */
+    if (j != st->lastb) {
+        const uint32_t *q = L->q[j] + st->qoff + (size_t)(st->kk / 2) * 32;
+        TLOAD(6, q, 128);
+        TLOAD(7, q + 16, 128);
+        st->lastb = j;
+    }
+    TDP(0, 4, 6);
+    TDP(1, 4, 7);
+    TDP(2, 5, 6);
+    TDP(3, 5, 7);
+    if (++st->jj < st->nj) return;
+    st->jj = 0;
+    if (++st->i < L->nk) {
+        st->nj = amx_sc_nj(L, st->i);
+        amx_sc_load_a(st);
+        return;
+    }
+    st->i = 0;
+    st->nj = amx_sc_nj(L, 0);
+    st->lastb = -1;
+    if ((st->kk += 32) < st->D) {
+        amx_sc_load_a(st);
+        return;
+    }
+    st->kk = 0;
+    float *sp = st->s + (size_t)st->tb * 32;
+    TSTORE(0, sp, 128);
+    TSTORE(1, sp + 16, 128);
+    TSTORE(2, sp + 16 * 32, 128);
+    TSTORE(3, sp + 16 * 32 + 16, 128);
+    if ((st->tb += 32) < AMX_T) {
         TZERO(0);
         TZERO(1);
         TZERO(2);
         TZERO(3);
-        for (int kk = 0; kk < D; kk += 32)
-            for (int i = 0, lastb = -1; i < L->nk; i++) {
-                const uint16_t *k0 = L->k[i] + (size_t)tb * D + kk;
-                TLOAD(4, k0, ka);
-                TLOAD(5, k0 + (size_t)16 * D, ka);
-                const int nj = L->nq < L->nqk - i ? L->nq : L->nqk - i;
-                for (int jj = 0; jj < nj; jj++) {
-                    /* q pieces down for even K pieces and up for odd: the last B stays in 6-7 for the next */
-                    const int j = i & 1 ? jj : nj - 1 - jj;
-                    const uint32_t *q = L->q[j] + qblk + (size_t)(kk / 2) * 32;
-                    if (j != lastb) {
-                        TLOAD(6, q, 128);
-                        TLOAD(7, q + 16, 128);
-                        lastb = j;
-                    }
-                    TDP(0, 4, 6);
-                    TDP(1, 4, 7);
-                    TDP(2, 5, 6);
-                    TDP(3, 5, 7);
-                }
-            }
-        float *s = L->s + (size_t)tb * 32;
-        TSTORE(0, s, 128);
-        TSTORE(1, s + 16, 128);
-        TSTORE(2, s + 16 * 32, 128);
-        TSTORE(3, s + 16 * 32 + 16, 128);
+        amx_sc_load_a(st);
+        return;
     }
+    st->done = 1;
+}
+
+static inline int amx_sc_steps(const amx_ws *L, int D) { /* steps of one row block's scores */
+    int n = 0;
+    for (int i = 0; i < L->nk; i++) n += amx_sc_nj(L, i);
+    return n * (D / 32) * (AMX_T / 32);
 }
 
 /* O^T += V^T . P^T for row block rb, over the pieces (V piece i with P piece j, i + j < the larger
@@ -373,8 +416,18 @@ static void amx_pv(const amx_ws *L, int D, int rb) {
 
 /* the online softmax of row block rb over the tile [t0, t0 + AMX_T), 16 rows per vector: S -> P^T pieces,
  * with (m, l) and O^T rescaled where a row's max moved */
-static void amx_softmax(const amx_ws *L, int D, int rb, int t0) {
+static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbuf, amx_sc *next) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    /* one step of the next block's scores every `every` iterations of the loops below (2 AMX_T per block) */
+    const int every = next->done ? 1 << 30 : (2 * AMX_T) / (amx_sc_steps(L, D) + 1) > 0 ? (2 * AMX_T) / (amx_sc_steps(L, D) + 1) : 1;
+    int tick = 0;
+#define AMX_TICK()                                  \
+    do {                                            \
+        if (++tick >= every) {                      \
+            tick = 0;                               \
+            amx_sc_step(next);                      \
+        }                                           \
+    } while (0)
     for (int g = 0; g < 32; g += 16) {
         const int r = rb + g;
         const __m512i lo = _mm512_loadu_si512((const void *)(L->lo + r)), hi = _mm512_loadu_si512((const void *)(L->hi + r));
@@ -382,14 +435,16 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0) {
         const int inside = _mm512_reduce_max_epi32(lo) <= t0 && _mm512_reduce_min_epi32(hi) >= t0 + AMX_T - 1;
         const __m512 m0 = _mm512_loadu_ps(L->m + r);
         __m512 mx0 = ninf, mx1 = ninf;
-        float *s = L->s + g;
+        float *s = (float *)sbuf + g;
         if (inside)
             for (int t = 0; t < AMX_T; t += 2) { /* NaN scores are skipped: max_ps returns its second operand */
                 mx0 = _mm512_max_ps(_mm512_loadu_ps(s + t * 32), mx0);
                 mx1 = _mm512_max_ps(_mm512_loadu_ps(s + t * 32 + 32), mx1);
+                AMX_TICK();
             }
         else
             for (int t = 0; t < AMX_T; t++) {
+                if (t & 1) AMX_TICK();
                 const __m512i pos = _mm512_set1_epi32(t0 + t);
                 const __mmask16 vis = _mm512_cmp_epi32_mask(lo, pos, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(pos, hi, _MM_CMPINT_LE);
                 const __m512 v = _mm512_mask_mov_ps(ninf, vis, _mm512_loadu_ps(s + t * 32));
@@ -411,6 +466,7 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0) {
         const __m512 mu = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
         __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
         for (int tp = 0; tp < AMX_T / 2; tp++) {
+            AMX_TICK();
             const __m512 p0 = amx_exp2(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * tp) * 32), mu));
             const __m512 p1 = amx_exp2(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * tp + 1) * 32), mu));
             sum0 = _mm512_add_ps(sum0, p0);
@@ -425,6 +481,7 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0) {
         }
         _mm512_storeu_ps(L->l + r, _mm512_add_ps(l, _mm512_add_ps(sum0, sum1)));
     }
+#undef AMX_TICK
 }
 
 #ifdef AMX_PROF /* phase cycle counts of the last calls, single-threaded profiling builds only */
@@ -493,10 +550,16 @@ void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float
             amx_k_tile(&L, c->kfmt, krows, nt, D);
             amx_v_tile(&L, c->vfmt, vrows, nt, D);
             PROF(1);
+            /* row block rb's softmax runs while the tile unit scores block rb + 32 (amx_sc_step) */
+            amx_sc sc;
+            amx_sc_begin(&sc, &L, D, 0, L.s);
+            while (!sc.done) amx_sc_step(&sc);
+            PROF(2);
             for (int rb = 0; rb < RP; rb += 32) {
-                amx_scores(&L, D, rb);
-                PROF(2);
-                amx_softmax(&L, D, rb, t0);
+                float *cur = L.s + (size_t)((rb / 32) & 1) * AMX_T * 32;
+                if (rb + 32 < RP) amx_sc_begin(&sc, &L, D, rb + 32, L.s + (size_t)(((rb / 32) + 1) & 1) * AMX_T * 32);
+                amx_softmax(&L, D, rb, t0, cur, &sc);
+                while (!sc.done) amx_sc_step(&sc);
                 PROF(3);
                 amx_pv(&L, D, rb);
                 PROF(5);
