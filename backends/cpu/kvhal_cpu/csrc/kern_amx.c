@@ -47,7 +47,6 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #endif
 
-#include "simd_avx2.h" /* KV_EXP2_POLY */
 
 /* KV tokens per tile (a multiple of 32): each tile's C tiles of O^T are loaded and stored once per 32-row
  * block, and its softmax bookkeeping runs once. Interleaved single-thread runs, q8_0 / f16, 512 queries
@@ -166,14 +165,19 @@ static inline void amx_transpose16(const uint32_t *src, size_t ss, uint32_t *dst
     for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(dst + j * ds), r[j]);
 }
 
-/* 2^x for x <= 0 (kern_avx512.c's kv_exp2_512): below -126 gives 0, NaN gives NaN */
+/* 2^x for x <= AMX_SLACK, in 8 vector ops: a degree-5 polynomial fitted to 2^f on [-1/2, 1/2] for
+ * relative error (2.3e-7 evaluated in f32, against kv_exp2_512's degree 7: the softmax is this file's
+ * vector-bound part), scaled by 2^n. x < -126, -inf included, gives exactly 0 (the mask: -inf would
+ * otherwise make NaN of f); NaN gives NaN. */
 static inline __m512 amx_exp2(__m512 x) {
-    const __m512 lim = _mm512_set1_ps(-126.0f);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, lim, _CMP_NLT_UQ);
-    x = _mm512_max_ps(lim, x);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    const __m512 p = KV_EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3276468e-3f), f, _mm512_set1_ps(9.6755419e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507135e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
     return _mm512_maskz_scalef_ps(live, p, n);
 }
 
@@ -476,9 +480,10 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
             sum0 = _mm512_add_ps(sum0, p0);
             sum1 = _mm512_add_ps(sum1, p1);
             __m512 x0 = p0, x1 = p1;
-            for (int k = 0; k < L->np; k++) {
+            for (int k = 0;; k++) {
                 const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
                 _mm512_storeu_si512((void *)(L->p[k] + tp * 32 + g), amx_pair(h0, h1));
+                if (k + 1 == L->np) break;
                 x0 = amx_rest(x0, h0);
                 x1 = amx_rest(x1, h1);
             }
