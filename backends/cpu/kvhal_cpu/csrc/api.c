@@ -19,7 +19,9 @@
 #define KV_ROWS_TARGET 128
 /* AMX prefill (kern_amx.c): rows per KV head and item; each K/V tile is dequantized and split into bf16
  * once for all of them, which at 128 rows took a third of the item's time (q8_0, 4k) */
+#ifndef KV_AMX_ROWS_TARGET
 #define KV_AMX_ROWS_TARGET 512
+#endif
 #define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
 /* rows of a decode-sized item (positions x query heads of its KV heads): up to this many keep kv_split
  * slices and the tile chosen by where K/V sits; more (prefill) take longer slices and 128-token tiles */
