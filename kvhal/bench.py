@@ -508,7 +508,8 @@ def table(result: dict[str, Any]) -> str:
             f"{r['backend']:<11} {r['format']:<{fw}} {r['op']:<9} {r['context']:>6} {opt(r['threads'], 'd'):>3} "
             f"{r['median_ms']:>9.3f} {r['gbps']:>7.2f} {r['frac_bw']:>6.2f} {opt(r['tokens_per_s'], '.3g'):>9} "
             f"{opt(r['gflops'], '.1f'):>8} {opt(r['speedup_vs_sdpa_f32'], '.2f'):>10} "
-            f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11} {opt(r.get('alternating_ms'), '.3f'):>8} {r.get('path') or '-'}"
+            f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11} {opt(r.get('alternating_ms'), '.3f'):>8} "
+            f"{r.get('path') or '-'}"
         )
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)

@@ -25,7 +25,8 @@ if not SOURCES:
 AMX_PROBE = """
 int main(void) {
 #if defined(__x86_64__)
-    __asm__ volatile("tilerelease\\n\\ttdpbf16ps %%tmm2, %%tmm1, %%tmm0\\n\\ttileloadd (%0,%1,1), %%tmm3" :: "r"((void *)0), "r"(64L));
+    __asm__ volatile("tilerelease\\n\\ttdpbf16ps %%tmm2, %%tmm1, %%tmm0\\n\\t"
+                     "tileloadd (%0,%1,1), %%tmm3" :: "r"((void *)0), "r"(64L));
 #endif
     return 0;
 }
