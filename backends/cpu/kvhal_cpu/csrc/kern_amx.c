@@ -3,18 +3,20 @@
  * api.c hands this file the items of an "amx" call that hold at least KV_AMX_MIN_ROWS query rows per KV
  * head (prefill chunks); decode items, store and load stay on the AVX-512 kernels. Every K/V format
  * with a row dequantizer runs here (per-channel kivi K pages do not): each KV tile of AMX_T tokens of
- * one head is dequantized once into f32 (the AVX-512 row dequantizers, bit-exact) and split into two
- * bf16 halves, x = hi + lo (hi = x rounded to bf16, lo = the rest rounded to bf16: 16-17 significant
- * bits, exact for f16, bf16, fp8, the 4-bit codes and int8 codes times an fp16 scale up to 2^-18), in
- * the layout the tile unit reads. Whole-context copies are never made: one tile of K and V at a time.
+ * one head is dequantized once into f32 (the AVX-512 row dequantizers, bit-exact) and split into bf16
+ * pieces, x = x0 + x1 (+ x2), each piece the rest of the ones before rounded to bf16 (amx_round): 1
+ * piece is exact for bf16 and fp8, 2 for f16 and for the 4-bit codes times an fp16 scale, 2 pieces hold
+ * int8 codes times a scale to 2^-18, 3 hold f32. Whole-context copies are never made: one tile of K and
+ * V at a time, in the layout the tile unit reads.
  *
  * The problem is computed transposed, so that the softmax runs along vector lanes = query rows with
  * no horizontal reductions:
  *   S^T [t][r] = K [t][d] . Q^T [d][r]        A = K rows (bf16 as stored), B = Q^T (VNNI pairs of dims)
  *   O^T [d][r] += V^T [d][t] . P^T [t][r]     A = V^T (pairs of tokens), B = P^T (pairs of tokens)
- * each product in three TDPBF16PS passes, hi.hi + lo.hi + hi.lo (the last skipped where K or V is
- * exact in bf16: bf16 and fp8 formats). q and p are split the same way. Products of bf16 are exact in
- * f32, so the error is that of the dropped lo.lo term and f32 accumulation: ~1e-6 of the f64 result.
+ * each product as TDPBF16PS passes over pairs of pieces (i, j) with i + j below the larger piece count
+ * (q and p are split the same way: 3 pieces where the call is held to 1e-5, else 2). Products of bf16
+ * are exact in f32, so the error is that of the dropped pairs and f32 accumulation: ~1e-6 of the f64
+ * result for the float formats, ~4e-5 for the ggml ones (their tolerance: 3e-4).
  *
  * Why bf16 for the integer formats too (not AMX-INT8 on the codes): ggml blocks carry one fp16 scale per
  * 32 values and token, so an int8 dot product must be kept apart per 32-dim block (and per hi/lo half
