@@ -407,7 +407,9 @@ CPU_INT_TOLERANCE = 3e-4  # cpu's declared figure where its AVX-512 integer kern
 
 @pytest.mark.parametrize(("case", "q_seed"), SWEEP_FOUND, ids=[f"{sweep_id(c)}-q{s}" for c, s in SWEEP_FOUND])
 def test_sweep_found_attention_matches_float64(backend_info, case, q_seed, request):
-    if backend_info.name == "cpu" and backend_of("cpu").attention_tolerance == CPU_INT_TOLERANCE:
+    cpu = backend_of("cpu") if backend_info.name == "cpu" else None
+    # the integer prefill path only: where the CPU has AMX, prefill runs on its bf16 tiles (4e-5) and passes
+    if cpu is not None and cpu.attention_tolerance == CPU_INT_TOLERANCE and getattr(cpu, "isa", None) == "avx512":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "cpu AVX-512 integer attention (q, p*d_v at 16 bits): prefill error over 267 keys 3.4e-4..3.8e-4, "
             "above its declared 3e-4 (found by the full-product sweep)"
