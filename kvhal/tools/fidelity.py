@@ -678,7 +678,7 @@ def cli(args: Any) -> int:
         from .fidelity_codec import write_calibration
 
         ks = sorted({(c.bits, c.weighted, c.sinks) for c in choices if isinstance(c, CodecChoice)})
-        vs = sorted({c.v_bits for c in choices if isinstance(c, CodecChoice) and c.v_bits is not None})
+        vs = sorted({(c.v_bits, c.sinks) for c in choices if isinstance(c, CodecChoice) and c.v_bits is not None})
         if not ks:
             raise SpecError("--calibrate writes the side data of kltq rows: name some in --formats (kltq:4.5:sink1)")
         for path in write_calibration(args.calibrate, cap, ks, vs):

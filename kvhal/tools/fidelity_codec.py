@@ -71,8 +71,9 @@ def parse(text: str) -> CodecChoice:
     return CodecChoice(label, bits, weighted, sinks, v_format, v_bits)
 
 
-def side_path(directory: str, bits: float, weighted: bool, which: str = "k") -> str:
-    return os.path.join(directory, f"kltq-{which}-{bits:g}{'' if weighted else '-plain'}.npz")
+def side_path(directory: str, bits: float, weighted: bool, sinks: int, which: str = "k") -> str:
+    """``DIR/kltq-k-4.5-sink1.npz``: one file per side, budget, weighting and sinks skipped in calibration."""
+    return os.path.join(directory, f"kltq-{which}-{bits:g}{'' if weighted else '-plain'}-sink{sinks}.npz")
 
 
 class CodecRun:
@@ -82,8 +83,10 @@ class CodecRun:
         self.c = c
         skip = min(c.sinks, cap.tokens - 2)
         if calibration is not None:
-            self.k_side = kltq.Side.load(side_path(calibration, c.bits, c.weighted))
-            self.v_side = None if c.v_bits is None else kltq.Side.load(side_path(calibration, c.v_bits, False, "v"))
+            self.k_side = kltq.Side.load(side_path(calibration, c.bits, c.weighted, c.sinks))
+            self.v_side = (
+                None if c.v_bits is None else kltq.Side.load(side_path(calibration, c.v_bits, False, c.sinks, "v"))
+            )
         else:
             self.k_side = kltq.calibrate(cap.k, c.bits, cap.q if c.weighted else None, skip=skip)
             self.v_side = None if c.v_bits is None else kltq.calibrate(cap.v, c.v_bits, None, skip=skip)
@@ -116,18 +119,18 @@ class CodecRun:
 
 
 def write_calibration(
-    directory: str, cap: Capture, budgets: list[tuple[float, bool, int]], v: list[float]
+    directory: str, cap: Capture, budgets: list[tuple[float, bool, int]], v: list[tuple[float, int]]
 ) -> list[str]:
     """Side data of every (K budget, weighted, sinks) and V budget on this capture, into ``directory``."""
     os.makedirs(directory, exist_ok=True)
     out = []
     for bits, weighted, sinks in budgets:
-        path = side_path(directory, bits, weighted)
+        path = side_path(directory, bits, weighted, sinks)
         kltq.calibrate(cap.k, bits, cap.q if weighted else None, skip=min(sinks, cap.tokens - 2)).save(path)
         out.append(path)
-    for bits in v:
-        path = side_path(directory, bits, False, "v")
-        kltq.calibrate(cap.v, bits, None, skip=min(1, cap.tokens - 2)).save(path)
+    for bits, sinks in v:
+        path = side_path(directory, bits, False, sinks, "v")
+        kltq.calibrate(cap.v, bits, None, skip=min(sinks, cap.tokens - 2)).save(path)
         out.append(path)
     return out
 

@@ -406,11 +406,15 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
     assert data["backend"] == "reference" and data["top_p"] == 0.9 and data["causal_encoder"] is False
     assert data["decode"] is None
     keys = {"format", "k_format", "v_format", "options", "status", "reason", "backend", "k_bits", "v_bits", "bits",
-            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "per_layer"}  # fmt: skip
+            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "limit_kl", "limit_kl_less1",
+            "per_layer"}  # fmt: skip
     assert [r["format"] for r in data["rows"]] == ["f32", "q8_0/q4_0", "q4_0"]
     for r in data["rows"]:
         assert set(r) == keys and r["status"] == "ok"
-        assert set(r["per_layer"]) == {"kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load"}
+        assert set(r["per_layer"]) == {
+            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "limit_kl", "limit_kl_less1"
+        }  # fmt: skip
+        assert -1e-12 <= r["limit_kl"] <= r["limit_kl_less1"] + 1e-12
         assert all(len(x) == 2 for x in r["per_layer"].values())
     assert data["rows"][0]["kl"] == 0.0 and data["rows"][1]["bits"] == 6.5
 
@@ -419,7 +423,7 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
     assert "kvhal eval: synthetic" in out and "32 tokens, 2 layers, 4 query heads / 2 KV heads, head_dim 64" in out
     header = next(line for line in out.splitlines() if line.startswith("format"))
     assert header.split() == ["format", "backend", "K", "bits", "V", "bits", "bits/value", "KL", "top-1", "top-p",
-                              "0.9", "set", "out", "rel", "err"]  # fmt: skip
+                              "0.9", "set", "out", "rel", "err", "limit", "KL", "limit", "KL", "-1b"]  # fmt: skip
     q4 = next(line for line in out.splitlines() if line.startswith("q4_0 "))
     assert q4.split()[1:5] == ["reference", "4.50", "4.50", "4.50"]
 
