@@ -393,35 +393,44 @@ def _codes(side: Side, layer: int, c: np.ndarray) -> np.ndarray:
     return out
 
 
+def _stream_positions(width: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For one head's widths ``[D]``: each stream bit's coefficient, bit index and position (LSB first)."""
+    width = width.astype(np.int64)
+    coef = np.repeat(np.arange(len(width)), width)
+    start = np.concatenate([[0], np.cumsum(width)[:-1]])
+    bit = np.arange(int(width.sum())) - np.repeat(start, width)
+    return coef, bit, np.arange(int(width.sum()))
+
+
+CHUNK = 4096  # rows per step of pack/unpack (bounds the temporary bit arrays)
+
+
 def pack(codes: np.ndarray, alloc: np.ndarray, nbytes: int) -> np.ndarray:
     """Codes ``[n, H, D]`` with widths ``alloc [H, D]`` into LSB-first bit streams ``[n, H, nbytes]`` u8."""
-    n, H, D = codes.shape
-    width = alloc.astype(np.int64)
-    maxb = MAX_BITS
-    # every code's bits, [n, H, D, maxb], then keep the first b_i of coefficient i: the stream in order
-    bitplanes = (codes[..., None] >> np.arange(maxb)) & 1
-    keep = np.arange(maxb)[None, None, :] < width[:, :, None]  # [H, D, maxb]
+    n, H, _ = codes.shape
     out = np.zeros((n, H, nbytes), np.uint8)
     for h in range(H):
-        stream = bitplanes[:, h][:, keep[h]]  # [n, sum b]
-        padded = np.zeros((n, nbytes * 8), np.uint8)
-        padded[:, : stream.shape[1]] = stream
-        out[:, h] = np.packbits(padded, axis=1, bitorder="little")
+        coef, bit, _ = _stream_positions(alloc[h])
+        for r in range(0, n, CHUNK):
+            stream = np.zeros((min(CHUNK, n - r), nbytes * 8), np.uint8)
+            stream[:, : len(coef)] = (codes[r : r + CHUNK, h][:, coef] >> bit) & 1
+            out[r : r + CHUNK, h] = np.packbits(stream, axis=1, bitorder="little")
     return out
 
 
 def unpack(data: np.ndarray, alloc: np.ndarray) -> np.ndarray:
-    """Bit streams ``[n, H, nbytes]`` back to codes ``[n, H, D]`` (int64)."""
+    """Bit streams ``[n, H, nbytes]`` back to codes ``[n, H, D]`` (int64): the stream times the matrix that puts
+    bit ``j`` of coefficient ``i`` at weight ``2^j`` (exact in float64)."""
     n, H, _ = data.shape
     D = alloc.shape[1]
     out = np.zeros((n, H, D), np.int64)
     for h in range(H):
-        bits = np.unpackbits(np.ascontiguousarray(data[:, h]), axis=1, bitorder="little").astype(np.int64)
-        width = alloc[h].astype(np.int64)
-        start = np.concatenate([[0], np.cumsum(width)[:-1]])
-        for i in range(D):
-            for j in range(int(width[i])):
-                out[:, h, i] |= bits[:, start[i] + j] << j
+        coef, bit, pos = _stream_positions(alloc[h])
+        weights = np.zeros((len(pos), D))
+        weights[pos, coef] = np.exp2(bit)
+        for r in range(0, n, CHUNK):
+            bits = np.unpackbits(np.ascontiguousarray(data[r : r + CHUNK, h]), axis=1, bitorder="little")
+            out[r : r + CHUNK, h] = np.rint(bits[:, : len(pos)].astype(np.float64) @ weights).astype(np.int64)
     return out
 
 
