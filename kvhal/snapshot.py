@@ -155,6 +155,9 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
             for layer in range(spec.n_layers):
                 tensors[f"seq{i}.tail.l{layer}.k"] = np.ascontiguousarray(s.tail_k.get(layer, empty))
                 tensors[f"seq{i}.tail.l{layer}.v"] = np.ascontiguousarray(s.tail_v.get(layer, empty))
+                if spec.sinks:  # the f16 sink rows (CacheSpec.sinks): min(sink_tokens, length) per layer
+                    tensors[f"seq{i}.sink.l{layer}.k"] = np.ascontiguousarray(s.sink_k.get(layer, empty))
+                    tensors[f"seq{i}.sink.l{layer}.v"] = np.ascontiguousarray(s.sink_v.get(layer, empty))
         seq_meta.append(m)
     meta = {
         "snapshot_version": SNAPSHOT_VERSION,
@@ -360,6 +363,7 @@ def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
         tokens = r.tensor(f"seq{i}.tokens", np.int32).tolist()
         paged = lens
         tails: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
+        sinks: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
         if spec.uses_tail:
             try:
                 paged = [int(x) for x in m["paged"]]
@@ -371,6 +375,9 @@ def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
                 for w, d in zip("kv", tails):
                     shape = (n - p, spec.n_kv_heads, spec.head_dim)
                     d[layer] = np.array(r.tensor(f"seq{i}.tail.l{layer}.{w}", np.float16, shape))
+                for w, d in zip("kv", sinks) if spec.sinks else ():
+                    shape = (min(spec.sink_tokens, n), spec.n_kv_heads, spec.head_dim)
+                    d[layer] = np.array(r.tensor(f"seq{i}.sink.l{layer}.{w}", np.float16, shape))
         need = math.ceil(max(paged, default=0) / bs)
         if len(lens) != spec.n_layers or min(lens, default=0) < 0 or blocks.shape != (need,) or len(extra) != 32:
             raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s lengths and page list disagree")
@@ -386,7 +393,7 @@ def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
         t = cache.seq_table.new(lens, blocks=blocks.tolist(), tokens=tokens, hashes=hashes, extra=extra)
         t.sealable = sealable
         if spec.uses_tail:
-            t.paged, (t.tail_k, t.tail_v) = paged, tails
+            t.paged, (t.tail_k, t.tail_v), (t.sink_k, t.sink_v) = paged, tails, sinks
         staged.append(t)
     allocator = cache.seq_table.allocator
     if n_blocks > allocator.n_usable:

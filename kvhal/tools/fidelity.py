@@ -75,7 +75,8 @@ MODIFIERS: dict[str, dict[str, Any]] = {
 MODIFIER_HELP = (
     "FORMAT or K/V (q8_0/q4_0), then modifiers: ':rot' (Hadamard rotation of K and V; ':krot', ':vrot' one side), "
     "':scale' (per-head scales, each layer's calibrated on its first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
-    "':tailN' (the last N tokens kept in f16); e.g. q4_0:rot:tail64, fp8_e4m3:scale"
+    "':tailN' (the last N tokens kept in f16), ':sinkN' (the first N, whole pages, kept in f16); e.g. "
+    "q4_0:rot:tail64, fp8_e4m3:scale, q4_0:sink1; kltq rows: kltq:B[:plain][:sinkN][:v=FMT|:v=kltqB]"
 )
 
 
@@ -124,6 +125,8 @@ def parse_descriptor(text: str) -> FormatChoice:
             options.update(MODIFIERS[mod])
         elif mod.startswith("tail") and mod[4:].isdigit():
             options["tail"] = int(mod[4:])
+        elif mod.startswith("sink") and mod[4:].isdigit():
+            options["sinks"] = int(mod[4:])
         elif mod.startswith(("scale=", "kscale=", "vscale=")):
             side, _, value = mod.partition("=")
             try:
@@ -289,6 +292,9 @@ def _bits(spec: CacheSpec, tokens: int, tail: int | None = None) -> tuple[float,
     if tail:  # the sequence's last ``tail`` tokens are held in f16
         k = ((tokens - tail) * k + tail * 16) / tokens
         v = ((tokens - tail) * v + tail * 16) / tokens
+    sinks = min(getattr(spec, "sink_tokens", 0), tokens - tail)
+    if sinks:  # the f16 sink rows, held besides their quantized pages
+        k, v = k + 16 * sinks / tokens, v + 16 * sinks / tokens
     return k, v, (k + v) / 2
 
 
