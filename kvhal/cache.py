@@ -309,8 +309,15 @@ class KVCache:
             blocks = np.asarray(s.blocks[first : math.ceil(end / bs)], np.int64)
             k, v = self.backend.load(self.pools, layer, blocks, end - first * bs)
             skip = p0 - first * bs
-            ks.append(np.asarray(self.backend.to_numpy(k), np.float32)[skip:])
-            vs.append(np.asarray(self.backend.to_numpy(v), np.float32)[skip:])
+            k = np.asarray(self.backend.to_numpy(k), np.float32)[skip:]
+            v = np.asarray(self.backend.to_numpy(v), np.float32)[skip:]
+            sink = min(self.spec.sink_tokens, end)
+            if p0 < sink:  # the f16 sink rows stand for their quantized pages
+                sk, sv = self.tail.sink_rows(s, layer)
+                k, v = k.copy(), v.copy()
+                k[: sink - p0], v[: sink - p0] = sk[p0:sink], sv[p0:sink]
+            ks.append(k)
+            vs.append(v)
         if hi > paged:
             kt, vt = self.tail.rows(s, layer, max(p0, paged) - paged, hi - paged)
             ks.append(kt)

@@ -91,7 +91,12 @@ class Fingerprint:
         if spec is not None:
             d = dataclasses.asdict(spec)
             # transforms at their identity are left out, so caches without them keep their digests
-            out["spec"] = {k: _lists(v) for k, v in d.items() if not (k in _TRANSFORMS and v is None)}
+            # (and sinks at 0: specs without a sink head keep their digests)
+            out["spec"] = {
+                k: _lists(v)
+                for k, v in d.items()
+                if not (k in _TRANSFORMS and v is None) and not (k == "sinks" and v == 0)
+            }
         return out
 
     def digest(self, spec: CacheSpec | None = None) -> bytes:

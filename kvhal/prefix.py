@@ -69,6 +69,8 @@ class PrefixIndex:
         usable = max(len(ids) - 1, 0) // bs
         if self.spec.uses_tail:  # as a prefill of all of ids would: its last `tail` tokens stay f16
             usable = min(usable, max(len(ids) - self.spec.tail, 0) // bs)
+        if self.spec.sinks:  # a matched block would come without the f16 sink rows its sequence held
+            usable = 0
         chain = hash_chain(self.root_hash, ids[: usable * bs], bs, extra)
         blocks = self.allocator.lookup(chain)
         for b in blocks:

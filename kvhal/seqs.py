@@ -49,6 +49,9 @@ class Seq:
     paged: list[int] | None = None
     tail_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # layer -> f16 [t, H, D], stored form
     tail_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # spec.sinks: per layer, the f16 rows of the first spec.sink_tokens positions (stored form), as stored
+    sink_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    sink_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _table: np.ndarray | None = field(default=None, repr=False)
 
     def pages(self) -> list[int]:
@@ -256,6 +259,7 @@ class SeqTable:
         t.paged = None if s.paged is None else list(s.paged)
         t.sealable = s.sealable
         t.tail_k, t.tail_v = dict(s.tail_k), dict(s.tail_v)
+        t.sink_k, t.sink_v = dict(s.sink_k), dict(s.sink_v)
         t.mass, t.window_mass = s.slice_mass(0, 2**62)
         return t
 

@@ -173,6 +173,9 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
             for layer in range(spec.n_layers):
                 tensors[f"seq{i}.tail.l{layer}.k"] = np.ascontiguousarray(s.tail_k.get(layer, empty))
                 tensors[f"seq{i}.tail.l{layer}.v"] = np.ascontiguousarray(s.tail_v.get(layer, empty))
+                if spec.sinks:  # the f16 sink rows (CacheSpec.sinks): min(sink_tokens, length) per layer
+                    tensors[f"seq{i}.sink.l{layer}.k"] = np.ascontiguousarray(s.sink_k.get(layer, empty))
+                    tensors[f"seq{i}.sink.l{layer}.v"] = np.ascontiguousarray(s.sink_v.get(layer, empty))
         seq_meta.append(m)
     meta = {
         "snapshot_version": SNAPSHOT_VERSION,
@@ -480,6 +483,8 @@ def validate(r: _Reader) -> None:
         want |= {f"seq{i}.blocks", f"seq{i}.tokens"}
         if tail:
             want |= {f"seq{i}.tail.l{layer}.{w}" for layer in range(spec.n_layers) for w in "kv"}
+        if tail and spec.sinks:
+            want |= {f"seq{i}.sink.l{layer}.{w}" for layer in range(spec.n_layers) for w in "kv"}
     if r.names != want or set(sums) != want:
         odd = sorted((r.names ^ want) | (set(sums) ^ want))[:4]
         raise bad(f"its tensors or checksums do not match its spec and sequences (e.g. {', '.join(odd)})")
@@ -528,6 +533,12 @@ def validate(r: _Reader) -> None:
             for layer, (p, n) in enumerate(zip(paged, lens)):
                 for w in "kv":
                     shape(f"seq{i}.tail.l{layer}.{w}", "F16", (n - p, spec.n_kv_heads, spec.head_dim))
+                    if spec.sinks:
+                        shape(
+                            f"seq{i}.sink.l{layer}.{w}",
+                            "F16",
+                            (min(spec.sink_tokens, n), spec.n_kv_heads, spec.head_dim),
+                        )
         blocks = r.verified(f"seq{i}.blocks")
         tokens = r.verified(f"seq{i}.tokens")
         if need and (blocks.min() < 0 or blocks.max() >= n_blocks):
@@ -584,6 +595,7 @@ def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
         tokens = r.tensor(f"seq{i}.tokens", np.int32).tolist()
         paged = lens
         tails: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
+        sinks: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
         if spec.uses_tail:
             try:
                 paged = [int(x) for x in m["paged"]]
@@ -595,6 +607,9 @@ def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
                 for w, d in zip("kv", tails):
                     shape = (n - p, spec.n_kv_heads, spec.head_dim)
                     d[layer] = np.array(r.tensor(f"seq{i}.tail.l{layer}.{w}", np.float16, shape))
+                for w, d in zip("kv", sinks) if spec.sinks else ():
+                    shape = (min(spec.sink_tokens, n), spec.n_kv_heads, spec.head_dim)
+                    d[layer] = np.array(r.tensor(f"seq{i}.sink.l{layer}.{w}", np.float16, shape))
         need = math.ceil(max(paged, default=0) / bs)
         if len(lens) != spec.n_layers or min(lens, default=0) < 0 or blocks.shape != (need,) or len(extra) != 32:
             raise SnapshotCorruptError(f"{str(r.path)!r}: sequence {i}'s lengths and page list disagree")
@@ -610,7 +625,7 @@ def _restore(cache: SnapshotCache, r: _Reader) -> list[int]:
         t = cache.seq_table.new(lens, blocks=blocks.tolist(), tokens=tokens, hashes=hashes, extra=extra)
         t.sealable = sealable
         if spec.uses_tail:
-            t.paged, (t.tail_k, t.tail_v) = paged, tails
+            t.paged, (t.tail_k, t.tail_v), (t.sink_k, t.sink_v) = paged, tails, sinks
         staged.append(t)
     allocator = cache.seq_table.allocator
     if n_blocks > allocator.n_usable:

@@ -61,6 +61,9 @@ class CacheSpec:
     ``amax / format.calibration_max`` of that layer's first store, then fixed). ``k_rotation``/``v_rotation``: None or ``"hadamard"`` (head_dim a power of two).
     ``tail``: at least the last ``tail`` tokens of each sequence (at most ``tail + block_size - 1``) stay
     in f16; the quantized pages only ever hold whole blocks.
+    ``sinks``: each sequence's first ``sinks`` tokens (rounded up to whole pages: ``sink_tokens``) are also
+    kept in f16 and attended in f16 instead of their quantized pages (the attention sink; with ``tail``, both
+    ends of the sequence).
     """
 
     n_layers: int
@@ -74,6 +77,7 @@ class CacheSpec:
     v_scale: Scale = None
     k_rotation: str | None = None
     v_rotation: str | None = None
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         from .transforms import ROTATIONS, check_dim
@@ -84,6 +88,10 @@ class CacheSpec:
                 raise SpecError(f"CacheSpec.{name} must be a positive int, got {value!r}")
         if not isinstance(self.tail, int) or isinstance(self.tail, bool) or self.tail < 0:
             raise SpecError(f"CacheSpec.tail must be an int >= 0 (tokens kept in f16), got {self.tail!r}")
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+            raise SpecError(
+                f"CacheSpec.sinks must be an int >= 0 (each sequence's first tokens kept in f16), got {self.sinks!r}"
+            )
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
             if isinstance(value, list):  # a list would make the spec unhashable: take it as the tuple it means
@@ -170,7 +178,12 @@ class CacheSpec:
     def uses_tail(self) -> bool:
         """Tokens pass through a per-sequence f16 tail before they are quantized, a whole block at a time
         (``tail > 0``, or a per-channel K format, whose pages are quantized only when full)."""
-        return self.tail > 0 or self.k_paged
+        return self.tail > 0 or self.k_paged or self.sinks > 0
+
+    @property
+    def sink_tokens(self) -> int:
+        """Tokens of each sequence's start held in f16: ``sinks`` rounded up to whole pages (0: none)."""
+        return -(-self.sinks // self.block_size) * self.block_size
 
     @property
     def transformed(self) -> bool:

@@ -64,7 +64,7 @@ def collect(
     per_block = spec.n_layers * spec.n_kv_heads * spec.block_size
     c, tiers, ev = alloc.counters, prefix.tier_counts, evictor.counts
     used = int((alloc.ref > 0).sum())
-    tail_bytes = sum(a.nbytes for s in seqs for d in (s.tail_k, s.tail_v) for a in d.values())
+    tail_bytes = sum(a.nbytes for s in seqs for d in (s.tail_k, s.tail_v, s.sink_k, s.sink_v) for a in d.values())
     return CacheStats(
         backend=backend.name,
         n_blocks=n_blocks,

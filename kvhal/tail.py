@@ -41,6 +41,16 @@ class TailStore:
             ck = np.concatenate([s.tail_k[layer].astype(np.float32), ck])
             cv = np.concatenate([s.tail_v[layer].astype(np.float32), cv])
         total = s.lens[layer] + len(k)
+        sink = spec.sink_tokens
+        if s.lens[layer] < sink:  # the sequence's first sink_tokens rows, kept in f16 for good
+            new = ck[len(ck) - len(k) :][: sink - s.lens[layer]]
+            old = s.sink_k.get(layer)
+            s.sink_k[layer] = (
+                np.concatenate([old, new.astype(np.float16)]) if old is not None else new.astype(np.float16)
+            )
+            newv = cv[len(cv) - len(v) :][: sink - s.lens[layer]].astype(np.float16)
+            oldv = s.sink_v.get(layer)
+            s.sink_v[layer] = np.concatenate([oldv, newv]) if oldv is not None else newv
         p0 = s.paged[layer]
         flush = max(0, total - spec.tail - p0) // bs * bs
         if flush:
@@ -66,6 +76,8 @@ class TailStore:
             if L > lo:
                 keep = lo - s.pages()[layer]
                 s.tail_k[layer], s.tail_v[layer] = s.tail_k[layer][:keep], s.tail_v[layer][:keep]
+                if layer in s.sink_k:
+                    s.sink_k[layer], s.sink_v[layer] = s.sink_k[layer][:lo], s.sink_v[layer][:lo]
                 s.lens[layer] = lo
         del s.tokens[lo:]
         s.keep_mass(np.arange(lo))
@@ -80,6 +92,11 @@ class TailStore:
             )
         return self.table.share_all(s)
 
+    def sink_rows(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stored-form f32 rows of the f16 sink positions ``[0, min(sink_tokens, stored))``."""
+        empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float16)
+        return s.sink_k.get(layer, empty).astype(np.float32), s.sink_v.get(layer, empty).astype(np.float32)
+
     def rows(self, s: Seq, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Stored-form f32 rows of tail positions ``[lo, hi)`` (counted from the tail's start)."""
         return s.tail_k[layer][lo:hi].astype(np.float32), s.tail_v[layer][lo:hi].astype(np.float32)
@@ -89,6 +106,12 @@ class TailStore:
     ) -> np.ndarray:
         """Attention over the quantized pages (the backend's kernel) merged with float64 attention over the tail."""
         bs, pools = self.spec.block_size, self.pools
+        sink = self.spec.sink_tokens
+        if sink and window is not None:
+            raise UnsupportedError(
+                "attention with a window over a cache with f16 sinks (CacheSpec.sinks) is not supported; pass "
+                "window=None or sinks=0"
+            )
         qh = np.asarray(self.backend.to_numpy(q), np.float32)
         group = qh.shape[1] // self.spec.n_kv_heads
         out = np.empty(qh.shape, np.float32)
@@ -97,13 +120,23 @@ class TailStore:
             rows = qh[start : start + n_q]
             L, P = s.lens[layer], s.pages()[layer]
             pos = np.arange(L - n_q, L)
-            a = max(0, P - (L - n_q))  # queries that sit in the paged region
+            S = min(sink, P)  # page positions [0, S) are attended in f16 from the sink rows instead
+            a = max(0, P - max(L - n_q, S))  # queries that sit in the kernel's paged region [S, P)
             parts = []
-            if P:
+            if S:
+                ks, vs = self.sink_rows(s, layer)
+                kt = np.repeat(ks[:S].astype(np.float64), group, axis=1)
+                vt = np.repeat(vs[:S].astype(np.float64), group, axis=1)
+                scores = np.einsum("qhd,khd->hqk", rows.astype(np.float64), kt) * scale
+                if causal:
+                    scores = np.where((np.arange(S)[None, :] <= pos[:, None])[None], scores, -np.inf)
+                p, lse_s = softmax(scores)
+                parts.append((np.einsum("hqk,khd->qhd", p, vt).astype(np.float32), lse_s.T))
+            if P > S:
                 o = np.zeros(rows.shape, np.float32)
                 lse = np.full(rows.shape[:2], -np.inf)
                 pages = AttentionBatch(
-                    s.table()[None, : P // bs], np.array([P], np.int32), np.array([0], np.int32), scale
+                    s.table()[None, S // bs : P // bs], np.array([P - S], np.int32), np.array([0], np.int32), scale
                 )
 
                 def run(
@@ -112,13 +145,16 @@ class TailStore:
                     batch = pages.with_(q_lens=np.array([len(r)], np.int32), causal=causal_, window=win)
                     return self.backend.attention_lse(r, pools, layer, batch)
 
+                b = max(0, P - (L - n_q)) - a  # paged-region queries before S (sink queries): no page key
+                if not causal:  # every query sees every page key
+                    b, a = 0, 0
                 if a:  # the last `a` positions of the pages: the kernel's own masking
-                    o[:a], lse[:a] = run(rows[:a], causal, window)
-                if a < n_q and window is None:  # every page key precedes these queries
-                    o[a:], lse[a:] = run(rows[a:], False, None)
-                elif a < n_q:  # window: as the last query of the pages with a window shortened to match
+                    o[b : b + a], lse[b : b + a] = run(rows[b : b + a], causal, window)
+                if b + a < n_q and window is None:  # every page key precedes these queries
+                    o[b + a :], lse[b + a :] = run(rows[b + a :], False, None)
+                elif b + a < n_q:  # window: as the last query of the pages with a window shortened to match
                     assert window is not None
-                    for i in range(a, n_q):
+                    for i in range(b + a, n_q):
                         w = P - int(pos[i]) + window - 1
                         if w >= 1:
                             o[i : i + 1], lse[i : i + 1] = run(rows[i : i + 1], False, w)

@@ -50,6 +50,9 @@ from ..progress import progress
 from ..spec import CacheSpec
 from ..validate import is_int
 from .fidelity_capture import Capture, attention_output, causal_scores, log_softmax, rel_err
+from .fidelity_codec import CodecChoice, CodecRun, limit_keys
+from .fidelity_codec import is_codec as _is_codec
+from .fidelity_codec import parse as _parse_codec
 
 TOP_P = 0.9
 DEFAULT_TOKENS = 512
@@ -72,7 +75,8 @@ MODIFIERS: dict[str, dict[str, Any]] = {
 MODIFIER_HELP = (
     "FORMAT or K/V (q8_0/q4_0), then modifiers: ':rot' (Hadamard rotation of K and V; ':krot', ':vrot' one side), "
     "':scale' (per-head scales, each layer's calibrated on its first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
-    "':tailN' (the last N tokens kept in f16); e.g. q4_0:rot:tail64, fp8_e4m3:scale"
+    "':tailN' (the last N tokens kept in f16), ':sinkN' (the first N, whole pages, kept in f16); e.g. "
+    "q4_0:rot:tail64, fp8_e4m3:scale, q4_0:sink1; kltq rows: kltq:B[:plain][:sinkN][:v=FMT|:v=kltqB]"
 )
 
 
@@ -121,6 +125,8 @@ def parse_descriptor(text: str) -> FormatChoice:
             options.update(MODIFIERS[mod])
         elif mod.startswith("tail") and mod[4:].isdigit():
             options["tail"] = int(mod[4:])
+        elif mod.startswith("sink") and mod[4:].isdigit():
+            options["sinks"] = int(mod[4:])
         elif mod.startswith(("scale=", "kscale=", "vscale=")):
             side, _, value = mod.partition("=")
             try:
@@ -143,14 +149,14 @@ def parse_descriptor(text: str) -> FormatChoice:
     return FormatChoice(label, k_fmt, v_fmt, tuple(options.items()))
 
 
-def parse_formats(text: str) -> list[FormatChoice]:
+def parse_formats(text: str) -> list[FormatChoice | CodecChoice]:
     """A comma list of descriptors."""
     if not isinstance(text, str):
         raise SpecError(f"formats must be a comma list of descriptors, got {type(text).__name__}")
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise SpecError(f"no format descriptor in {text!r}; {MODIFIER_HELP}")
-    return [parse_descriptor(t) for t in items]
+    return [_parse_codec(t) if _is_codec(t) else parse_descriptor(t) for t in items]
 
 
 def default_choices() -> list[FormatChoice]:
@@ -249,6 +255,10 @@ class Row:
     nucleus: float | None = None
     out_rel_err: float | None = None
     kernel_vs_load: float | None = None
+    # the Gaussian rate-distortion limit (query-weighted reverse water-filling on the captured K) at this
+    # row's K bits (its quantized part: scales included, f16 tail and sinks apart), and at one bit fewer
+    limit_kl: float | None = None
+    limit_kl_less1: float | None = None
     per_layer: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -282,6 +292,9 @@ def _bits(spec: CacheSpec, tokens: int, tail: int | None = None) -> tuple[float,
     if tail:  # the sequence's last ``tail`` tokens are held in f16
         k = ((tokens - tail) * k + tail * 16) / tokens
         v = ((tokens - tail) * v + tail * 16) / tokens
+    sinks = min(getattr(spec, "sink_tokens", 0), tokens - tail)
+    if sinks:  # the f16 sink rows, held besides their quantized pages
+        k, v = k + 16 * sinks / tokens, v + 16 * sinks / tokens
     return k, v, (k + v) / 2
 
 
@@ -357,13 +370,15 @@ def _decode_layer(
 
 def run(
     capture: Capture,
-    choices: list[FormatChoice],
+    choices: list[FormatChoice | CodecChoice],
     backend: str = "auto",
     block_size: int = 16,
     skip_invalid: bool = False,
     show_progress: bool = False,
     top_p: float = TOP_P,
     decode: int | None = None,
+    calibration: str | None = None,
+    limit: bool = True,
 ) -> EvalResult:
     """Store the capture in a cache per choice and compare each one's attention with float64 over f32.
 
@@ -375,10 +390,18 @@ def run(
     row). A choice the cache or backend refuses (``UnsupportedError``) is an "unsupported" row; a choice
     whose spec is invalid here (``SpecError``: nvfp4 on a head_dim that is no multiple of 64) raises,
     unless ``skip_invalid`` (then it is a "skipped" row with the reason: the default list's behaviour), as
-    is a choice with a ``skip`` reason. Rows keep the order of ``choices``."""
+    is a choice with a ``skip`` reason. Rows keep the order of ``choices``.
+
+    kltq rows (``CodecChoice``) run the codec's numpy reference on the host (backend "numpy"), calibrated on
+    the capture or read from ``calibration`` (a directory ``--calibrate`` wrote). ``limit``: each row also
+    gets the Gaussian rate-distortion limit's KL at its K bits and at one bit fewer."""
     if not isinstance(capture, Capture):
         raise SpecError(f"capture must be a kvhal.tools.fidelity.Capture, got {type(capture).__name__}")
-    if isinstance(choices, (str, bytes)) or not all(isinstance(c, FormatChoice) for c in choices) or not choices:
+    if (
+        isinstance(choices, (str, bytes))
+        or not choices
+        or not all(isinstance(c, (FormatChoice, CodecChoice)) for c in choices)
+    ):
         raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.tools.fidelity.parse_formats)")
     if not is_int(block_size) or block_size < 1:
         raise SpecError(f"block_size must be a positive int, got {block_size!r}")
@@ -391,7 +414,18 @@ def run(
     cap, n = capture, capture.tokens
     rows: list[Row] = []
     caches: list[tuple[Row, KVCache, int] | None] = []
+    codecs: list[tuple[Row, CodecRun]] = []
+    rates: dict[int, tuple[float, int]] = {}  # row index -> (K bits of the quantized part, f16 sinks)
     for c in choices:
+        if isinstance(c, CodecChoice):
+            row = Row(c.label, f"kltq:{c.bits:g}", c.v_label, {"sinks": c.sinks, "weighted": c.weighted}, "ok")
+            rows.append(row)
+            run_ = CodecRun(c, cap, calibration)
+            row.backend = "numpy"
+            row.k_bits, row.v_bits, row.bits = run_.bits(n)
+            codecs.append((row, run_))
+            rates[len(rows) - 1] = (c.bits, c.sinks)
+            continue
         row = Row(c.label, c.k_format, c.v_format, c.kwargs, "ok")
         rows.append(row)
         caches.append(None)
@@ -406,6 +440,7 @@ def run(
             row.status, row.reason = "skipped", str(e)
             continue
         row.k_bits, row.v_bits, row.bits = _bits(spec, n)
+        rates[len(rows) - 1] = (float(spec.k_bits_per_element), 0)
         try:
             cache = KVCache(spec, n, backend=backend)
         except UnsupportedError as e:
@@ -446,6 +481,33 @@ def run(
         }
         for key, value in figures.items():
             row.per_layer.setdefault(key, []).append(value)
+    # the kltq rows (numpy reference) and the rate-distortion limits, a layer at a time
+    wanted = sorted({(b - d, s) for b, s in rates.values() for d in (0.0, 1.0)} if limit else set())
+    for layer in progress(range(cap.n_layers), cap.n_layers, "kvhal eval: kltq and limits", show_progress):
+        if not codecs and not wanted:
+            break
+        q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
+        ref = _Reference.of(q, k, v, cap.scale, top_p)
+        for row, run_ in codecs:
+            kd, vd = run_.layer(layer, k, v)
+            logp = log_softmax(causal_scores(q, kd, cap.scale))
+            p = np.exp(logp)
+            out = attention_output(p, vd)
+            figures = {
+                "kl": float(kl_rows(ref.logp, logp, ref.neg_entropy, ref.p).mean()),
+                "top1": float((logp.argmax(axis=-1) == ref.top1).mean()),
+                "nucleus": float(nucleus_agreement(p, ref.nucleus, top_p).mean()),
+                "out_rel_err": rel_err(out, ref.out),
+            }
+            for key, value in figures.items():
+                row.per_layer.setdefault(key, []).append(value)
+        for bits, sinks in wanted:
+            kl = float(kl_rows(ref.logp, log_softmax(causal_scores(q, limit_keys(k, q, bits, sinks), cap.scale)),
+                               ref.neg_entropy, ref.p).mean())  # fmt: skip
+            for i, (b, s) in rates.items():
+                if s == sinks and b in (bits, bits + 1.0):
+                    key = "limit_kl" if b == bits else "limit_kl_less1"
+                    rows[i].per_layer.setdefault(key, []).append(kl)
     for row, cache, _ in live:
         # the f16 tail as the cache holds it (whole pages move out of it: up to tail + block_size - 1 tokens)
         held = getattr(cache.stats(), "tail_tokens", None)
@@ -493,6 +555,8 @@ def table(r: EvalResult) -> str:
         ),
         f"  KL(p_f32 || p_fmt), top-1 and top-p set agreement: means over {r.layers * r.n_heads * r.tokens} query "
         "rows; out rel err: the backend's output, mean over layers",
+        "  limit KL: K through the Gaussian rate-distortion test channel (query-weighted reverse water-filling on "
+        "the captured K covariance) at the row's K bits (f16 tail/sinks apart); -1b: at one bit fewer",
     ]
     cols = [
         "format",
@@ -504,6 +568,8 @@ def table(r: EvalResult) -> str:
         "top-1",
         f"top-p {r.top_p:g} set",
         "out rel err",
+        "limit KL",
+        "limit KL -1b",
     ]
     body = []
     for row in r.rows:
@@ -521,6 +587,8 @@ def table(r: EvalResult) -> str:
                 f"{row.top1:.2%}",
                 f"{row.nucleus:.2%}",
                 f"{row.out_rel_err:.2e}",
+                "-" if row.limit_kl is None else f"{row.limit_kl:.2e}",
+                "-" if row.limit_kl_less1 is None else f"{row.limit_kl_less1:.2e}",
             ]
         )
     full = [b for b in body if len(b) == len(cols)]
@@ -569,6 +637,16 @@ def add_parser(sub: Any) -> None:
     )
     pe.add_argument("--keep", default="0.5", help="--evict: the fraction of the context kept (default 0.5)")
     pe.add_argument("--evict-format", default="f16", help="--evict: the cache's K/V formats, K[/V] (default f16)")
+    pe.add_argument("--offset", type=str, default="0", help="start the passage at this token (a second passage)")
+    pe.add_argument(
+        "--calibrate",
+        metavar="DIR",
+        help="write the kltq side data of every kltq row's budget, calibrated on this capture, into DIR",
+    )
+    pe.add_argument(
+        "--calibration", metavar="DIR", help="kltq rows read their side data from DIR (--calibrate on another run)"
+    )
+    pe.add_argument("--no-limit", action="store_true", help="leave out the rate-distortion limit columns")
     pe.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -593,7 +671,9 @@ def cli(args: Any) -> int:
     decode = _count("--decode", args.decode)
     assert block_size is not None
     check_backend(args.backend)
-    choices = parse_formats(args.formats) if args.formats is not None else default_choices()
+    choices: list[FormatChoice | CodecChoice] = (
+        parse_formats(args.formats) if args.formats is not None else list(default_choices())
+    )
     if args.capture is not None and (args.model is not None or args.save_capture is not None):
         raise SpecError("--capture replays a saved capture: pass it without --model or --save-capture")
     show = not args.json and sys.stderr.isatty()
@@ -602,9 +682,21 @@ def cli(args: Any) -> int:
     else:
         from . import fidelity_model
 
-        cap = fidelity_model.capture(args.model, tokens or DEFAULT_TOKENS, layers, show_progress=show)
+        offset = int(args.offset) if str(args.offset).isdigit() else -1
+        if offset < 0:
+            raise SpecError(f"--offset takes an integer >= 0, got {args.offset!r}")
+        cap = fidelity_model.capture(args.model, tokens or DEFAULT_TOKENS, layers, show_progress=show, offset=offset)
         if args.save_capture is not None:
             cap.save(args.save_capture)
+    if args.calibrate is not None:
+        from .fidelity_codec import write_calibration
+
+        ks = sorted({(c.bits, c.weighted, c.sinks) for c in choices if isinstance(c, CodecChoice)})
+        vs = sorted({(c.v_bits, c.sinks) for c in choices if isinstance(c, CodecChoice) and c.v_bits is not None})
+        if not ks:
+            raise SpecError("--calibrate writes the side data of kltq rows: name some in --formats (kltq:4.5:sink1)")
+        for path in write_calibration(args.calibrate, cap, ks, vs):
+            print(f"kvhal eval: wrote {path}", file=sys.stderr)
     result = run(
         cap,
         choices,
@@ -613,6 +705,8 @@ def cli(args: Any) -> int:
         skip_invalid=args.formats is None,
         show_progress=show,
         decode=decode,
+        calibration=args.calibration,
+        limit=not args.no_limit,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else table(result))
     return 0

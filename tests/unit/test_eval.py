@@ -406,11 +406,15 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
     assert data["backend"] == "reference" and data["top_p"] == 0.9 and data["causal_encoder"] is False
     assert data["decode"] is None
     keys = {"format", "k_format", "v_format", "options", "status", "reason", "backend", "k_bits", "v_bits", "bits",
-            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "per_layer"}  # fmt: skip
+            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "limit_kl", "limit_kl_less1",
+            "per_layer"}  # fmt: skip
     assert [r["format"] for r in data["rows"]] == ["f32", "q8_0/q4_0", "q4_0"]
     for r in data["rows"]:
         assert set(r) == keys and r["status"] == "ok"
-        assert set(r["per_layer"]) == {"kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load"}
+        assert set(r["per_layer"]) == {
+            "kl", "top1", "nucleus", "out_rel_err", "kernel_vs_load", "limit_kl", "limit_kl_less1"
+        }  # fmt: skip
+        assert -1e-12 <= r["limit_kl"] <= r["limit_kl_less1"] + 1e-12
         assert all(len(x) == 2 for x in r["per_layer"].values())
     assert data["rows"][0]["kl"] == 0.0 and data["rows"][1]["bits"] == 6.5
 
@@ -419,7 +423,7 @@ def test_cli_json_and_table_on_a_saved_capture(tmp_path, capsys):
     assert "kvhal eval: synthetic" in out and "32 tokens, 2 layers, 4 query heads / 2 KV heads, head_dim 64" in out
     header = next(line for line in out.splitlines() if line.startswith("format"))
     assert header.split() == ["format", "backend", "K", "bits", "V", "bits", "bits/value", "KL", "top-1", "top-p",
-                              "0.9", "set", "out", "rel", "err"]  # fmt: skip
+                              "0.9", "set", "out", "rel", "err", "limit", "KL", "limit", "KL", "-1b"]  # fmt: skip
     q4 = next(line for line in out.splitlines() if line.startswith("q4_0 "))
     assert q4.split()[1:5] == ["reference", "4.50", "4.50", "4.50"]
 
@@ -471,3 +475,48 @@ def test_import_kvhal_stays_light():
     code = "import sys, kvhal, kvhal.tools.cli, kvhal.tools.fidelity; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_kltq_rows_calibrate_write_and_read_side_data(tmp_path, capsys):
+    """kltq rows run the codec's reference; the KL of a row matches float64 attention over the reference's
+    reconstruction (an independent recomputation), more bits lower it, and --calibrate / --calibration
+    round-trip: a capture evaluated with side data written on itself gives the same figures."""
+    from kvhal.formats import kltq
+    from kvhal.tools.fidelity_capture import attention_output, causal_scores, log_softmax
+
+    cap = synthetic(layers=2, t=64)
+    path = str(tmp_path / "cap.npz")
+    cap.save(path)
+    choices = fidelity.parse_formats("kltq:3:sink1,kltq:6:sink1,kltq:4:plain:v=kltq4")
+    r = fidelity.run(cap, choices, "reference")
+    rows = {row.format: row for row in r.rows}
+    assert all(row.status == "ok" and row.backend == "numpy" for row in r.rows)
+    assert rows["kltq:6:sink1"].kl < rows["kltq:3:sink1"].kl
+    assert rows["kltq:3:sink1"].k_bits == pytest.approx((3 * 63 + 16) / 64)
+    assert rows["kltq:4:plain:v=kltq4"].v_format == "kltq:4" and rows["kltq:4:plain:v=kltq4"].v_bits == 4.0
+    # recompute layer 0 of the first row from the reference alone
+    side = kltq.calibrate(cap.k, 3.0, cap.q, skip=1)
+    kd = kltq.dequantize(side, 0, kltq.quantize(side, 0, cap.k[0]))
+    kd[:1] = cap.k[0][:1].astype(np.float16)
+    ref = log_softmax(causal_scores(cap.q[0], cap.k[0], cap.scale))
+    got = log_softmax(causal_scores(cap.q[0], kd, cap.scale))
+    kl = fidelity.kl_rows(ref, got).mean()
+    assert rows["kltq:3:sink1"].per_layer["kl"][0] == pytest.approx(kl, rel=1e-9)
+    assert np.isfinite(attention_output(np.exp(got), cap.v[0])).all()
+    # the limit at one bit fewer is above the limit at the row's bits
+    assert all(row.limit_kl is not None and row.limit_kl < row.limit_kl_less1 for row in r.rows)
+
+    cal = str(tmp_path / "cal")
+    args = ["eval", "--capture", path, "--formats", "kltq:3:sink1,kltq:4:plain:v=kltq4", "--no-limit", "--json"]
+    assert main([*args, "--calibrate", cal]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main([*args, "--calibration", cal]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [x["kl"] for x in first["rows"]] == [x["kl"] for x in again["rows"]]
+    assert first["rows"][0]["limit_kl"] is None
+    assert main(["eval", "--capture", path, "--formats", "kltq:5:sink1", "--calibration", cal]) == 2
+    assert "kvhal eval --calibrate" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="unknown modifier"):
+        fidelity.parse_formats("kltq:4:bogus")
+    with pytest.raises(FormatError, match="kltq budget"):
+        fidelity.parse_formats("kltq:4.3")
