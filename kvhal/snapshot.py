@@ -477,3 +477,33 @@ def inspect(path: Any) -> dict[str, Any]:
         "checksums_ok": all(v == "ok" for v in checks.values()),
         "checksums": checks,
     }
+
+
+def header(path: Any) -> tuple[CacheSpec, Fingerprint, int]:
+    """The spec, fingerprint and block count a snapshot was saved with (``KVCache.from_snapshot``): the version
+    is checked, the tensors are not (``restore`` checks them)."""
+    from .errors import KVHalError
+
+    r = _Reader(_path(path))
+    try:
+        r.check_version()
+        meta = r.meta
+        fp, saved = meta.get("fingerprint"), meta.get("spec")
+        try:
+            if not isinstance(fp, dict) or not isinstance(saved, dict):
+                raise TypeError("fingerprint/spec missing")
+            spec_args = {k: tuple(_tuples(v)) if isinstance(v, list) else v for k, v in saved.items()}
+            spec = CacheSpec(**spec_args)
+            fingerprint = Fingerprint(model=fp["model"], extra=fp.get("extra", {}))
+            n_blocks = int(meta["n_blocks"])
+        except (KVHalError, KeyError, TypeError, ValueError) as e:
+            raise SnapshotCorruptError(
+                f"{str(r.path)!r}: its kvhal metadata does not name a spec and fingerprint ({e}); save it again"
+            ) from None
+        return spec, fingerprint, n_blocks
+    finally:
+        r.close()
+
+
+def _tuples(value: list[Any]) -> Any:
+    return [tuple(_tuples(x)) if isinstance(x, list) else x for x in value]
