@@ -280,7 +280,11 @@ class KVCache:
         if len(k) != len(v):
             raise ShapeError(f"k_rows has {len(k)} tokens but v_rows has {len(v)}; store both for the same tokens")
         self._raw_rows_supported("store_rows")
-        if any(self.codec.uncalibrated(w) or self.codec.calibrating() for w in "kv" if getattr(spec, f"{w}_scale") == "calibrate"):
+        if any(
+            self.codec.uncalibrated(w) or self.codec.calibrating()
+            for w in "kv"
+            if getattr(spec, f"{w}_scale") == "calibrate"
+        ):
             raise UnsupportedError(
                 'store_rows on a "calibrate" cache before every layer\'s scale is fixed: the rows would have no scale '
                 "to mean; create the cache with the scales the rows were stored with"

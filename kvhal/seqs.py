@@ -242,7 +242,10 @@ class SeqTable:
         bs, n = self.spec.block_size, p1 - p0
         shape = (0, self.spec.n_kv_heads)
         if n <= 0:
-            return (np.zeros((*shape, self.spec.k_row_bytes), np.uint8), np.zeros((*shape, self.spec.v_row_bytes), np.uint8))
+            return (
+                np.zeros((*shape, self.spec.k_row_bytes), np.uint8),
+                np.zeros((*shape, self.spec.v_row_bytes), np.uint8),
+            )
         first = p0 // bs
         ids = np.asarray(s.blocks[first : math.ceil(p1 / bs)], np.int64)
         kp, vp = blocks_to_pages(self.spec, self.backend.read_blocks(self.pools, ids))[layer]

@@ -492,7 +492,7 @@ def header(path: Any) -> tuple[CacheSpec, Fingerprint, int]:
         try:
             if not isinstance(fp, dict) or not isinstance(saved, dict):
                 raise TypeError("fingerprint/spec missing")
-            spec_args = {k: tuple(_tuples(v)) if isinstance(v, list) else v for k, v in saved.items()}
+            spec_args: dict[str, Any] = {k: tuple(_tuples(v)) if isinstance(v, list) else v for k, v in saved.items()}
             spec = CacheSpec(**spec_args)
             fingerprint = Fingerprint(model=fp["model"], extra=fp.get("extra", {}))
             n_blocks = int(meta["n_blocks"])
