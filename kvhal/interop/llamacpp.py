@@ -38,6 +38,7 @@ from .. import formats
 from ..backend import Backend
 from ..errors import (
     LlamaStateCorruptError,
+    LlamaStateError,
     LlamaStateMismatchError,
     LlamaStateUnsupportedError,
     LlamaStateVersionError,
@@ -47,6 +48,11 @@ from ..fingerprint import Fingerprint
 from ..spec import CacheSpec
 
 __all__ = [
+    "LlamaStateCorruptError",
+    "LlamaStateError",
+    "LlamaStateMismatchError",
+    "LlamaStateUnsupportedError",
+    "LlamaStateVersionError",
     "FILE_MAGIC",
     "FILE_VERSION",
     "IO_MAGIC",
