@@ -55,15 +55,26 @@ def model() -> dict[str, Any]:
     return {"path": str(packaged_model()), **llamacpp.model_info(packaged_model())}
 
 
+_SAVED: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+
+def save(config: tuple[str, str, str], model: dict[str, Any], tmp: pytest.TempPathFactory) -> dict[str, Any]:
+    """llama.cpp's own state of the prompt for one (type_k, type_v, flash attention), written once per run."""
+    if config not in _SAVED:
+        kf, vf, fa = config
+        d = tmp.mktemp(f"llama-{kf}-{fa}")
+        flags = ["--type-k", kf, "--type-v", vf, "--flash-attn", fa]
+        engine("save", model["path"], str(d), *flags)
+        ids = json.loads((d / "prompt.json").read_text())
+        _SAVED[config] = {"dir": d, "kf": kf, "vf": vf, "fa": fa, "flags": flags, "ids": ids}
+    return _SAVED[config]
+
+
 @pytest.fixture(scope="module", params=CONFIGS, ids=["-".join(c) for c in CONFIGS])
 def saved(
     request: pytest.FixtureRequest, model: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
-    kf, vf, fa = request.param
-    d = tmp_path_factory.mktemp(f"llama-{kf}-{fa}")
-    engine("save", model["path"], str(d), "--type-k", kf, "--type-v", vf, "--flash-attn", fa)
-    flags = ["--type-k", kf, "--type-v", vf, "--flash-attn", fa]
-    return {"dir": d, "kf": kf, "vf": vf, "fa": fa, "flags": flags, "ids": json.loads((d / "prompt.json").read_text())}
+    return save(request.param, model, tmp_path_factory)
 
 
 def walk(data: bytes, at: int) -> tuple[list[int], list[tuple[int, bytes, int, bytes]]]:
@@ -224,10 +235,9 @@ def test_llama_cpp_continues_from_kvhal_states(saved: dict[str, Any], model: dic
 
 
 def test_bad_real_states_are_typed_and_nothing_half_imported(
-    saved: dict[str, Any], model: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    model: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if saved["kf"] != "q8_0":
-        pytest.skip("one format is enough for the bad-input cases")
+    saved = save(CONFIGS[0], model, tmp_path_factory)  # q8_0: one format is enough for the bad-input cases
     d = saved["dir"]
     data, file = (d / "state.bin").read_bytes(), (d / "state.ggsq").read_bytes()
     heads = model["n_kv_heads"]
