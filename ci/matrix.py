@@ -84,7 +84,12 @@ RUNNERS = [
 FIXED_HARDWARE = {"test-rocm", "bench-cuda13", "bench-cuda12"}
 
 
-CORE_CPU = [Row("lint", CPU), Row("test-reference", CPU), Row("test-transformers", CPU)]  # no backend table
+CORE_CPU = [  # no backend table
+    Row("lint", CPU),
+    Row("test-reference", CPU),
+    Row("test-transformers", CPU),
+    Row("test-llamacpp", CPU, note="the real llama.cpp, built from source (llama-cpp-python), CPU only"),
+]
 
 
 def cpu_rows(root: Path = ROOT) -> list[Row]:

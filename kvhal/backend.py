@@ -209,13 +209,14 @@ class Backend(ABC):
 
     def transform_heads(self, x: Any, scale: np.ndarray, rotation: str | None, inverse: bool) -> Any:
         """``scale * R x`` per KV head of ``x [n, n_heads, D]`` (``inverse``: ``scale * R^T x``; query heads grouped
-        over ``len(scale)`` KV heads), f32 in this backend's array type: the codec's step for queries and outputs.
-        Here on the host in float64; a backend that runs it on its device lists "transform" in ``fused``."""
+        over ``len(scale)`` KV heads), f32 in this backend's array type: the codec's step for queries and outputs
+        (queries meet K's rotation, ``inverse`` outputs V's: a rotation whose blocks differ for K and V, such as
+        "hadamard-llama", takes its K or V form from ``inverse``). Here on the host in float64; a backend that runs it on its device lists "transform" in ``fused``."""
         from . import transforms
 
         h = np.asarray(self.to_numpy(x), np.float64)
         if rotation is not None:
-            h = transforms.unrotate(h) if inverse else transforms.rotate(h)
+            h = transforms.unrotate(h, rotation, "v") if inverse else transforms.rotate(h, rotation, "k")
         h = h * scale[np.arange(h.shape[1]) // (h.shape[1] // len(scale))][None, :, None]
         return self.asarray(h.astype(np.float32), "out" if inverse else "q")
 

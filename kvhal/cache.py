@@ -28,7 +28,7 @@ from .backend import AttentionBatch, Backend
 from .backend_util import check_shape
 from .blocks import BlockAllocator
 from .codec import Codec, Pending
-from .errors import CapacityError, PositionError, ShapeError, SpecError, UnsupportedError
+from .errors import CapacityError, NonFiniteError, PositionError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, Evictor, OnEvict, Policy
 from .fingerprint import Fingerprint, extra_digest
 from .prefix import PrefixIndex
@@ -278,6 +278,68 @@ class KVCache:
         if len(s.tokens) > len(s.hashes) * spec.block_size:
             self.prefix.seal(s)
 
+    def store_rows(self, seq: int, layer: int, k_rows: Any, v_rows: Any) -> None:
+        """Append already-stored rows to ``seq`` at ``layer``, byte for byte: ``k_rows``/``v_rows`` in the pool's
+        row byte layout, uint8 ``[n_new, n_kv_heads, row_bytes]`` (``spec.k_row_bytes``/``v_row_bytes``: one
+        head's ``head_dim`` values in the spec's format, stored form: scaled and rotated where the spec says),
+        or ``bytes`` of whole tokens. Validated like ``store`` (shapes, the decoded values finite) and all or
+        nothing. Not for a cache with an f16 tail, nor before a "calibrate" scale is fixed (the bytes would
+        have no scale to mean)."""
+        s = self.seq_table.resident(seq, "store_rows")
+        layer = validate.layer(layer, self.spec.n_layers)
+        spec = self.spec
+        k = validate.stored_rows(k_rows, "k_rows", spec.n_kv_heads, spec.k_row_bytes)
+        v = validate.stored_rows(v_rows, "v_rows", spec.n_kv_heads, spec.v_row_bytes)
+        if len(k) != len(v):
+            raise ShapeError(f"k_rows has {len(k)} tokens but v_rows has {len(v)}; store both for the same tokens")
+        self._raw_rows_supported("store_rows")
+        if any(
+            self.codec.uncalibrated(w) or self.codec.calibrating()
+            for w in "kv"
+            if getattr(spec, f"{w}_scale") == "calibrate"
+        ):
+            raise UnsupportedError(
+                'store_rows on a "calibrate" cache before every layer\'s scale is fixed: the rows would have no scale '
+                "to mean; create the cache with the scales the rows were stored with"
+            )
+        if len(k) == 0:
+            return
+        for fmt, rows, what in ((spec.k_fmt, k, "k_rows"), (spec.v_fmt, v, "v_rows")):
+            values = fmt.dequantize(rows)
+            if not np.isfinite(values).all():
+                raise NonFiniteError(
+                    f"{what} decode to non-finite values in format {fmt.name}: the bytes are not rows of this "
+                    "spec's format (or are corrupt); check the format and the byte layout"
+                )
+        make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
+        p1 = self.seq_table.write(s, layer, k, v, s.lens[layer] - s.base, make_room, raw=True)
+        s.lens[layer] = p1 + s.base
+        if len(s.tokens) > len(s.hashes) * spec.block_size:
+            self.prefix.seal(s)
+
+    def load_rows(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The stored bytes of positions ``[p0, p1)`` (``p1`` None or < 0: the end) at ``layer``, as ``store_rows``
+        takes them: host uint8 ``[n, n_kv_heads, k_row_bytes]`` and ``[n, n_kv_heads, v_row_bytes]``."""
+        s = self.seq_table.resident(seq, "load_rows")
+        layer = validate.layer(layer, self.spec.n_layers)
+        self._raw_rows_supported("load_rows")
+        L = s.lens[layer]
+        p0 = validate.position(p0, "p0", allow_none=False)
+        p1 = validate.position(p1, "p1")
+        hi = L if p1 is None or p1 < 0 else p1
+        if not (0 <= p0 <= hi <= L):
+            raise PositionError(
+                f"load_rows range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}"
+            )
+        return self.seq_table.read_rows(s, layer, p0, hi)
+
+    def _raw_rows_supported(self, what: str) -> None:
+        if self.spec.uses_tail:
+            raise UnsupportedError(
+                f"{what} on a cache with an f16 tail (tail > 0 or a per-channel K format): its newest rows are f16, "
+                "not the format's bytes; use store/load, or a spec with tail=0 and a per-token K format"
+            )
+
     def _committed(self, pending: Pending) -> None:
         if self.codec.commit(pending):
             self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
@@ -437,6 +499,34 @@ class KVCache:
         from . import snapshot
 
         return snapshot.restore(self, path)
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        path: str | os.PathLike[str],
+        backend: str | Backend = "auto",
+        *,
+        capacity_tokens: int | None = None,
+        **options: Any,
+    ) -> tuple[KVCache, list[int]]:
+        """A new cache of the snapshot's own spec and fingerprint holding its sequences, and their ids.
+
+        ``capacity_tokens``: at least the snapshot's blocks (the default: exactly those). ``options`` go to
+        ``KVCache`` (``allow_fallback``, ``backend_options``, ``tiers``...). Fails with a ``SnapshotError``
+        as ``restore`` does."""
+        from . import snapshot
+
+        spec, fingerprint, n_blocks = snapshot.header(path)
+        if capacity_tokens is None:
+            capacity_tokens = max(1, n_blocks) * spec.block_size
+        capacity_tokens = validate.count(capacity_tokens, "capacity_tokens", 1)
+        if capacity_tokens < n_blocks * spec.block_size:
+            raise CapacityError(
+                f"capacity_tokens={capacity_tokens} is less than the snapshot's {n_blocks} blocks of "
+                f"{spec.block_size} tokens; pass at least {n_blocks * spec.block_size}"
+            )
+        cache = cls(spec, capacity_tokens, backend, fingerprint=fingerprint, **options)
+        return cache, cache.restore(path)
 
     def stats(self) -> CacheStats:
         return collect(self.backend, self.pools, self.seq_table, self.prefix, self.evictor, self.streamer)

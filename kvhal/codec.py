@@ -93,8 +93,8 @@ class Codec:
         fmt = self.spec.k_fmt if which == "k" else self.spec.v_fmt
         if fmt.calibration_max is None:
             return np.ones(self.spec.n_kv_heads)
-        if getattr(self.spec, f"{which}_rotation") is not None:
-            x = transforms.rotate(x)
+        if (mode := getattr(self.spec, f"{which}_rotation")) is not None:
+            x = transforms.rotate(x, mode, which)
         x = np.asarray(x, np.float64)
         amax = np.abs(x).max(axis=(0, 2))
         ratio = np.where(amax > 0, amax, fmt.calibration_max) / fmt.calibration_max
@@ -132,15 +132,15 @@ class Codec:
     def forward(self, which: str, x: np.ndarray, sc: np.ndarray) -> np.ndarray:
         """What is stored for values ``x [n, H, D]``: ``R (x / scale)``, f32."""
         y = np.asarray(x, np.float64) / sc[None, :, None]
-        if getattr(self.spec, f"{which}_rotation") is not None:
-            y = transforms.rotate(y)
+        if (mode := getattr(self.spec, f"{which}_rotation")) is not None:
+            y = transforms.rotate(y, mode, which)
         return y.astype(np.float32)
 
     def backward(self, which: str, layer: int, y: np.ndarray) -> np.ndarray:
         """Values from stored form ``y [n, H, D]``: ``scale * R^T y``, f32."""
         x = np.asarray(y, np.float64)
-        if getattr(self.spec, f"{which}_rotation") is not None:
-            x = transforms.unrotate(x)
+        if (mode := getattr(self.spec, f"{which}_rotation")) is not None:
+            x = transforms.unrotate(x, mode, which)
         return (x * self.scale(which, layer)[None, :, None]).astype(np.float32)
 
     def query(self, backend: Backend, layer: int, q: Any) -> Any:

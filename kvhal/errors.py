@@ -72,3 +72,25 @@ class FingerprintMismatchError(SnapshotError):
 
 class TierError(KVHalError):
     """A block tier (kvhal.tiers) got a bad argument or cannot be set up; lookups themselves never raise."""
+
+
+class LlamaStateError(KVHalError):
+    """A llama.cpp sequence state cannot be read, imported or written (kvhal.interop.llamacpp); nothing was
+    imported."""
+
+
+class LlamaStateCorruptError(LlamaStateError, ValueError):
+    """The bytes are not a complete llama.cpp sequence state: truncated, bit-flipped, or not one at all."""
+
+
+class LlamaStateVersionError(LlamaStateError):
+    """A sequence-state file of another version than the one kvhal reads (llama.cpp's LLAMA_STATE_SEQ_VERSION)."""
+
+
+class LlamaStateMismatchError(LlamaStateError):
+    """The state does not fit the model or cache it is given to (layers, KV heads, formats, rotation)."""
+
+
+class LlamaStateUnsupportedError(LlamaStateError):
+    """A valid state kvhal cannot hold: positions not contiguous from 0, a ggml type kvhal does not share,
+    per-cell extension data (M-RoPE), quantized transposed V."""

@@ -191,10 +191,12 @@ class SeqTable:
         v: Any,
         p0: int,
         make_room: Callable[[Seq, int, int], bool] | None = None,
+        raw: bool = False,
     ) -> int:
         """Store rows ``k``/``v`` at resident positions ``p0..``: reserve (``make_room(s, layer, n)`` may first free
         blocks, all it needs or none, and compact this sequence too: the position is then read again), own,
-        allocate, write; a failure gives the blocks back. Returns the resident end position."""
+        allocate, write; a failure gives the blocks back. Returns the resident end position. ``raw``: ``k``/``v``
+        are stored rows already (host uint8 ``[n, n_kv_heads, row_bytes]``), written byte for byte."""
         bs, n = self.spec.block_size, len(k)
         if make_room is not None and self.blocks_needed(s.blocks, p0, p0 + n) > self.allocator.n_usable:
             if make_room(s, layer, n):
@@ -209,7 +211,10 @@ class SeqTable:
             s.blocks.extend(added)
             s.changed()
         try:
-            self.backend.store(self.pools, layer, k, v, self.slots(s, p0, p1))
+            if raw:
+                self.write_rows(layer, k, v, self.slots(s, p0, p1))
+            else:
+                self.backend.store(self.pools, layer, k, v, self.slots(s, p0, p1))
         except BaseException:
             self.release(added)
             if added:
@@ -217,6 +222,40 @@ class SeqTable:
                 s.changed()
             raise
         return p1
+
+    def write_rows(self, layer: int, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
+        """Write stored rows byte for byte into ``slots`` at ``layer``, through raw block I/O (every backend
+        has it): the touched blocks are read, patched at this layer and written back."""
+        from .backend_util import blocks_to_pages
+
+        bs = self.spec.block_size
+        ids = np.unique(slots // bs)
+        data = np.array(self.backend.read_blocks(self.pools, ids), np.uint8, copy=True)
+        kp, vp = blocks_to_pages(self.spec, data)[layer]
+        at = np.searchsorted(ids, slots // bs)
+        kp[at, :, slots % bs, :] = k
+        vp[at, :, slots % bs, :] = v
+        self.backend.write_blocks(self.pools, ids, data)
+
+    def read_rows(self, s: Seq, layer: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
+        """The stored rows of resident positions ``[p0, p1)`` at ``layer``: host uint8 ``[n, n_kv_heads,
+        row_bytes]`` for K and V, read through raw block I/O."""
+        from .backend_util import blocks_to_pages
+
+        bs, n = self.spec.block_size, p1 - p0
+        shape = (0, self.spec.n_kv_heads)
+        if n <= 0:
+            return (
+                np.zeros((*shape, self.spec.k_row_bytes), np.uint8),
+                np.zeros((*shape, self.spec.v_row_bytes), np.uint8),
+            )
+        first = p0 // bs
+        ids = np.asarray(s.blocks[first : math.ceil(p1 / bs)], np.int64)
+        kp, vp = blocks_to_pages(self.spec, self.backend.read_blocks(self.pools, ids))[layer]
+        skip = p0 - first * bs
+        k = kp.transpose(0, 2, 1, 3).reshape(-1, self.spec.n_kv_heads, self.spec.k_row_bytes)[skip : skip + n]
+        v = vp.transpose(0, 2, 1, 3).reshape(-1, self.spec.n_kv_heads, self.spec.v_row_bytes)[skip : skip + n]
+        return np.ascontiguousarray(k), np.ascontiguousarray(v)
 
     def blocks_needed(self, blocks: list[int], p0: int, p1: int, ref: Callable[[int], int] | None = None) -> int:
         """Free blocks a write of positions ``[p0, p1)`` into pages ``blocks`` takes: new pages plus a copy of each

@@ -739,3 +739,16 @@ def inspect(path: Any) -> dict[str, Any]:
         }
     finally:
         r.close()
+
+
+def header(path: Any) -> tuple[CacheSpec, Fingerprint, int]:
+    """The spec, fingerprint and block count a snapshot was saved with (``KVCache.from_snapshot``), after the
+    checks ``restore`` makes on the file itself (``validate``)."""
+    r = _Reader(_path(path))
+    try:
+        validate(r)
+        m = r.meta
+        spec = CacheSpec(**{k: _tupled(v) for k, v in m["spec"].items()})
+        return spec, Fingerprint(m["fingerprint"]["model"], m["fingerprint"]["extra"]), int(m["n_blocks"])
+    finally:
+        r.close()

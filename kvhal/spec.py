@@ -58,7 +58,8 @@ class CacheSpec:
     Transforms (applied by the cache, so every backend has them; see ``kvhal.transforms``):
     ``k_scale``/``v_scale`` (vLLM's meaning: ``stored = x / scale``): None (1.0), a float, a tuple of one
     float per KV head, a tuple of such tuples (one per layer), or ``"calibrate"`` (per layer and head,
-    ``amax / format.calibration_max`` of that layer's first store, then fixed). ``k_rotation``/``v_rotation``: None or ``"hadamard"`` (head_dim a power of two).
+    ``amax / format.calibration_max`` of that layer's first store, then fixed). ``k_rotation``/``v_rotation``: None, ``"hadamard"`` (head_dim a power of two) or
+    ``"hadamard-llama"`` (llama.cpp's unsigned block rotation of quantized K/V; head_dim a multiple of 64).
     ``tail``: at least the last ``tail`` tokens of each sequence (at most ``tail + block_size - 1``) stay
     in f16; the quantized pages only ever hold whole blocks.
     ``sinks``: each sequence's first ``sinks`` tokens (rounded up to whole pages: ``sink_tokens``) are also
@@ -110,7 +111,7 @@ class CacheSpec:
                 raise SpecError(f"CacheSpec.{name}={value!r}: pass None or one of {ROTATIONS}")
             if value is not None:
                 try:
-                    check_dim(self.head_dim)
+                    check_dim(self.head_dim, value)
                 except SpecError as e:
                     raise SpecError(f"CacheSpec.{name}={value!r}: {e}") from None
         for name in ("k_format", "v_format"):

@@ -2,8 +2,15 @@
 
 A cache stores ``R(x / scale)`` and attends with ``R q * k_scale`` (exact: ``R`` is orthogonal and the
 scale is one number per KV head), so every backend gets the transforms without kernel changes.
-``R = W D``: ``W`` the normalized Walsh-Hadamard matrix of order ``head_dim`` (a power of two), ``D`` a
-fixed diagonal of signs derived from sha256, identical in every process and on every machine.
+
+Rotations (``CacheSpec.k_rotation`` / ``v_rotation``):
+
+* ``"hadamard"``: ``R = W D``, ``W`` the normalized Walsh-Hadamard matrix of order ``head_dim`` (a power of
+  two), ``D`` a fixed diagonal of signs derived from sha256, identical in every process and on every machine.
+* ``"hadamard-llama"``: llama.cpp's KV rotation (its PR #21038, ``llama-kv-cache.cpp``): the plain normalized
+  Walsh-Hadamard matrix (Sylvester order, no signs) applied to consecutive blocks of ``n`` values of each
+  head (``head_dim`` a multiple of 64). For K, ``n`` is the largest power of two dividing ``head_dim``
+  (``build_input_k_rot``); for V, ``n = 64`` (``build_input_v_rot``). ``W`` is symmetric, so ``R^T = R``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import numpy as np
 
 from .errors import SpecError
 
-ROTATIONS = ("hadamard",)
+ROTATIONS = ("hadamard", "hadamard-llama")
 
 
 @cache
@@ -32,9 +39,27 @@ def signs(n: int) -> np.ndarray:
     return s
 
 
-def check_dim(n: int) -> None:
+def check_dim(n: int, mode: str = "hadamard") -> None:
+    if mode == "hadamard-llama":
+        if n < 64 or n % 64:
+            raise SpecError(
+                f"the hadamard-llama rotation needs head_dim to be a multiple of 64 (as llama.cpp), got {n}; "
+                "pass rotation None (llama.cpp does not rotate such heads either)"
+            )
+        return
     if n < 1 or n & (n - 1):
         raise SpecError(f"a Hadamard rotation needs head_dim to be a power of two, got {n}; pass rotation None")
+
+
+def llama_block(n: int, which: str) -> int:
+    """The order of llama.cpp's Hadamard blocks for ``head_dim`` ``n``: for K the largest power of two
+    dividing ``n`` (at least 64), for V always 64."""
+    if which == "v":
+        return 64
+    b = 64
+    while n % (2 * b) == 0:
+        b *= 2
+    return b
 
 
 def _wht(x: np.ndarray) -> np.ndarray:
@@ -51,13 +76,26 @@ def _wht(x: np.ndarray) -> np.ndarray:
     return (y / np.sqrt(n)).reshape(x.shape)
 
 
-def rotate(x: np.ndarray) -> np.ndarray:
-    """``R x = W (D x)`` over the last axis, float64."""
+def _blocks(x: np.ndarray, which: str) -> np.ndarray:
+    """llama.cpp's rotation: ``W`` over consecutive blocks of the last axis (its own inverse)."""
+    n = x.shape[-1]
+    check_dim(n, "hadamard-llama")
+    b = llama_block(n, which)
+    y = np.asarray(x, np.float64)
+    return _wht(y.reshape(*y.shape[:-1], n // b, b)).reshape(y.shape)
+
+
+def rotate(x: np.ndarray, mode: str = "hadamard", which: str = "k") -> np.ndarray:
+    """``R x`` over the last axis, float64 (``which``: "k" or "v", for the block size of "hadamard-llama")."""
+    if mode == "hadamard-llama":
+        return _blocks(x, which)
     check_dim(x.shape[-1])
     return _wht(np.asarray(x, np.float64) * signs(x.shape[-1]))
 
 
-def unrotate(x: np.ndarray) -> np.ndarray:
-    """``R^T x = D (W x)`` over the last axis, float64: the inverse of ``rotate``."""
+def unrotate(x: np.ndarray, mode: str = "hadamard", which: str = "k") -> np.ndarray:
+    """``R^T x`` over the last axis, float64: the inverse of ``rotate``."""
+    if mode == "hadamard-llama":
+        return _blocks(x, which)
     check_dim(x.shape[-1])
     return _wht(np.asarray(x, np.float64)) * signs(x.shape[-1])

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PositionError, SequenceError, ShapeError, SpecError
+from .errors import DTypeError, PositionError, SequenceError, ShapeError, SpecError
 
 END = 2**62  # "to the end" of a range: past any sequence
 
@@ -160,3 +160,30 @@ def attention_options(scale: Any, causal: Any, window: Any, observe: Any, head_d
     ):
         raise ShapeError(f"scale must be a finite real number or None, got {scale!r}")
     return float(scale), None if window is None else int(window)
+
+
+def stored_rows(x: Any, what: str, n_kv_heads: int, row_bytes: int) -> np.ndarray:
+    """Already-stored rows as host uint8 ``[n, n_kv_heads, row_bytes]`` (the pool's row byte layout): a uint8
+    numpy array of that shape or ``[n, n_kv_heads * row_bytes]``, or ``bytes``/``bytearray``/``memoryview``
+    of whole tokens (a str is not bytes)."""
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        arr = np.frombuffer(x, np.uint8)
+    elif isinstance(x, np.ndarray) and x.dtype == np.uint8:
+        arr = x
+    else:
+        dtype = getattr(x, "dtype", None)
+        raise DTypeError(
+            f"{what} is a {type(x).__name__}{f' of {dtype}' if dtype is not None else ''}; pass the stored rows as "
+            "a uint8 numpy array [n, n_kv_heads, row_bytes] or bytes (store() takes float values)"
+        )
+    token = n_kv_heads * row_bytes
+    if arr.ndim == 1 and arr.size % token == 0:
+        return arr.reshape(-1, n_kv_heads, row_bytes)
+    if arr.ndim == 2 and arr.shape[1] == token:
+        return arr.reshape(-1, n_kv_heads, row_bytes)
+    if arr.ndim == 3 and arr.shape[1:] == (n_kv_heads, row_bytes):
+        return arr
+    raise ShapeError(
+        f"{what} has shape {arr.shape}; expected [n, {n_kv_heads}, {row_bytes}] (n_kv_heads, bytes per head row) "
+        f"or whole tokens of {token} bytes"
+    )

@@ -1,4 +1,5 @@
-"""The kvhal command: ``info``, ``bench``, ``stress``, ``plan``, ``eval``, ``snapshot`` and ``tiers`` (``--json`` on each)."""
+"""The kvhal command: ``info``, ``bench``, ``stress``, ``plan``, ``eval``, ``snapshot``, ``convert`` and ``tiers`` (``--json``
+on each)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..backend import FUSED, OPS
 from ..errors import KVHalError, SpecError
 from ..registry import backends
 from ..spec import CacheSpec
-from . import fidelity, plan
+from . import convert, fidelity, plan
 
 SPEC_DEFAULTS: dict[str, Any] = {"n_layers": 32, "n_kv_heads": 8, "head_dim": 128, "k_format": "f16", "v_format": "f16"}
 
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     psi = ps_sub.add_parser("inspect", help="header, fingerprint, tokens, blocks; every checksum verified")
     psi.add_argument("file")
     psi.add_argument("--json", action="store_true", help="print JSON instead of text")
+    convert.add_parser(sub)
     from . import tiers_bench
 
     tiers_bench.add_arguments(sub.add_parser("tiers", help="block tiers (host RAM, disk, Redis): `kvhal tiers bench`"))
@@ -259,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             return evict_eval.cli(args)
         if args.cmd == "eval":
             return fidelity.cli(args)
+        if args.cmd == "convert":
+            return convert.cli(args)
         if args.cmd == "stress":
             from . import stress
 

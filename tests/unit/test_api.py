@@ -28,7 +28,7 @@ def rows(n: int, heads: int = 2, dim: int = 32, seed: int = 0) -> np.ndarray:
 def test_import_is_light():
     # CPU time, not wall time: the budget is kvhal's own work, not other processes on a shared machine
     code = ("import sys, time; t = time.process_time(); import kvhal; dt = time.process_time() - t; "
-            "heavy = [m for m in ('torch', 'transformers', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu') "
+            "heavy = [m for m in ('torch', 'transformers', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu', 'llama_cpp', 'gguf', 'kvhal.interop.llamacpp') "
             "if m in sys.modules]; print(dt, heavy)")
     times = []
     for _ in range(5):

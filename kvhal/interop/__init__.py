@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DTypeError
+from ..errors import DTypeError
 
 
 def to_numpy(x: Any) -> np.ndarray:
