@@ -84,7 +84,7 @@ RUNNERS = [
 FIXED_HARDWARE = {"test-rocm", "bench-cuda13", "bench-cuda12"}
 
 
-CORE_CPU = [Row("lint", CPU), Row("test-reference", CPU), Row("test-transformers", CPU)]  # no backend table
+CORE_CPU = [Row("lint", CPU), Row("test-reference", CPU), Row("test-transformers", CPU), Row("test-vllm", CPU)]  # no backend table
 
 
 def cpu_rows(root: Path = ROOT) -> list[Row]:
