@@ -72,3 +72,8 @@ class FingerprintMismatchError(SnapshotError):
 
 class TierError(KVHalError):
     """A block tier (kvhal.tiers) got a bad argument or cannot be set up; lookups themselves never raise."""
+
+
+class CacheMismatchError(KVHalError, TypeError):
+    """A framework's cache and attention function that do not go together (kvhal attention over another
+    cache); the message says which to pass instead."""
