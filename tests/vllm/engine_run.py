@@ -2,7 +2,8 @@
 
     python tests/vllm/engine_run.py JOB.json OUT.json
 
-JOB: {"model": dir, "prompts": [[token ids], ...], "max_tokens": n, "extra": kv_connector_extra_config}.
+JOB: {"model": dir, "prompts": [[token ids], ...], "max_tokens": n, "extra": kv_connector_extra_config}; the
+prompts run one after another.
 OUT: per prompt the output token ids and vLLM's num_cached_tokens, the connector's counters, its bytes per token.
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connector's counters are here.
 """
@@ -18,6 +19,8 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# no OpenMP thread pinning: on a shared 2-core CI machine a pinned thread waits for whoever holds its core
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def main() -> None:
@@ -43,7 +46,9 @@ def main() -> None:
     )
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    # one prompt at a time: greedy tokens are compared across processes, and bf16 numerics depend on the batch
+    # (the same prompt batched with others gave another token at a near-tie than alone, in A itself)
+    outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in job["prompts"]]
     t2 = time.perf_counter()
     from kvhal.integrations import vllm as connector
 

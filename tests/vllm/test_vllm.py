@@ -180,3 +180,29 @@ def test_quantized_store(
         f"{fmt}: B's greedy tokens equal A's: {same}/{MAX_TOKENS} (first difference at {first})\n"
     )
     assert first >= 8, f"{fmt} blocks changed the greedy output within 8 tokens"
+
+
+def test_config_errors_say_what_to_do() -> None:
+    import kvhal
+    from kvhal.integrations.vllm import ConnectorConfig
+
+    with pytest.raises(kvhal.SpecError, match="needs a tier: set disk_path"):
+        ConnectorConfig.from_extra({})
+    with pytest.raises(kvhal.SpecError, match="unknown key.*'disk'.*takes"):
+        ConnectorConfig.from_extra({"disk": "/tmp/x"})
+    with pytest.raises(kvhal.FormatError, match="unknown format 'q9'"):
+        ConnectorConfig.from_extra({"disk_path": "/tmp/x", "format": "q9"})
+    with pytest.raises(kvhal.UnsupportedError, match="per channel"):
+        ConnectorConfig.from_extra({"disk_path": "/tmp/x", "format": "kivi4"})
+    for bad in (True, 0, "1GB"):
+        with pytest.raises(kvhal.SpecError, match="positive int"):
+            ConnectorConfig.from_extra({"disk_path": "/tmp/x", "disk_max_bytes": bad})
+    with pytest.raises(kvhal.SpecError, match="must be a str"):
+        ConnectorConfig.from_extra({"redis_url": 6379})
+    cfg = ConnectorConfig.from_extra({"redis_url": "redis://127.0.0.1:6379", "format": "q8_0"})
+    assert (cfg.format, cfg.disk_path) == ("q8_0", None)
+
+
+def test_import_kvhal_does_not_import_vllm() -> None:
+    code = "import sys, kvhal, kvhal.integrations; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
