@@ -238,6 +238,9 @@ class KVHalConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        # kv_role: "kv_both" saves and loads, "kv_producer" only saves, "kv_consumer" only loads
+        self.saves = bool(self._kv_transfer_config.is_kv_producer)
+        self.loads = bool(self._kv_transfer_config.is_kv_consumer)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise UnsupportedError(
@@ -325,7 +328,7 @@ class KVHalConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         try:
-            if getattr(request, "prompt_embeds", None) is not None:
+            if not self.loads or getattr(request, "prompt_embeds", None) is not None:
                 return 0, False
             n_prompt = len(request.prompt_token_ids or [])
             usable = (n_prompt - 1) // self.block_size  # the last token is always computed: its logits
@@ -391,6 +394,8 @@ class KVHalConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def _plan_save(self, meta: KVHalConnectorMetadata, req: _Req, computed: int) -> None:
+        if not self.saves:
+            return
         full = min(computed // self.block_size, len(req.keys), len(req.block_ids))
         if full <= req.done:
             return
