@@ -2,8 +2,8 @@
 
     python tests/vllm/engine_run.py JOB.json OUT.json
 
-JOB: {"model": dir, "prompts": [[token ids], ...], "max_tokens": n, "extra": kv_connector_extra_config}; the
-prompts run one after another.
+JOB: {"model": dir, "prompts": [[token ids], ...], "max_tokens": n, "extra": kv_connector_extra_config,
+"warm": [prompt indices run again after all]}; the prompts run one after another.
 OUT: per prompt the output token ids and vLLM's num_cached_tokens, the connector's counters, its bytes per token.
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connector's counters are here.
 """
@@ -49,6 +49,12 @@ def main() -> None:
     # one prompt at a time: greedy tokens are compared across processes, and bf16 numerics depend on the batch
     # (the same prompt batched with others gave another token at a near-tie than alone, in A itself)
     outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in job["prompts"]]
+    # "warm": those prompts again, now over vLLM's own prefix cache (its blocks from the run above): the
+    # computation a process that loads the blocks from kvhal runs (the last partial block's prefill, then decode)
+    warm = [
+        llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][i])], params, use_tqdm=False)[0]
+        for i in job.get("warm", [])
+    ]
     t2 = time.perf_counter()
     from kvhal.integrations import vllm as connector
 
@@ -57,6 +63,8 @@ def main() -> None:
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [o.num_cached_tokens for o in outs],
+        "warm_outputs": [list(o.outputs[0].token_ids) for o in warm],
+        "warm_num_cached_tokens": [o.num_cached_tokens for o in warm],
         "stats": stats,
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "startup_s": round(t1 - t0, 1),
