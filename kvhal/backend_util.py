@@ -270,3 +270,65 @@ def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     w = np.exp(lses - np.where(np.isfinite(total), total, 0.0))  # 0 for parts a row did not see
     out = sum(np.asarray(o, np.float64) * wi[..., None] for (o, _), wi in zip(parts, w))
     return np.where(np.isneginf(total)[..., None], 0.0, out).astype(np.float32)
+
+
+def attention_mass_lse(
+    backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch, lse: Any, tail: int, tile: int = 128
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``attention_mass`` from the log-sum-exp a fused kernel already returned: the weight key ``j`` got from
+    query row ``i`` of head ``h`` is ``exp(q_i.k_j * scale - lse_ih)``, so one float32 pass of ``q K^T`` over
+    the backend's own ``load``, in tiles of ``tile`` query rows that touch only the keys they see (no
+    softmax, no max pass, no V), gives it. Column sums are float32 per tile, added up in float64.
+    Same return as ``attention_mass``."""
+    spec = pools.spec
+    qf = np.asarray(backend.to_numpy(q), np.float32)
+    lsef = np.asarray(backend.to_numpy(lse), np.float32)  # [n_q, Hq]
+    n_kv_heads = spec.n_kv_heads
+    group = qf.shape[1] // n_kv_heads
+    _, _, lo_all, hi_all = batch.visible
+    out = []
+    start = 0
+    for s, (n_kv, n_q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
+        rows = slice(start, start + n_q)
+        start += n_q
+        k, _ = backend.load(pools, layer, batch.block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        d = qf.shape[-1]
+        # [q * scale, -lse] . [k, 1] = q.k * scale - lse: one matmul per tile and head gives the exponent
+        kf = np.ones((n_kv_heads, d + 1, n_kv), np.float32)
+        kf[:, :d] = np.asarray(backend.to_numpy(k), np.float32).transpose(1, 2, 0)
+        qa = np.empty((n_kv_heads, n_q * group, d + 1), np.float32)
+        qa[:, :, :d] = (
+            (qf[rows] * np.float32(batch.scale))
+            .reshape(n_q, n_kv_heads, group, d)
+            .transpose(1, 0, 2, 3)
+            .reshape(n_kv_heads, n_q * group, d)
+        )
+        qa[:, :, d] = -lsef[rows].reshape(n_q, n_kv_heads, group).transpose(1, 0, 2).reshape(n_kv_heads, -1)
+        lo, hi = lo_all[rows], hi_all[rows]
+        lo_g, hi_g = np.repeat(lo, group)[:, None], np.repeat(hi, group)[:, None]  # per row of a tile's ``e``
+        total = np.zeros((n_kv_heads, n_kv))
+        window = np.zeros((n_kv_heads, n_kv))
+        split = max(0, n_q - tail)  # the last ``tail`` queries are summed apart as well
+        bounds = sorted({*range(0, n_q, tile), split, n_q})
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            k0, k1 = int(lo[a:b].min()), int(hi[a:b].max())
+            if k1 <= k0:
+                continue
+            full0, full1 = int(lo[a:b].max()), int(hi[a:b].min())  # every row of the tile sees [full0, full1)
+            edges = [(e0, e1) for e0, e1 in ((k0, min(full0, k1)), (max(full1, full0, k0), k1)) if e1 > e0]
+            masks = [
+                (e0 - k0, e1 - k0, (j < lo_g[a * group : b * group]) | (j >= hi_g[a * group : b * group]))
+                for e0, e1 in edges
+                for j in [np.arange(e0, e1)]
+            ]  # the ragged edges only (the causal diagonal, the window's start): at most a tile wide each
+            for h in range(n_kv_heads):
+                e = qa[h, a * group : b * group] @ kf[h, :, k0:k1]  # [(b-a)*g, k1-k0]
+                for c0, c1, hidden in masks:
+                    np.putmask(e[:, c0:c1], hidden, -np.inf)
+                np.exp(e, out=e)
+                col = e.sum(axis=0)
+                total[h, k0:k1] += col
+                if a >= split:
+                    window[h, k0:k1] += col
+        out.append((total, window))
+    return out

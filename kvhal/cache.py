@@ -98,7 +98,7 @@ class KVCache:
             )
         self.spec = spec
         self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
-        self.tiers, self.write_through = tier_list, write_through
+        self.write_through = write_through
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
         self.pools = self.backend.allocate(spec, self.n_blocks)
         allocator = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
@@ -129,6 +129,19 @@ class KVCache:
         if callback is not None and not callable(callback):
             raise SpecError(f"on_evict must be callable or None, got {type(callback).__name__}")
         self.evictor.on_evict = callback
+
+    @property
+    def tiers(self) -> list[Any]:
+        """The tiers below the pools, in lookup and write-down order."""
+        return self.prefix.tiers
+
+    @tiers.setter
+    def tiers(self, value: Sequence[Any]) -> None:
+        """Replace or reorder the tiers of a live cache (blocks already written stay where they are)."""
+        tier_list = validate.tiers(value)
+        if self.write_through and not tier_list:
+            raise SpecError("write_through=True needs tiers=[...] to write to")
+        self.prefix.set_tiers(tier_list)
 
     @property
     def root_hash(self) -> bytes:
@@ -372,10 +385,10 @@ class KVCache:
             out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
         elif offloaded:
             out = self.streamer.attention(layer, q, seq_objs, qls, scale, causal)
+        elif observe:
+            out = self.evictor.observe(seq_objs, layer, q, batch)
         else:
             out = self.backend.attention(q, self.pools, layer, batch)
-            if observe:
-                self.evictor.observe(seq_objs, layer, q, batch)
         if spec.transformed:
             return self.codec.output(self.backend, layer, out)
         return self.backend.asarray(out, "out") if spec.uses_tail or offloaded else out

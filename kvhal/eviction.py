@@ -18,11 +18,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .backend import AttentionBatch, Backend, Pools
+from .backend_util import attention_mass_lse
 from .errors import SpecError, UnsupportedError
 from .seqs import Seq, SeqTable
 from .spec import CacheSpec
@@ -46,6 +47,7 @@ class Scores:
 
 class Policy(ABC):
     name: str
+    needs_scores: ClassVar[bool] = True  # whether ``select`` reads observed attention mass (attention(observe=True))
 
     @abstractmethod
     def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
@@ -57,6 +59,7 @@ class SinkWindow(Policy):
     sinks: int = 4
     window: int | None = None  # None: as many recent tokens as keep_tokens allows
     name: str = field(default="sink_window", init=False)
+    needs_scores: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _count("SinkWindow.sinks", self.sinks)
@@ -176,14 +179,27 @@ class Evictor:
         self.observe_window, self.on_full, self.on_evict = observe_window, on_full, on_evict
         self.counts = {"evict": 0, "on_full": 0, "n": 0}  # tokens dropped by cause, evictions that dropped any
 
-    def observe(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> None:
-        """Accumulate the attention mass each key of ``seqs`` received from this call's queries."""
+    def observe(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> Any:
+        """Attention over ``seqs`` (returned) that also accumulates the attention mass each key received from this
+        call's queries. A backend that fuses ``attention_mass`` computes it; one that fuses ``attention_lse``
+        gives the row LSEs with the output, and the mass is one float32 pass of ``q K^T`` against them
+        (``attention_mass_lse``); otherwise the float64 host default."""
         if self.spec.uses_tail:
             raise UnsupportedError(
                 "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
                 "yet; pass observe=False"
             )
-        mass = self.backend.attention_mass(q, self.pools, layer, batch, self.observe_window)
+        fused = self.backend.fused
+        if "attention_lse" in fused and "attention_mass" not in fused:
+            out, lse = self.backend.attention_lse(q, self.pools, layer, batch)
+            mass = attention_mass_lse(self.backend, q, self.pools, layer, batch, lse, self.observe_window)
+        else:
+            out = self.backend.attention(q, self.pools, layer, batch)
+            mass = self.backend.attention_mass(q, self.pools, layer, batch, self.observe_window)
+        self._accumulate(seqs, layer, mass)
+        return out
+
+    def _accumulate(self, seqs: list[Seq], layer: int, mass: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for s, (total, tail) in zip(seqs, mass):
             old = s.mass.get(layer)
             if old is not None:

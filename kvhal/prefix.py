@@ -33,10 +33,14 @@ class PrefixIndex:
     ) -> None:
         self.spec, self.backend, self.pools, self.allocator = spec, backend, pools, allocator
         self.root_hash = root_hash  # parent of every chain's first block; changes when scales are calibrated
-        self.tiers, self.write_through = tiers, write_through
+        self.write_through = write_through
         self.tier_counts = {"hit": 0, "written": 0, "unwritten": 0}
-        if tiers:
-            allocator.on_evict = self._write_down
+        self.set_tiers(tiers)
+
+    def set_tiers(self, tiers: list[Any]) -> None:
+        """The tiers below the pools, in order; a cached block's space is reused only after they were offered it."""
+        self.tiers = tiers
+        self.allocator.on_evict = self._write_down if tiers else None
 
     def seal(self, s: Seq) -> None:
         """Hash every newly complete block of ``s`` (token ids known, every layer stored)."""

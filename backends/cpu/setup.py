@@ -7,7 +7,9 @@ cpuid; so the wheel is one per platform (abi3: any CPython >= 3.10) and first us
 from __future__ import annotations
 
 import glob
+import os
 import sys
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -18,11 +20,41 @@ if not SOURCES:
     raise SystemExit("kvhal_cpu/csrc/*.c not found: build from backends/cpu (pip install backends/cpu)")
 
 
+# kern_amx.c writes the tile instructions as asm: a toolchain whose assembler predates AMX (binutils < 2.36)
+# builds without it (KV_NO_AMX: stubs that say no), and the CPU's AMX then goes unused
+AMX_PROBE = """
+int main(void) {
+#if defined(__x86_64__)
+    __asm__ volatile("tilerelease\\n\\ttdpbf16ps %%tmm2, %%tmm1, %%tmm0\\n\\t"
+                     "tileloadd (%0,%1,1), %%tmm3" :: "r"((void *)0), "r"(64L));
+#endif
+    return 0;
+}
+"""
+
+
 class BuildLib(build_ext):
     """A ctypes library, not a module: no PyInit_ symbol is needed or exported."""
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
         return []
+
+    def build_extensions(self) -> None:
+        if not self._assembles_amx():
+            for ext in self.extensions:
+                ext.define_macros.append(("KV_NO_AMX", "1"))
+        super().build_extensions()
+
+    def _assembles_amx(self) -> bool:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "amx_probe.c")
+            with open(src, "w") as fh:
+                fh.write(AMX_PROBE)
+            try:
+                self.compiler.compile([src], output_dir=tmp)
+            except Exception:  # CompileError, or a compiler that cannot run at all
+                return False
+        return True
 
 
 if sys.platform == "win32":

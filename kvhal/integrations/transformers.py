@@ -25,25 +25,61 @@ attention function stores the real rows and runs ``KVCache.attention`` over the 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
+import re
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import numpy as np
-import torch
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
-from transformers.masking_utils import AttentionMaskInterface
 
 from ..backend import Backend
 from ..cache import KVCache
 from ..errors import CacheMismatchError, KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
+from ..eviction import EvictionResult, EvictOnFull, OnEvict, Policy, SnapKV
 from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
 from ..validate import is_int
+
+TRANSFORMERS_NEEDED = (5, 25)  # the Cache and attention interfaces this module follows (pyproject's extra)
+
+
+class TransformersVersionError(UnsupportedError, ImportError):
+    """transformers (or torch) is missing or older than this integration needs."""
+
+
+def _transformers_version() -> str | None:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _need_transformers(found: str | None, why: str) -> TransformersVersionError:
+    need = ".".join(map(str, TRANSFORMERS_NEEDED))
+    have = "is not installed" if found is None else f"{found} is installed"
+    return TransformersVersionError(
+        f"kvhal.integrations.transformers needs transformers >= {need}, < 6 and torch; transformers {have} ({why}): "
+        f"pip install 'kvhal[transformers]' (or 'transformers>={need},<6')"
+    )
+
+
+_found = _transformers_version()
+_m = re.match(r"(\d+)\.(\d+)", _found or "")
+if _found is not None and (_m is None or (int(_m[1]), int(_m[2])) < TRANSFORMERS_NEEDED or int(_m[1]) >= 6):
+    raise _need_transformers(_found, "too old" if _m and int(_m[1]) < 6 else "not a supported version")
+try:
+    import torch
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:
+    raise _need_transformers(_found, str(e)) from e
 
 ATTN_IMPLEMENTATION = "kvhal"
 # transformers' own attention functions a KVHalCache also serves, with dense K/V from KVCache.load
@@ -105,11 +141,23 @@ class KVHalCache(Cache):  # type: ignore[misc]
     ``"sdpa"`` or ``"eager"`` (a cache from ``from_model``) it hands transformers dense K/V from ``load``.
     Sliding-window layers attend over their window but keep every token (pages are shared by all layers
     of a sequence), so ``crop`` is always exact.
+
+    ``press`` and ``keep`` compress the prefill as kvpress's pipeline does: the first forward pass after the
+    cache was empty (``generate``'s prefill) attends with ``observe=True`` where the policy needs scores, and
+    after its last layer each row is evicted to ``int(keep * its tokens)`` positions chosen by ``press``
+    (the results are in ``self.evictions``). Later tokens keep their original positions (RoPE comes from
+    the model's ``position_ids``), exactly as kvpress's compressed ``DynamicCache``. A ``KVCache`` whose
+    ``on_full`` is ``EvictOnFull`` with a scoring policy observes every forward pass, so decode steps that
+    find the cache full evict with scores. The press runs after the first forward pass only: with transformers'
+    chunked prefill (``prefill_chunk_size``) that is the first chunk, so prefill in one pass with a press.
     """
 
-    def __init__(self, kv: KVCache, windows: Sequence[int | None]) -> None:
+    def __init__(
+        self, kv: KVCache, windows: Sequence[int | None], *, press: Policy | None = None, keep: float | None = None
+    ) -> None:
         if not isinstance(kv, KVCache):
             raise SpecError(f"kv must be a kvhal.KVCache, got {type(kv).__name__}; or use KVHalCache.from_model")
+        press, keep = _check_press(kv, press, keep)
         n_layers = kv.spec.n_layers
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n_layers:
             raise SpecError(f"windows must list one sliding window (int) or None per layer, {n_layers} in all")
@@ -127,6 +175,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._step: _Step | None = None
         self._failed: str | None = None
         self._config: Any = None  # the model's text config (from_model): its attention implementation, read per update
+        self.press, self.keep = press, keep
+        self.evictions: list[EvictionResult] = []  # what the press dropped from each row, in row order
+        self._pressed_cols: int | None = None  # columns at the press (None: the prefill is still to come)
+        on_full = kv.on_full
+        self._observe_always = isinstance(on_full, EvictOnFull) and on_full.policy.needs_scores
 
     @classmethod
     def from_model(
@@ -140,18 +193,41 @@ class KVHalCache(Cache):  # type: ignore[misc]
         allow_fallback: bool = False,
         backend_options: dict[str, Any] | None = None,
         fingerprint: Fingerprint | None = None,
+        press: Policy | None = None,
+        keep: float | None = None,
+        observe_window: int | None = None,
+        on_full: str | EvictOnFull = "prefix_lru",
+        on_evict: OnEvict | None = None,
         **spec_options: Any,
     ) -> KVHalCache:
         """A cache shaped by ``model``'s config: its layers, KV heads (GQA), head_dim and sliding windows.
 
         ``capacity_tokens`` is the whole cache (all rows, all beams); ``spec_options`` go to ``CacheSpec``
-        (e.g. ``block_size``). The model runs ``attn_implementation="kvhal"`` (attention over the quantized
-        pages) or ``"sdpa"``/``"eager"`` (transformers' attention over K/V dense from ``load``). ``fingerprint`` names the
-        model for the prefix cache (default: its class, name and config; pass one with the weights' digest
+        (e.g. ``block_size``, ``tail``). The model runs ``attn_implementation="kvhal"`` (attention over the
+        quantized pages) or ``"sdpa"``/``"eager"`` (transformers' attention over K/V dense from ``load``; no
+        press there). ``fingerprint`` names
+        the model for the prefix cache (default: its class, name and config; pass one with the weights' digest
         before sharing blocks through tiers or snapshots).
+
+        Eviction: ``press`` (``SinkWindow``, ``H2O``, ``SnapKV``) with ``keep`` (the fraction of each row's
+        prefill kept, in (0, 1]) compresses the prefill (see the class). ``observe_window`` (default: the
+        ``SnapKV`` press's window, else 32), ``on_full`` and ``on_evict`` go to ``KVCache``.
         """
         if not isinstance(model, PreTrainedModel):
             raise SpecError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        spec_fields = {f.name for f in dataclasses.fields(CacheSpec) if f.init} - {
+            "n_layers", "n_kv_heads", "head_dim", "k_format", "v_format"
+        }  # fmt: skip
+        unknown = sorted(set(spec_options) - spec_fields)
+        if unknown:
+            raise SpecError(
+                f"KVHalCache.from_model got unknown keyword(s) {unknown}; it takes capacity_tokens, k_format, "
+                "v_format, backend, allow_fallback, backend_options, fingerprint, press, keep, observe_window, "
+                f"on_full, on_evict and CacheSpec's {sorted(spec_fields)}"
+            )
+        if observe_window is None:
+            snap = [p for p in (press, getattr(on_full, "policy", None)) if isinstance(p, SnapKV)]
+            observe_window = snap[0].window if snap else 32
         config = model.config.get_text_config(decoder=True)
         _check_implementation(getattr(config, "_attn_implementation", None))
         n_heads = config.num_attention_heads
@@ -187,8 +263,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
             allow_fallback=allow_fallback,
             backend_options=backend_options,
             fingerprint=fingerprint,
+            on_full=on_full,
+            on_evict=on_evict,
+            observe_window=observe_window,
         )
-        cache = cls(kv, windows)
+        cache = cls(kv, windows, press=press, keep=keep)
         cache._config = config
         return cache
 
@@ -284,6 +363,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' own attention (sdpa, eager): store every new column, return each row's whole history
         ``[batch, n_kv_heads, columns, head_dim]`` from ``load``, in the model's dtype."""
+        if self.press is not None or self._observe_always:
+            raise UnsupportedError(
+                "a press, or on_full=EvictOnFull with a scoring policy, needs the attention scores that only kvhal "
+                f'attention observes: call model.set_attn_implementation("{ATTN_IMPLEMENTATION}")'
+            )
         if not self._real.all():
             raise UnsupportedError(
                 "this cache holds rows with padding left out (stored under kvhal attention or match_prefix), which "
@@ -337,6 +421,8 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._cols = [0] * len(self._cols)
         self._step = None
         self._failed = None
+        self.evictions = []
+        self._pressed_cols = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` columns (transformers' convention: a negative count)."""
@@ -349,6 +435,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
         cols = self._real.shape[1]
         if n > cols:
             raise PositionError(f"crop removes {n} tokens but the cache holds {cols}")
+        if self._pressed_cols is not None and cols - n < self._pressed_cols:
+            raise PositionError(
+                f"crop to {cols - n} columns reaches into the prefill the press compressed ({self._pressed_cols} "
+                "columns): its dropped tokens are gone; crop at most the tokens stored after it, or reset()"
+            )
         for s, real in zip(self.seqs, self._real):
             drop = int(real[cols - n :].sum())
             if drop:
@@ -439,14 +530,18 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._step = _Step(mask, first, n_new, rows)
         return self._step
 
-    def _attend(
+    def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float
     ) -> torch.Tensor:
+        """Store this step's new ``key``/``value`` columns of ``layer`` and attend with ``query`` over the cache:
+        what ``attn_implementation="kvhal"`` runs for each layer (``[batch, heads, tokens, head_dim]`` tensors)."""
         batch, n_heads, n_new, head_dim = query.shape
         if tuple(key.shape[::2]) != (batch, n_new):
             raise ShapeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on batch or tokens")
         window = self.windows[layer]
         kv = self.kv
+        pressing = self.press is not None and self._pressed_cols is None
+        observe = self._observe_always or (pressing and self.press is not None and self.press.needs_scores)
         try:
             step = self._plan(layer, mask, batch, n_new)
             if step.rows is None:  # every new column real (decode, unpadded prefill)
@@ -454,7 +549,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
                 for b, s in enumerate(self.seqs):
                     kv.store(s, layer, k[b], v[b])
                 q = query.transpose(1, 2).reshape(batch * n_new, n_heads, head_dim)
-                o = kv.attention(layer, q, seqs=self.seqs, q_lens=[n_new] * batch, scale=scale, window=window)
+                o = kv.attention(
+                    layer, q, seqs=self.seqs, q_lens=[n_new] * batch, scale=scale, window=window, observe=observe
+                )
                 out = to_like(o, query).view(batch, n_new, n_heads, head_dim)
             else:
                 out = query.new_zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32)
@@ -470,16 +567,62 @@ class KVHalCache(Cache):  # type: ignore[misc]
                     qs.append(query[b, :, pick].transpose(0, 1))
                 if seqs:
                     o = to_like(
-                        kv.attention(layer, torch.cat(qs), seqs=seqs, q_lens=lens, scale=scale, window=window), query
+                        kv.attention(
+                            layer, torch.cat(qs), seqs=seqs, q_lens=lens, scale=scale, window=window, observe=observe
+                        ),
+                        query,
                     )
                     for (b, pick), part in zip(picks, o.split(lens)):
                         out[b, pick] = part
+            if pressing and layer == len(self._cols) - 1:
+                self._compress()
         except BaseException as e:
             if self._real.shape[1] != self._cols[layer]:  # this forward already changed the cache
                 self._failed = f"layer {layer} failed in the middle of a forward pass ({type(e).__name__}: {e})"
             raise
         self._cols[layer] += n_new
         return out.to(query.dtype)
+
+    def _compress(self) -> None:
+        """After the prefill's last layer: evict every row to ``int(keep * its tokens)`` with the press."""
+        assert self.press is not None and self.keep is not None
+        results = []
+        for s in self.seqs:
+            n = self.kv.seq_len(s)
+            results.append(self.kv.evict(s, self.press, int(n * self.keep)))
+        self.evictions = results
+        self._pressed_cols = self._real.shape[1]
+
+
+def _check_press(kv: KVCache, press: Any, keep: Any) -> tuple[Policy | None, float | None]:
+    """``press``/``keep`` checked against the cache they will run on: both or neither, before anything runs."""
+    if press is None and keep is None:
+        return None, None
+    if press is None or keep is None:
+        raise SpecError(
+            f"press and keep go together (got press={press!r}, keep={keep!r}): e.g. press=SnapKV(window=64), "
+            "keep=0.5 keeps half of each row's prefill"
+        )
+    if not isinstance(press, Policy):
+        raise SpecError(f"press must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {press!r}")
+    if (
+        not isinstance(keep, (int, float, np.integer, np.floating))
+        or isinstance(keep, (bool, np.bool_))
+        or not (math.isfinite(keep) and 0 < keep <= 1)
+    ):
+        raise SpecError(f"keep is the fraction of each row's prefill to keep, a real number in (0, 1]; got {keep!r}")
+    if isinstance(press, SnapKV) and press.window != kv.observe_window:
+        raise SpecError(
+            f"press=SnapKV(window={press.window}) needs the mass of the last {press.window} queries but the cache "
+            f"observes {kv.observe_window}: pass observe_window={press.window} (from_model's default for a SnapKV press)"
+        )
+    if press.needs_scores and kv.spec.uses_tail:
+        raise UnsupportedError(
+            f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
+            "tail (tail > 0 or a per-channel K format) does not support yet; use SinkWindow, or tail=0 and a "
+            "per-token K format"
+        )
+    return press, float(keep)
 
 
 def kvhal_attention(
@@ -523,7 +666,7 @@ def kvhal_attention(
             f"{cache.windows[layer]}; build it from this model with KVHalCache.from_model"
         )
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
-    return cache._attend(layer, query, key, value, attention_mask, scale), None
+    return cache.attend(layer, query, key, value, attention_mask, scale), None
 
 
 def _check_implementation(impl: Any) -> None:

@@ -27,7 +27,11 @@ class TierStats:
     evictions: blocks the tier dropped for space (None where the server evicts unseen, e.g. Redis).
     corrupt_dropped: foreign, torn or corrupt blobs found and deleted (and a crashed writer's temp files).
     errors: I/O or connection failures, each answered as a miss or a False flag; last_error: the latest one.
-    blocks / bytes_stored: what the tier holds now (None where only the server knows).
+    blocks / bytes_stored: what the tier holds now (None where only the server knows; DiskTier: every byte of its
+    segment files, dead records included, which is what its budget counts).
+    state: "ok" for a local tier; RedisTier: "untried" (not yet connected), "connected" or "degraded" (the server
+    unreachable: every call a miss until a reconnect, tried with backoff, succeeds). down_misses: blocks asked for
+    (get) while degraded.
     """
 
     hits: int = 0
@@ -41,6 +45,8 @@ class TierStats:
     last_error: str | None = None
     blocks: int | None = None
     bytes_stored: int | None = None
+    state: str = "ok"
+    down_misses: int = 0
 
 
 class Tier(ABC):
@@ -62,7 +68,8 @@ class Tier(ABC):
 
     def get(self, keys: Sequence[BlockKey]) -> list[bytes | memoryview | None]:
         """Each key's payload, or None for a miss. A bad blob is a miss and is deleted. A payload is ``bytes``, or
-        (RedisTier) a read-only ``memoryview`` of the value as the server sent it, so it is not copied again."""
+        a read-only ``memoryview`` (RedisTier: of the value as the server sent it; DiskTier: of the buffer one read
+        of adjacent records filled), so it is not copied again."""
         ks = self._open_keys(keys)
         out = self._get(ks) if ks else []
         hits = sum(p is not None for p in out)

@@ -2,18 +2,32 @@
 
 A blob is read back only if every header field matches the key asked for and the payload's CRC-32 matches:
 a foreign (other model or block), torn (short), corrupt or older-version blob decodes to None, never to wrong
-bytes. CRC-32 (zlib's, in C, the GIL released for large buffers) is an integrity check against torn writes and
+bytes. CRC-32 (zlib-ng's where installed, ``pip install 'kvhal[tiers]'``: tens of GB/s with carry-less multiply;
+else zlib's, a few GB/s; the same checksum either way) is an integrity check against torn writes and
 bit rot, not against an adversary: the blob sits in the tier's own directory or server, and the exact header
 fields already keep other blocks' and other models' blobs out. It runs at about 2.5x sha256's speed (format 1).
 """
 
 from __future__ import annotations
 
+import importlib
 import struct
 import zlib
+from typing import Any
 
 from ..errors import TierError
 from .keys import BlockKey, Payload, check_payload
+
+try:  # the same CRC-32 as zlib's, an order of magnitude faster (SIMD); zlib's where zlib-ng is not installed
+    _crc32: Any = importlib.import_module("zlib_ng.zlib_ng").crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
+
+def crc32(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC-32 (zlib's polynomial) of ``data``, continuing from ``value``."""
+    return int(_crc32(data, value))
+
 
 MAGIC = b"KVHB"
 VERSION = 2  # 1: sha256 of the payload (112-byte header); its blobs are misses now, deleted where found
@@ -30,7 +44,7 @@ def blob_size(payload_len: int) -> int:
 
 def blob_header(key: BlockKey, payload: bytes | memoryview) -> bytes:
     """The header of ``payload``'s blob (a writer may send it and the payload without joining them)."""
-    return _HEADER.pack(MAGIC, VERSION, 0, key.namespace, key.block_hash, len(payload), zlib.crc32(payload), 0)
+    return _HEADER.pack(MAGIC, VERSION, 0, key.namespace, key.block_hash, len(payload), crc32(payload), 0)
 
 
 def payload_length(key: BlockKey, header: bytes | memoryview) -> int | None:
@@ -53,7 +67,7 @@ def payload_length(key: BlockKey, header: bytes | memoryview) -> int | None:
 def payload_matches(header: bytes | memoryview, payload: bytes | memoryview) -> bool:
     """Whether ``payload`` is whole and intact: the length and CRC-32 ``header`` (already checked) records."""
     length, crc = _HEADER.unpack_from(header)[5:7]
-    return len(payload) == length and zlib.crc32(payload) == crc
+    return len(payload) == length and crc32(payload) == crc
 
 
 def encode_blob(key: BlockKey, payload: Payload) -> bytes:

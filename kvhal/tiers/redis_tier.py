@@ -3,13 +3,18 @@
 One key per block, ``kvhal:{<namespace hex[:16]>}:<block hash hex>``: the braces are a Cluster hash tag, so all
 blocks of one model/cache share a slot and one MGET fetches a whole prefix. Writes are ``SET NX`` (a block's bytes
 never change, the first writer wins); lookups are pipelined ``EXISTS``/``MGET``: one round trip per call.
-Memory is the server's business (``maxmemory`` + ``allkeys-lru``): an evicted block is a miss. A lost connection
-or a timeout is a miss (or a False flag) plus a counted error, and the next call reconnects.
+Memory is the server's business (``maxmemory`` + ``allkeys-lru``): an evicted block is a miss. A tier never fails
+to start for want of a server: an unreachable server (at construction or later: refused, reset, timed out) makes
+the tier "degraded": every call is a miss (or a False flag) at once, with no network wait, counted in
+``stats().down_misses``, logged once per outage; a reconnect is tried after a backoff (``reconnect_s`` doubling to
+``max_reconnect_s``), and the first call that gets through makes it "connected" again.
 The ``redis`` package is imported here only when a RedisTier is made (``pip install 'kvhal[tiers]'``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +24,7 @@ from .blob import encode_blob, payload_view
 from .keys import BlockKey, check_count, check_seconds
 
 SCHEMES = ("redis", "rediss", "unix")
+log = logging.getLogger("kvhal.tiers")
 
 
 def redis_key(key: BlockKey) -> str:
@@ -28,8 +34,9 @@ def redis_key(key: BlockKey) -> str:
 class RedisTier(Tier):
     """``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path.sock``.
 
-    ``cluster``: True for Redis Cluster, False for one server, None to ask the server now (``INFO cluster``;
-    TierError if it cannot be reached: pass True/False to connect on first use instead).
+    ``cluster``: True for Redis Cluster, False for one server, None to ask the server (``INFO cluster``) now, or
+    at the first reconnect if it cannot be reached now (``self.cluster`` is None until then).
+    ``reconnect_s`` / ``max_reconnect_s``: the first and the longest wait between reconnect tries while degraded.
     ``socket_timeout`` / ``connect_timeout``: seconds before a call gives up on the server (then: a miss).
     ``workers``: threads that checksum the blocks of one call in parallel. The CRC-32 runs at several GB/s
     in C, so a thread hand-off only pays for itself with free cores and several MiB per call: 1 by default.
@@ -44,6 +51,8 @@ class RedisTier(Tier):
         socket_timeout: float = 1.0,
         connect_timeout: float = 1.0,
         workers: int = 1,
+        reconnect_s: float = 0.05,
+        max_reconnect_s: float = 2.0,
     ) -> None:
         if not isinstance(url, str):
             raise TierError(f"url must be a str such as 'redis://127.0.0.1:6379', got {type(url).__name__}")
@@ -58,6 +67,8 @@ class RedisTier(Tier):
             "socket_timeout": check_seconds("socket_timeout", socket_timeout),
             "socket_connect_timeout": check_seconds("connect_timeout", connect_timeout),
         }
+        self._reconnect_s = check_seconds("reconnect_s", reconnect_s)
+        self._max_reconnect_s = max(self._reconnect_s, check_seconds("max_reconnect_s", max_reconnect_s))
         super().__init__(check_count("workers", workers))
         self._stats.evictions = None  # the server evicts; a block it dropped shows as a miss
         try:
@@ -77,40 +88,90 @@ class RedisTier(Tier):
         # one retry: the first command after a server restart meets a dead pooled connection, the retry reconnects
         self._options = options | {"retry": Retry(NoBackoff(), 1)}
         self._failures = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
-        # a plain client connects on first use; a Cluster client on creation, so it is made on first use
-        self._client: Any = None
-        if not cluster:
-            self._client = redis.Redis.from_url(url, **self._options)
+        self._connection_failures = (
+            redis.ConnectionError,
+            redis.TimeoutError,
+            redis.exceptions.RedisClusterException,
+            OSError,
+        )
+        self._client: Any = None  # made on first use (a Cluster client connects on creation)
+        self.cluster: bool | None = cluster
+        self._stats.state = "untried"
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._logged = False
         if cluster is None:
-            try:
-                cluster = bool(self._client.info("cluster").get("cluster_enabled"))
-            except self._failures as e:
-                self._client.close()
-                raise TierError(
-                    f"cannot reach Redis at {url} to tell whether it is a cluster ({type(e).__name__}: {e}); "
-                    "start the server, or pass cluster=True/False to connect on first use"
-                ) from e
-            if cluster:
-                self._client.close()
-                self._client = None
-        self.cluster: bool = cluster
+            self._connect()  # ask now; if the server is down the tier starts degraded and asks on reconnect
+
+    def client(self) -> Any:
+        """The tier's redis client (same library, same connection pool), or None while the server is unreachable:
+        what a benchmark of raw SET/GET on the same server uses."""
+        return self._connect()
 
     def _connect(self) -> Any:
-        if self._client is None:
-            cls = self._redis.cluster.RedisCluster if self.cluster else self._redis.Redis
-            self._client = cls.from_url(self.url, **self._options)
+        """The client, or None while degraded and the next reconnect try is not due (or it failed again)."""
+        if self._stats.state == "degraded" and time.monotonic() < self._retry_at:
+            return None
+        try:
+            if self.cluster is None:
+                probe = self._redis.Redis.from_url(self.url, **self._options)
+                try:
+                    self.cluster = bool(probe.info("cluster").get("cluster_enabled"))
+                finally:
+                    if self.cluster is not False:
+                        probe.close()
+                if self.cluster is False:
+                    self._client = probe
+                self._up()
+            if self._client is None:
+                cls = self._redis.cluster.RedisCluster if self.cluster else self._redis.Redis
+                self._client = cls.from_url(self.url, **self._options)
+        except self._failures as e:
+            self._down(e)
+            return None
         return self._client
+
+    def _down(self, e: BaseException) -> None:
+        """The server is unreachable: degraded until a reconnect, tried after a growing backoff."""
+        self._error(e)
+        self._stats.state = "degraded"
+        self._backoff = min(self._max_reconnect_s, self._backoff * 2 if self._backoff else self._reconnect_s)
+        self._retry_at = time.monotonic() + self._backoff
+        if self.cluster and self._client is not None:  # a Cluster client is made afresh (it maps slots on creation)
+            self._client.close()
+            self._client = None
+        if not self._logged:
+            self._logged = True
+            log.warning(
+                "kvhal RedisTier: cannot reach %s (%s: %s); blocks are misses until it is back (retried with backoff)",
+                self.url,
+                type(e).__name__,
+                e,
+            )
+
+    def _up(self) -> None:
+        if self._stats.state != "connected":
+            if self._logged:
+                log.warning("kvhal RedisTier: %s is reachable again", self.url)
+            self._stats.state, self._backoff, self._logged = "connected", 0.0, False
 
     def _pipeline(self, build: Callable[[Any], object]) -> list[Any] | None:
         """Run the commands ``build`` queues in one round trip; None (error counted) if the server failed us.
         A command the server refused comes back as its exception, in place."""
+        client = self._connect()
+        if client is None:
+            return None
         try:
-            pipe = self._connect().pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             build(pipe)
             results: list[Any] = pipe.execute(raise_on_error=False)
+        except self._connection_failures as e:
+            self._down(e)
+            return None
         except self._failures as e:
             self._error(e)
             return None
+        self._up()
         for r in results:
             if isinstance(r, Exception):
                 self._error(r)
@@ -134,6 +195,8 @@ class RedisTier(Tier):
         )
         out: list[bytes | memoryview | None] = [None] * len(keys)
         if res is None:
+            if self._stats.state == "degraded":
+                self._stats.down_misses += len(keys)
             return out
         found = []
         for idx, blobs in zip(groups.values(), res):

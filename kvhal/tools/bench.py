@@ -51,6 +51,9 @@ class Row:
     # decode at the largest context only: the median of calls taken in turn with the other formats of the
     # same backend and threads (round-robin, one call each), so their ratios share the machine's moments
     alternating_ms: float | None = None
+    # the kernels an attention figure ran, where the backend says (``attention_path``: the cpu backend's
+    # amx-bf16, avx512-vnni, avx512-fma, avx2, neon, scalar); SDPA rows: torch-<dtype>
+    path: str | None = None
 
 
 WARMUP_S = 0.02  # steady state, as in a decode loop: pools awake, clocks up, caches warm
@@ -253,6 +256,7 @@ def _sdpa_rows(
                     times[(dt_name, op, n)] = t
                     kv_bytes = 2 * n * N_KV_HEADS * HEAD_DIM * (4 if dt_name == "f32" else 2)
                     r = Row(label, dt_name, op, n, t * 1e3, kv_bytes / t / 1e9, kv_bytes / t / bw, threads=ran)
+                    r.path = f"torch-{dt_name}"
                     if op == "prefill":
                         r.tokens_per_s = q.shape[0] / t
                         r.gflops = prefill_flops(n, q.shape[0]) / t / 1e9
@@ -426,6 +430,7 @@ def _bench_one(
         spec, capacity, backend=backend, backend_options={} if n_threads is None else {"threads": n_threads}
     )
     name, sync = cache.backend.name, cache.backend.synchronize
+    path_of = getattr(cache.backend, "attention_path", None)  # which kernels a call shape runs (cpu)
     ran_threads = getattr(cache.backend, "threads", None)
     row_bytes = (spec.k_row_bytes + spec.v_row_bytes) * N_KV_HEADS  # K+V bytes per token
     f32_bytes = N_KV_HEADS * HEAD_DIM * 4 * 2
@@ -464,10 +469,13 @@ def _bench_one(
         if n in decode:
             row("load", n, median_time(lambda: cache.load(s, 0), sync, repeats), n * row_bytes, n)
             r = row("decode", n, median_time(decode_call, sync, repeats), n * row_bytes)
+            r.path = path_of(spec, N_HEADS, 1) if path_of else None
             last_decode = (r, decode_call, sync) if n == decode[-1] else None
         if n in prefill:
             t = median_time(lambda: cache.attention(0, qp, [s], [n_q]), sync, repeats)
-            row("prefill", n, t, n * row_bytes, n_q).gflops = prefill_flops(n, n_q) / t / 1e9
+            r = row("prefill", n, t, n * row_bytes, n_q)
+            r.gflops = prefill_flops(n, n_q) / t / 1e9
+            r.path = path_of(spec, N_HEADS, n_q) if path_of else None
         if decode and n > decode[-1]:  # the sequence grew past the largest decode context
             last_decode = None
     return out, last_decode
@@ -489,7 +497,7 @@ def table(result: dict[str, Any]) -> str:
         f"prefill: the last {sh['prefill_queries']} positions, causal; median of {result['repeats']}; alt ms: "
         f"decode at the largest context, the formats called in turn (median of {3 * result['repeats']} rounds)",
         f"{'backend':<11} {'format':<{fw}} {'op':<9} {'ctx':>6} {'thr':>3} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
-        f"{'tok/s':>9} {'GFLOP/s':>8} {'x sdpa f32':>10} {'x sdpa bf16':>11} {'alt ms':>8}",
+        f"{'tok/s':>9} {'GFLOP/s':>8} {'x sdpa f32':>10} {'x sdpa bf16':>11} {'alt ms':>8} path",
     ]
 
     def opt(x: float | None, fmt: str) -> str:
@@ -500,7 +508,8 @@ def table(result: dict[str, Any]) -> str:
             f"{r['backend']:<11} {r['format']:<{fw}} {r['op']:<9} {r['context']:>6} {opt(r['threads'], 'd'):>3} "
             f"{r['median_ms']:>9.3f} {r['gbps']:>7.2f} {r['frac_bw']:>6.2f} {opt(r['tokens_per_s'], '.3g'):>9} "
             f"{opt(r['gflops'], '.1f'):>8} {opt(r['speedup_vs_sdpa_f32'], '.2f'):>10} "
-            f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11} {opt(r.get('alternating_ms'), '.3f'):>8}"
+            f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11} {opt(r.get('alternating_ms'), '.3f'):>8} "
+            f"{r.get('path') or '-'}"
         )
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)

@@ -117,6 +117,7 @@ def info_text(data: dict[str, Any]) -> str:
 
 def snapshot_text(r: dict[str, Any]) -> str:
     fp, spec = r["fingerprint"] or {}, r["spec"] or {}
+    verdict = "ok: restorable into a cache of this fingerprint" if r["ok"] else f"REFUSED: {r['error']}"
     lines = [
         f"{r['path']}: {r['bytes']} bytes, snapshot v{r['snapshot_version']}, format v{r['format_version']}",
         f"  fingerprint  model={fp.get('model')!r} extra={fp.get('extra')} digest={str(fp.get('digest'))[:16]}...",
@@ -128,6 +129,7 @@ def snapshot_text(r: dict[str, Any]) -> str:
     bad = {k: v for k, v in r["checksums"].items() if v != "ok"}
     lines.append(f"  checksums    {len(r['checksums']) - len(bad)}/{len(r['checksums'])} tensors ok")
     lines += [f"    {k}: {v}" for k, v in bad.items()]
+    lines.append(f"  verdict      {verdict}")
     return "\n".join(lines)
 
 
@@ -223,6 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     pst.add_argument("--seed", type=int, default=0, help="replays a run exactly")
     pst.add_argument("--capacity", type=_positive, default=512, help="capacity_tokens of the cache")
     pst.add_argument("--block-size", type=_positive, default=8)
+    pst.add_argument(
+        "--tiers",
+        default="",
+        help="comma list of block tiers the cache writes down to and pulls back from "
+        "(host,disk,redis; redis starts a private redis-server), every block audited byte for byte",
+    )
+    pst.add_argument(
+        "--faults",
+        action="store_true",
+        help="with --tiers: kill -9 and restart the Redis server, truncate disk segments",
+    )
     pst.add_argument("--json", action="store_true", help="print JSON instead of text")
     plan.add_parser(sub)
     fidelity.add_parser(sub)
@@ -240,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             return tiers_bench.main(args)
         if args.cmd == "plan":
             return plan.cli(args)
+        if args.cmd == "eval" and args.evict:
+            from . import evict_eval
+
+            return evict_eval.cli(args)
         if args.cmd == "eval":
             return fidelity.cli(args)
         if args.cmd == "stress":
@@ -254,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.capacity,
                 args.block_size,
                 show_progress=not args.json,
+                tiers=args.tiers,
+                faults=args.faults,
             )
             print(json.dumps(rep.as_dict(), indent=2) if args.json else stress.text(rep))
             return 1 if rep.failure or rep.tokens_lost else 0
@@ -262,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report = inspect(args.file)
             print(json.dumps(report, indent=2) if args.json else snapshot_text(report))
-            return 0 if report["checksums_ok"] else 1
+            return 0 if report["ok"] else 1
         if args.cmd == "info":
             data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))

@@ -561,6 +561,14 @@ def add_parser(sub: Any) -> None:
         "token by token, each query attending right after its own token (default: every query over the cache "
         "after all tokens)",
     )
+    pe.add_argument(
+        "--evict",
+        action="store_true",
+        help="instead: eviction policies compressing a --tokens context (default 1628) to --keep before a question, "
+        "KL of the first answer token against an uncompressed cache, pages freed, prefill time vs plain",
+    )
+    pe.add_argument("--keep", default="0.5", help="--evict: the fraction of the context kept (default 0.5)")
+    pe.add_argument("--evict-format", default="f16", help="--evict: the cache's K/V formats, K[/V] (default f16)")
     pe.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

@@ -6,19 +6,31 @@ out. Rows are a pure function of (token, position, layer), so the audit knows th
 surviving token must have (the numpy quantizer is the oracle) and checks them after every step through
 ``read_blocks``, together with the accounting (used + free = total, tokens, shared blocks, page lists).
 Any mismatch is a lost token: the run stops and reports the step and seed to replay it.
+
+``tiers`` (host, disk, redis): the cache writes blocks it evicts down to those tiers (the tier written to
+rotates each step, so every tier takes blocks) and pulls them back on prefix hits; each tier is wrapped in an
+audit that keeps the sha256 of every block it accepted and checks every block it hands back, byte for byte,
+and the disk tier's segment files are checked against its budget after every step. ``faults``: the Redis server
+the run started is killed (SIGKILL) and restarted on its port, and disk segments are truncated behind the
+tier's back, at random steps: tiers must answer misses then, never other bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import tempfile
 import time
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..cache import KVCache
-from ..errors import CapacityError
+from ..errors import CapacityError, KVHalError
 from ..eviction import EvictionResult, EvictOnFull, SinkWindow
 from ..fingerprint import Fingerprint
 from ..progress import progress
@@ -48,6 +60,12 @@ class StressReport:
     prefix_evicted_blocks: int = 0
     ops: dict[str, int] = field(default_factory=dict)
     tokens_lost: int = 0  # must be 0
+    tiers: list[str] = field(default_factory=list)
+    tier_written_blocks: int = 0  # blocks the cache wrote down to the tiers
+    tier_hit_blocks: int = 0  # blocks it pulled back (each checked byte for byte against what was written)
+    tier_blocks_checked: int = 0
+    tier_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)  # redis_kills, disk_truncations
     failure: str = ""  # what the audit found, with the step and seed
     seconds: float = 0.0
     ops_per_s: float = 0.0
@@ -73,6 +91,7 @@ class _Audit:
         self.k: dict[int, list[np.ndarray]] = {}  # seq -> per layer uint8 [n, H, k_row_bytes]
         self.v: dict[int, list[np.ndarray]] = {}
         self.toks: dict[int, list[int]] = {}
+        self.freed: list[list[int]] = []  # token ids of the last sequences freed (prompts that come back)
 
     def add(self, s: int, tokens: list[int]) -> None:
         spec = self.spec
@@ -154,6 +173,45 @@ def run(
     n_kv_heads: int = 2,
     head_dim: int = 32,
     show_progress: bool = True,
+    tiers: Sequence[str] = (),
+    faults: bool = False,
+) -> StressReport:
+    names = _tier_names(tiers)
+    if faults and not names:
+        raise KVHalError("--faults injects tier faults: name the tiers too, e.g. --tiers host,disk,redis")
+    with ExitStack() as stack:
+        audited = _make_tiers(names, stack)
+        return _run(
+            backend,
+            k_format,
+            v_format,
+            steps,
+            seed,
+            capacity_tokens,
+            block_size,
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            show_progress,
+            audited,
+            faults,
+        )
+
+
+def _run(
+    backend: str,
+    k_format: str,
+    v_format: str,
+    steps: int,
+    seed: int,
+    capacity_tokens: int,
+    block_size: int,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    show_progress: bool,
+    audited: list[Any],
+    faults: bool,
 ) -> StressReport:
     spec = CacheSpec(
         n_layers=n_layers,
@@ -165,23 +223,44 @@ def run(
     )
     # past capacity, the longest sequence is cut to sinks + recent tokens (StreamingLLM), with a record
     on_full = EvictOnFull(SinkWindow(sinks=block_size), keep_tokens=4 * block_size)
-    cache = KVCache(spec, capacity_tokens, backend=backend, fingerprint=Fingerprint("kvhal-stress"), on_full=on_full)
+    for t in audited:
+        t.size(spec.block_nbytes)
+    cache = KVCache(
+        spec,
+        capacity_tokens,
+        backend=backend,
+        fingerprint=Fingerprint("kvhal-stress"),
+        on_full=on_full,
+        tiers=list(audited) or None,
+    )
+    fault_rng = np.random.default_rng([seed, 1])
+    rep_faults = {"redis_kills": 0, "disk_truncations": 0}
     rng = np.random.default_rng(seed)
     audit = _Audit(cache)
     rep = StressReport(
-        cache.backend.name, k_format, v_format, seed, steps, advertised_tokens=cache.stats().capacity_tokens
+        cache.backend.name,
+        k_format,
+        v_format,
+        seed,
+        steps,
+        advertised_tokens=cache.stats().capacity_tokens,
+        tiers=[t.name for t in audited],
     )
     ops = {k: 0 for k in ("prefill", "append", "fork", "remove", "evict", "free", "observe")}
     t0 = time.perf_counter()
     for step in progress(range(steps), steps, "kvhal stress", show_progress):
         live = cache.seqs
         op = rng.choice(list(ops), p=[0.18, 0.34, 0.1, 0.1, 0.08, 0.12, 0.08]) if live else "prefill"
+        if audited:
+            cache.tiers = audited[step % len(audited) :] + audited[: step % len(audited)]  # each takes blocks in turn
+            if faults:
+                _inject(audited, fault_rng, rep_faults)
         try:
             _step(cache, audit, rng, str(op), live, spec)
             ops[str(op)] += 1
         except CapacityError:
             rep.rejected_calls += 1
-        why = audit.check()
+        why = next((p for t in audited if (p := t.problem())), "") or audit.check()
         st = cache.stats()
         if st.tokens > rep.peak_tokens:
             rep.peak_tokens = st.tokens
@@ -200,7 +279,141 @@ def run(
     rep.prefix_query_tokens, rep.prefix_hit_tokens = st.prefix_query_tokens, st.prefix_hit_tokens
     rep.prefix_hit_rate = st.prefix_hit_tokens / st.prefix_query_tokens if st.prefix_query_tokens else 0.0
     rep.prefix_evicted_blocks = st.prefix_evicted_blocks
+    rep.tier_written_blocks, rep.tier_hit_blocks = st.tier_written_blocks, st.tier_hit_blocks
+    rep.tier_blocks_checked = sum(t.checked for t in audited)
+    rep.tier_stats = {t.name: _tier_summary(t) for t in audited}
+    rep.faults = rep_faults if faults else {}
     return rep
+
+
+TIER_NAMES = ("host", "disk", "redis")
+
+
+def _tier_names(tiers: Sequence[str] | str) -> list[str]:
+    if isinstance(tiers, str):
+        tiers = [t.strip() for t in tiers.split(",") if t.strip()]
+    if not isinstance(tiers, (list, tuple)) or not all(isinstance(t, str) for t in tiers):
+        raise KVHalError(f"tiers must be a list of tier names from {TIER_NAMES}, got {tiers!r}")
+    bad = [t for t in tiers if t not in TIER_NAMES]
+    if bad or len(set(tiers)) != len(tiers):
+        raise KVHalError(f"tiers {list(tiers)!r}: each of {', '.join(TIER_NAMES)} at most once, e.g. host,disk,redis")
+    return list(tiers)
+
+
+def _make_tiers(names: list[str], stack: ExitStack) -> list[Any]:
+    """The named tiers (a private redis-server for "redis"), each wrapped in an audit; closed by ``stack``."""
+    from ..tiers import DiskTier, HostTier, RedisTier, Tier
+    from .tiers_server import RedisServer, redis_server_path
+
+    class Audited(Tier):
+        def __init__(self, name: str, inner: Any, server: Any = None, root: str | None = None) -> None:
+            super().__init__()
+            self.name, self.inner, self.server, self.root = name, inner, server, root
+            self.sums: dict[Any, bytes] = {}
+            self.checked = 0
+            self.bad = ""
+            self.budget = 0
+
+        def size(self, block_nbytes: int) -> None:
+            """Budgets in blocks of the run's spec (disk: segments of 4 blocks, room for 48)."""
+            if self.root is not None:
+                self.budget = 48 * (block_nbytes + 88)
+                self.inner = stack.enter_context(
+                    DiskTier(self.root, self.budget, segment_bytes=4 * (block_nbytes + 88), workers=1)
+                )
+            elif self.name == "host":
+                self.inner = stack.enter_context(HostTier(16 * block_nbytes))
+
+        def problem(self) -> str:
+            if self.bad:
+                return self.bad
+            if self.root is not None:
+                on_disk = sum(e.stat().st_size for e in os.scandir(self.root) if e.name.startswith("seg-"))
+                if on_disk > self.budget:
+                    return f"disk tier: {on_disk} bytes of segments, over its budget of {self.budget}"
+            return ""
+
+        def _contains(self, keys: list[Any]) -> int:
+            return int(self.inner.contains(keys))
+
+        def _get(self, keys: list[Any]) -> list[Any]:
+            out = self.inner.get(keys)
+            for k, p in zip(keys, out):
+                if p is not None:
+                    self.checked += 1
+                    if hashlib.sha256(p).digest() != self.sums.get(k):
+                        self.bad = (
+                            f"{self.name} tier: block {k.block_hash.hex()[:16]} read back other bytes than written"
+                        )
+            return list(out)
+
+        def _put(self, keys: list[Any], payloads: list[Any]) -> list[bool]:
+            flags = list(self.inner.put(keys, payloads))
+            for k, p, ok in zip(keys, payloads, flags):
+                if ok:
+                    self.sums.setdefault(k, hashlib.sha256(p).digest())
+            return flags
+
+        def _delete(self, keys: list[Any]) -> int:
+            return int(self.inner.delete(keys))
+
+        def _usage(self) -> tuple[int | None, int | None]:
+            s = self.inner.stats()
+            return s.blocks, s.bytes_stored
+
+    out = []
+    work = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvhal-stress-"))
+    for name in names:
+        if name == "host":
+            out.append(Audited("host", None))
+        elif name == "disk":
+            out.append(Audited("disk", None, root=os.path.join(work, "disk")))
+        else:
+            if redis_server_path() is None:
+                raise KVHalError(
+                    "--tiers redis starts a private redis-server: install it (apt-get install redis-server)"
+                )
+            server = stack.enter_context(RedisServer(os.path.join(work, "redis")).start())
+            tier = stack.enter_context(
+                RedisTier(
+                    server.url,
+                    cluster=False,
+                    socket_timeout=0.5,
+                    connect_timeout=0.5,
+                    reconnect_s=0.01,
+                    max_reconnect_s=0.05,
+                )
+            )
+            out.append(Audited("redis", tier, server=server))
+    return out
+
+
+def _inject(tiers: list[Any], rng: np.random.Generator, counts: dict[str, int]) -> None:
+    """Faults at random steps: the Redis server killed (SIGKILL) and, some steps later, restarted on its port
+    (empty: it keeps nothing); a disk segment cut to a random length behind the tier's back."""
+    for t in tiers:
+        if t.server is not None:
+            alive = t.server.proc is not None and t.server.proc.poll() is None
+            if alive and rng.random() < 0.01:
+                t.server.stop(kill=True)
+                counts["redis_kills"] += 1
+            elif not alive and rng.random() < 0.2:
+                try:
+                    t.server.start()
+                except KVHalError:  # its port briefly taken (a client's reconnect can self-connect to it): later
+                    pass
+        if t.root is not None and rng.random() < 0.005:
+            segs = sorted(e.path for e in os.scandir(t.root) if e.name.startswith("seg-"))
+            if segs:
+                victim = segs[int(rng.integers(len(segs)))]
+                os.truncate(victim, int(rng.integers(0, os.path.getsize(victim) + 1)))
+                counts["disk_truncations"] += 1
+
+
+def _tier_summary(t: Any) -> dict[str, Any]:
+    s = t.inner.stats()
+    keep = ("hits", "misses", "puts", "evictions", "corrupt_dropped", "errors", "state", "down_misses")
+    return {k: getattr(s, k) for k in keep}
 
 
 def _empty_slots(cache: KVCache) -> int:
@@ -224,6 +437,8 @@ def _step(cache: KVCache, audit: _Audit, rng: np.random.Generator, op: str, live
     if op == "prefill":  # a new request: reuse what the prefix cache has, store the rest
         n = int(rng.integers(2, 6 * spec.block_size))
         tokens = rng.integers(0, VOCAB, n).tolist() if rng.random() < 0.5 or not live else audit.toks[s][:n]
+        if cache.tiers and audit.freed and rng.random() < 0.5:  # a prompt seen before: its blocks may be in a tier
+            tokens = audit.freed[int(rng.integers(len(audit.freed)))][:n]
         tokens = tokens if len(tokens) >= 2 else [0, 1]
         t, m = cache.match_prefix(tokens)
         audit.add(t, tokens[:m])
@@ -257,6 +472,7 @@ def _step(cache: KVCache, audit: _Audit, rng: np.random.Generator, op: str, live
         res = cache.evict(s, SinkWindow(sinks=int(rng.integers(0, 8))), int(rng.integers(0, n + 1)))
         audit.select(s, s, res.kept)
     elif op == "free":
+        audit.freed = [*audit.freed[-63:], audit.toks[s]]
         cache.free_seq(s)
         audit.drop(s)
     elif op == "observe":
@@ -311,6 +527,15 @@ def text(rep: StressReport) -> str:
         f"  throughput              {rep.ops_per_s:.0f} ops/s (audit included)",
         "  ops                     " + ", ".join(f"{k} {v}" for k, v in rep.ops.items()),
     ]
+    if rep.tiers:
+        lines.append(
+            f"  tiers                   {','.join(rep.tiers)}: {rep.tier_written_blocks} blocks written down, "
+            f"{rep.tier_hit_blocks} pulled back, {rep.tier_blocks_checked} checked byte for byte"
+        )
+        for name, st in rep.tier_stats.items():
+            lines.append(f"    {name:<6} " + ", ".join(f"{k} {v}" for k, v in st.items()))
+    if rep.faults:
+        lines.append("  faults                  " + ", ".join(f"{k} {v}" for k, v in rep.faults.items()))
     if rep.failure:
         lines.append(f"  failure: {rep.failure}")
     return "\n".join(lines)

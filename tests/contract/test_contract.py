@@ -3,10 +3,16 @@
 Parametrized over every available backend (``KVHAL_TEST_BACKENDS`` narrows it). For each format a
 backend claims: its pools are byte-identical to the reference's, load equals the reference
 dequantization, attention matches float64 attention on the dequantized K/V within the backend's
-declared ``attention_tolerance``, and sequence operations leave identical pools.
+declared ``attention_tolerance``, and sequence operations leave identical pools. The shape sweep (SWEEP_TABLE)
+repeats store/load and attention over head_dim x block_size x GQA ratio as a covering design. A spec the
+backend refuses skips with the reason its ``supports`` gives (which the cache's ``UnsupportedError`` names).
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
+import os
 
 import numpy as np
 import pytest
@@ -19,11 +25,15 @@ from tests.oracle import attention_f64
 ALL_FORMATS = formats.names()
 
 
+def make_spec(fmt_k: str, fmt_v: str | None = None, *, layers: int = 1, heads: int = 2, dim: int = 64,
+              bs: int = 16) -> kvhal.CacheSpec:
+    return kvhal.CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt_k,
+                           v_format=fmt_v or fmt_k, block_size=bs)
+
+
 def make_cache(name: str, fmt_k: str, fmt_v: str | None = None, *, layers: int = 1, heads: int = 2,
                dim: int = 64, bs: int = 16, cap: int = 512) -> kvhal.KVCache:
-    spec = kvhal.CacheSpec(n_layers=layers, n_kv_heads=heads, head_dim=dim, k_format=fmt_k,
-                           v_format=fmt_v or fmt_k, block_size=bs)
-    return kvhal.KVCache(spec, cap, backend=name)
+    return kvhal.KVCache(make_spec(fmt_k, fmt_v, layers=layers, heads=heads, dim=dim, bs=bs), cap, backend=name)
 
 
 def pool_bytes(cache: kvhal.KVCache, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -90,15 +100,43 @@ def runs_as_k(info: kvhal.BackendInfo, fmt: str) -> bool:
     return True
 
 
-def k_v_pair(info: kvhal.BackendInfo, fmt: str) -> tuple[str, str] | None:
-    """The (K, V) formats that exercise ``fmt`` on ``info``: ``(fmt, fmt)``, ``("f16", fmt)`` where only its
-    V rows run there, or None, having checked the typed refusal, where it does not run at all."""
+OPS = ("store", "load", "attention")
+
+
+@functools.cache
+def backend_of(name: str) -> kvhal.Backend:
+    """The backend instance a ``KVCache(..., backend=name)`` runs on (every backend takes this f16 spec)."""
+    return make_cache(name, "f16", cap=16).backend
+
+
+def skip_if_refused(info: kvhal.BackendInfo, spec: kvhal.CacheSpec, capacity: int = 64) -> None:
+    """Nothing where ``info``'s backend takes ``spec`` for every op. Where ``supports`` refuses an op, the cache
+    refuses the spec with an ``UnsupportedError`` that names exactly that reason, and the test skips with it
+    (a refusal is a skip that says why, never a pass)."""
+    backend = backend_of(info.name)
+    refusals = [(op, why) for op in OPS if (why := backend.supports(spec, op)) is not None]
+    if not refusals:
+        return
+    with pytest.raises(kvhal.UnsupportedError) as refused:
+        kvhal.KVCache(spec, capacity, backend=info.name)
+    op, why = refusals[0]
+    assert why in str(refused.value), f"the cache's refusal {str(refused.value)!r} does not name supports({op!r}): {why!r}"
+    pytest.skip(f"{info.name} refuses {op}: {why}")
+
+
+def k_v_pair(info: kvhal.BackendInfo, fmt: str) -> tuple[str, str]:
+    """The (K, V) formats that exercise ``fmt`` on ``info``: ``(fmt, fmt)``, or ``("f16", fmt)`` where only its
+    V rows run there; where it does not run at all (not claimed, or refused by a device limit), the test skips
+    with ``supports``' reason, having checked that the cache's typed refusal names it."""
     if fmt not in claimed_all(info):
         with pytest.raises(kvhal.UnsupportedError):
             make_cache(info.name, fmt)
-        return None
+        skip_if_refused(info, make_spec(fmt))
+        pytest.fail(f"{info.name} refuses format {fmt} though its supports() takes it")
     if runs_as_k(info, fmt):
         return fmt, fmt
+    if formats.get(fmt).k_page is None:  # claimed, but this device's limits refuse it here: skip with the reason
+        skip_if_refused(info, make_spec(fmt))
     assert formats.get(fmt).k_page is not None, f"{info.name} claims {fmt} but refuses it as K"
     return "f16", fmt
 
@@ -115,8 +153,6 @@ def test_claims_at_least_f16(backend_info: kvhal.BackendInfo) -> None:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_store_load_bytes_match_reference(backend_info, fmt, rng):
     pair = k_v_pair(backend_info, fmt)
-    if pair is None:
-        return
     fk, fv = pair
     k, v = kv(rng, 37)
     caches = [make_cache(backend_info.name, fk, fv, bs=16), make_cache("reference", fk, fv, bs=16)]
@@ -157,8 +193,6 @@ def adversarial_rows(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_adversarial_bytes_match_reference(backend_info, fmt, rng):
     pair = k_v_pair(backend_info, fmt)
-    if pair is None:
-        return
     x = adversarial_rows(rng)
     caches = [make_cache(backend_info.name, *pair), make_cache("reference", *pair)]
     for c in caches:
@@ -199,8 +233,6 @@ CASES = {
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_attention_matches_float64(backend_info, fmt, case, rng):
     pair = k_v_pair(backend_info, fmt)
-    if pair is None:
-        return
     fk, fv = pair
     n_heads, n_kv, dim, lens, q_lens, causal, window = CASES[case]
     cache = make_cache(backend_info.name, fk, fv, heads=n_kv, dim=dim, cap=sum(lens) + 64)
@@ -221,15 +253,177 @@ def test_attention_matches_float64(backend_info, fmt, case, rng):
     assert err <= cache.backend.attention_tolerance, f"max error {err:.3g} > {cache.backend.attention_tolerance}"
 
 
+# ---- the shape sweep: head_dim x block_size x GQA ratio, a covering design over every format -------------
+
+SWEEP_DIMS = (64, 80, 96, 128, 256)  # 80 only for the per-value formats (block_len 1): f32, f16, bf16, fp8_*
+SWEEP_BLOCKS = (16, 32, 64, 256)
+SWEEP_GQA = (1, 4, 8)  # query heads per KV head (2 KV heads: 2, 8 or 16 query heads)
+LARGEST = (256, 256, 8)  # head_dim, block_size, GQA
+FAMILIES = {
+    "float": ("f32", "f16", "bf16"),
+    "ggml": ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
+    "fp8": ("fp8_e4m3", "fp8_e5m2"),
+    "fp4": ("mxfp4", "nvfp4"),
+    "kivi": ("kivi4", "kivi2"),
+}
+_ = None  # a head_dim the format cannot store (rows are whole blocks: 80 needs block_len 1, 96 block_len <= 32)
+# The full product (14 formats x 5 x 4 x 3) is too slow on the emulated backends, so each format gets one case
+# per head_dim it stores, each cell (block_size, GQA ratio); a second row for a format adds cases where its
+# head_dims are too few to meet all four block sizes. Read across: every format meets every head_dim it stores,
+# every block size and every GQA ratio. Read the eight ggml-classic rows (what opencl, vulkan, arm, openvino and
+# ascend run) down each column: every (head_dim, block_size), (head_dim, GQA) and (block_size, GQA) pair occurs
+# among them alone. LARGEST occurs in every family. kivi's d=96 cases avoid block 256 (a per-channel K page
+# needs block_size | 4 * head_dim). test_sweep_design_covers_every_pair checks all of this.
+SWEEP_TABLE = [
+    # format        d=64       d=80       d=96       d=128      d=256
+    ("f32",        (16, 8),   (64, 4),   (32, 1),   (256, 8),  (256, 8)),
+    ("f16",        (256, 4),  (16, 1),   (64, 8),   (32, 8),   (32, 1)),
+    ("f16",        _,         (32, 8),   _,         _,         _),
+    ("bf16",       (64, 8),   (256, 4),  (32, 1),   (16, 1),   (64, 4)),
+    ("q8_0",       (32, 4),   _,         (16, 8),   (256, 1),  (64, 8)),
+    ("q4_0",       (64, 8),   _,         (16, 4),   (32, 1),   (256, 8)),
+    ("q4_1",       (32, 1),   _,         (256, 8),  (16, 4),   (64, 8)),
+    ("q5_0",       (64, 1),   _,         (256, 4),  (32, 8),   (16, 1)),
+    ("q5_1",       (256, 1),  _,         (16, 4),   (64, 8),   (32, 8)),
+    ("fp8_e4m3",   (32, 1),   (256, 4),  (64, 8),   (16, 1),   (64, 4)),
+    ("fp8_e5m2",   (16, 1),   (64, 8),   (32, 4),   (256, 4),  (256, 8)),
+    ("mxfp4",      (64, 1),   _,         (16, 8),   (32, 4),   (256, 8)),
+    ("nvfp4",      (32, 1),   _,         _,         (16, 4),   (256, 8)),
+    ("nvfp4",      _,         _,         _,         (64, 4),   _),
+    ("kivi4",      (32, 4),   _,         (16, 1),   (64, 8),   (256, 8)),
+    ("kivi2",      (256, 1),  _,         (64, 8),   (16, 4),   (32, 8)),
+]  # fmt: skip
+SWEEP_DESIGN = [
+    (fmt, dim, *cell) for fmt, *cells in SWEEP_TABLE for dim, cell in zip(SWEEP_DIMS, cells) if cell is not None
+]
+# KVHAL_SWEEP=full runs the whole product instead (714 cases, each a valid spec; minutes on the host backends, far
+# longer emulated): how SWEEP_FOUND below was found
+SWEEP_FULL = [
+    (fmt, dim, bs, gqa)
+    for fmt in ALL_FORMATS
+    for dim, bs, gqa in itertools.product(SWEEP_DIMS, SWEEP_BLOCKS, SWEEP_GQA)
+    if dim % formats.get(fmt).block_len == 0 and (formats.get(fmt).k_page is None or 4 * dim % bs == 0)
+]
+SWEEP = SWEEP_FULL if os.environ.get("KVHAL_SWEEP") == "full" else SWEEP_DESIGN
+
+
+def sweep_id(case: tuple[str, int, int, int]) -> str:
+    fmt, dim, bs, gqa = case
+    return f"{fmt}-d{dim}-bs{bs}-gqa{gqa}"
+
+
+def test_sweep_design_covers_every_pair():
+    """The covering design above, checked: every format x every value of each axis it can take, every pair of
+    axes among the ggml-classic formats alone, and the largest case in every format family."""
+    assert sorted(f for fam in FAMILIES.values() for f in fam) == sorted(ALL_FORMATS)
+    for fmt in ALL_FORMATS:
+        rows = [c for c in SWEEP_DESIGN if c[0] == fmt]
+        dims = {d for d in SWEEP_DIMS if d % formats.get(fmt).block_len == 0}
+        assert {c[1] for c in rows} == dims, fmt
+        assert {c[2] for c in rows} == set(SWEEP_BLOCKS), fmt
+        assert {c[3] for c in rows} == set(SWEEP_GQA), fmt
+    for subset in (formats.GGML_CLASSIC, ALL_FORMATS):
+        rows = [c for c in SWEEP_DESIGN if c[0] in subset]
+        for (i, a), (j, b) in [((1, SWEEP_DIMS), (2, SWEEP_BLOCKS)), ((1, SWEEP_DIMS), (3, SWEEP_GQA)),
+                               ((2, SWEEP_BLOCKS), (3, SWEEP_GQA))]:  # fmt: skip
+            missing = {(x, y) for x in a for y in b} - {(c[i], c[j]) for c in rows}
+            assert not missing, (subset, missing)
+    for family, fmts in FAMILIES.items():
+        assert any(c[0] in fmts and c[1:] == LARGEST for c in SWEEP_DESIGN), family
+    assert len(set(SWEEP_DESIGN)) == len(SWEEP_DESIGN) and set(SWEEP_DESIGN) <= set(SWEEP_FULL)
+    for fmt, dim, bs, _gqa in SWEEP_DESIGN:
+        make_spec(fmt, heads=2, dim=dim, bs=bs)  # a valid spec: only a backend may refuse it
+
+
+# the caches test_sweep_store_load_match_reference built, taken over by test_sweep_attention_matches_float64 (the
+# stores are much of each case's time on the emulated backends); nothing else reads them
+_SWEEP_BUILT: dict[tuple[str, tuple[str, int, int, int]], list[kvhal.KVCache]] = {}
+
+
+def sweep_caches(info: kvhal.BackendInfo, case: tuple[str, int, int, int]) -> list[kvhal.KVCache]:
+    """This backend's cache and the reference's for ``case``, each holding one sequence (id 0) of
+    ``block_size + 11`` tokens (a full page and part of the next) stored by a decode-sized store and a prefill-sized
+    one; skips, with ``supports``' reason, where the backend refuses the spec."""
+    fmt, dim, bs, gqa = case
+    fk, fv = k_v_pair(info, fmt)
+    spec = make_spec(fk, fv, heads=2, dim=dim, bs=bs)
+    skip_if_refused(info, spec, 2 * bs)
+    built = _SWEEP_BUILT.pop((info.name, case), None)
+    if built is not None:
+        return built
+    caches = [kvhal.KVCache(spec, 2 * bs, backend=name) for name in (info.name, "reference")]
+    k, v = kv(np.random.default_rng([dim, bs, gqa, ALL_FORMATS.index(fmt)]), bs + 11, 2, dim)
+    for c in caches:
+        s = c.new_seq()
+        assert s == 0
+        c.store(s, 0, k[:1], v[:1])
+        c.store(s, 0, k[1:], v[1:])
+    return caches
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
+def test_sweep_store_load_match_reference(backend_info, case):
+    """Pool bytes identical to the reference's, and load equal to the reference's dequantization."""
+    got, ref = sweep_caches(backend_info, case)
+    for x, y, which in zip(pool_bytes(got), pool_bytes(ref), "KV"):
+        bad = np.argwhere(x != y)
+        assert bad.size == 0, f"{which} pool differs from the reference at [block, head, slot, byte] {bad[:5].tolist()}"
+    for x, y in zip(got.load(0, 0), ref.load(0, 0)):
+        np.testing.assert_allclose(kvhal.to_numpy(x), kvhal.to_numpy(y), rtol=1e-6, atol=1e-6)
+    _SWEEP_BUILT[backend_info.name, case] = [got, ref]  # only once every check passed
+
+
+def sweep_attention(info: kvhal.BackendInfo, case: tuple[str, int, int, int], rng: np.random.Generator) -> None:
+    """Decode (1 query) and a causal prefill chunk (20 queries across the page boundary) against float64
+    attention over the reference's dequantized K/V, within the backend's declared tolerance."""
+    fmt, dim, bs, gqa = case
+    got, ref = sweep_caches(info, case)
+    ks, vs = (kvhal.to_numpy(x).copy() for x in ref.load(0, 0))
+    errs = {}
+    for q_len in (1, 20):
+        q = rng.standard_normal((q_len, 2 * gqa, dim), dtype=np.float32)
+        out = kvhal.to_numpy(got.attention(0, q, [0], [q_len]))
+        assert out.shape == q.shape and out.dtype == np.float32
+        errs[q_len] = float(np.abs(out - attention_f64(q, [ks], [vs], [q_len])).max())
+    tol = got.backend.attention_tolerance
+    assert max(errs.values()) <= tol, f"max error decode {errs[1]:.3g}, prefill {errs[20]:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=sweep_id)
+def test_sweep_attention_matches_float64(backend_info, case, rng):
+    sweep_attention(backend_info, case, rng)
+
+
+# Cases outside the design that the full product found (every format x head_dim x block_size x GQA, 714 attention
+# cases, the queries drawn from seeds 1234, 7, 0, 1, 2): on cpu with its AVX-512 integer kernels (q and p*d_v at
+# 16 bits, declared tolerance 3e-4) the prefill error over 267 keys exceeds 3e-4 in 0-2 of the 714 cases per seed
+# (3.0e-4 to 3.8e-4, block_size 256, GQA 4/8, q8_0/q4_1/q5_0; decode <= 1.1e-4 in those cases, though other K/V
+# draws at d96 GQA 8 over 267 keys reach 3.5e-4 in decode too; isa=avx2's f32 paths stay near 1e-6). The two with a clear
+# margin are kept as strict xfails there: a more exact kernel, or a declared figure the kernels meet, makes them
+# pass, and strict=True then asks for this mark to go. Everywhere else they are ordinary cases.
+SWEEP_FOUND = [(("q5_0", 96, 256, 8), 7), (("q4_1", 64, 256, 4), 2)]  # (case, seed of the queries)
+CPU_INT_TOLERANCE = 3e-4  # cpu's declared figure where its AVX-512 integer kernels run
+
+
+@pytest.mark.parametrize(("case", "q_seed"), SWEEP_FOUND, ids=[f"{sweep_id(c)}-q{s}" for c, s in SWEEP_FOUND])
+def test_sweep_found_attention_matches_float64(backend_info, case, q_seed, request):
+    cpu = backend_of("cpu") if backend_info.name == "cpu" else None
+    # the integer prefill path only: where the CPU has AMX, prefill runs on its bf16 tiles (4e-5) and passes
+    if cpu is not None and cpu.attention_tolerance == CPU_INT_TOLERANCE and getattr(cpu, "isa", None) == "avx512":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "cpu AVX-512 integer attention (q, p*d_v at 16 bits): prefill error over 267 keys 3.4e-4..3.8e-4, "
+            "above its declared 3e-4 (found by the full-product sweep)"
+        )))  # fmt: skip
+    sweep_attention(backend_info, case, np.random.default_rng(q_seed))
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # float64 attention on NaN
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_query_value_gives_nan_in_its_row_only(backend_info, bad, rng):
     """A NaN or inf in one query row (a model bug upstream) is not hidden: that row's output is NaN, as in
     float64 attention, and every other row is unchanged, for each claimed format, decode and prefill."""
     for fmt in claimed_all(backend_info):
-        pair = k_v_pair(backend_info, fmt)
-        if pair is None:
-            continue
+        pair = k_v_pair(backend_info, fmt)  # a claimed format: never skips
         cache = make_cache(backend_info.name, *pair, cap=96)
         k, v = kv(rng, 40)
         s = cache.new_seq()

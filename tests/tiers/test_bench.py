@@ -23,17 +23,16 @@ def test_bench_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert result == json.loads(out.read_text())
     assert result["machine"]["redis"].startswith("redis://127.0.0.1:")
     rows = {(r["tier"], r["block_bytes"], r["op"]): r for r in result["rows"]}
-    assert set(rows) == {(t, b, op) for t in ("host", "disk", "redis") for b in (16384, 20000) for op in ("put", "get")}
+    tiers = ("host", "disk", "disk-nosync", "redis")
+    assert set(rows) == {(t, b, op) for t in tiers for b in (16384, 20000) for op in ("put", "get")}
     for (tier, block, _), r in rows.items():
         assert r["gbps"] > 0 and r["blocks_per_s"] == pytest.approx(r["gbps"] * 1e9 / block)
         if tier == "host":
             assert r["ceiling_gbps"] is None and r["ratio"] is None
         else:
             assert r["ceiling_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["ceiling_gbps"])
-        if tier == "disk":
-            assert r["files_gbps"] > 0 and r["of_files"] == pytest.approx(r["gbps"] / r["files_gbps"])
-        else:
-            assert r["files_gbps"] is None and r["of_files"] is None
+        assert r["target"] == {"host": None, "disk": 0.5, "disk-nosync": 0.8, "redis": 0.5}[tier]
+        assert r["meets_target"] == (None if tier == "host" else r["ratio"] >= r["target"])
     assert list(tmp_path.iterdir()) == [out]  # its temp files are gone
 
 
@@ -41,9 +40,10 @@ def test_bench_table_and_errors(tmp_path: Path):
     cmd = [sys.executable, "-m", "kvhal", "tiers", "bench", "--tier", "disk", "--block-sizes", "16K", "--total",
            "64K", "--repeats", "1", "--disk-path", str(tmp_path), "--redis", "none"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    head = ["tier", "block", "op", "GB/s", "blocks/s", "ceiling", "ratio", "files", "of", "files"]
+    head = ["tier", "block", "op", "GB/s", "blocks/s", "ceiling", "ratio", "target"]
     assert r.stdout.splitlines()[1].split() == head
-    assert [line.split()[:3] for line in r.stdout.splitlines()[2:]] == [["disk", "16K", "put"], ["disk", "16K", "get"]]
+    assert [line.split()[:3] for line in r.stdout.splitlines()[2:]] == [
+        ["disk", "16K", "put"], ["disk", "16K", "get"], ["disk-nosync", "16K", "put"], ["disk-nosync", "16K", "get"]]
     bad = subprocess.run([*cmd[:-6], "--block-sizes", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "positive byte count" in bad.stderr
     bad = subprocess.run([*cmd, "--disk-path", str(tmp_path / "nope")], capture_output=True, text=True)

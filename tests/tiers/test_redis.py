@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,24 +28,57 @@ def raw_client(url: str):  # type: ignore[no-untyped-def]
     return redis.Redis.from_url(url)
 
 
-def test_server_killed_mid_run_then_back_on_the_same_port(redis_server: RedisServer):
-    t = RedisTier(redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+def wait_connected(t: RedisTier, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while t.stats().state != "connected":
+        assert time.monotonic() < deadline, t.stats()
+        t.contains(keys(1))
+        time.sleep(0.02)
+
+
+def test_server_killed_mid_run_then_back_on_the_same_port(redis_server: RedisServer, caplog):
+    t = RedisTier(redis_server.url, socket_timeout=0.5, connect_timeout=0.5, reconnect_s=30)
+    assert t.stats().state == "connected"
     ks = keys(4)
     data = [payload(i) for i in range(4)]
     assert t.put(ks[:2], data[:2]) == [True, True] and t.get(ks[:2]) == data[:2]
     redis_server.stop(kill=True)
+    t0 = time.monotonic()
     assert t.contains(ks) == 0
     assert t.get(ks) == [None] * 4
     assert t.put(ks[2:], data[2:]) == [False, False]
     assert t.delete(ks) == 0
     s = t.stats()
-    assert s.errors == 4 and "ConnectionError" in str(s.last_error)
-    assert (s.hits, s.misses, s.rejected) == (2, 4, 2)
+    # the first call found the server gone; the others were misses at once, within the backoff
+    assert s.errors == 1 and "ConnectionError" in str(s.last_error) and time.monotonic() - t0 < 2
+    assert (s.hits, s.misses, s.rejected, s.state, s.down_misses) == (2, 4, 2, "degraded", 4)
+    assert sum("cannot reach" in r.getMessage() for r in caplog.records) == 1  # logged once
     redis_server.start()  # same port, empty (no persistence)
-    assert t.contains(ks) == 0 and t.get(ks[:1]) == [None]
+    t._retry_at = 0.0  # (the 30 s backoff over)
+    assert t.contains(ks) == 0 and t.get(ks[:1]) == [None] and t.stats().state == "connected"
     assert t.put(ks, data) == [True] * 4 and t.get(ks) == data and t.contains(ks) == 4
-    assert t.stats().errors == 4  # nothing new failed once the server was back
+    assert t.stats().errors == 1  # nothing new failed once the server was back
     t.close()
+
+
+def test_server_down_at_construction_then_started(tmp_path: Path):
+    require_redis()
+    server = RedisServer(tmp_path / "redis")  # its port chosen, nothing listening yet
+    for cluster in (None, False):
+        t = RedisTier(server.url, cluster=cluster, connect_timeout=0.3, reconnect_s=0.05, max_reconnect_s=0.2)
+        assert t.get(keys(2)) == [None, None] and t.put(keys(1), [b"x"]) == [False]
+        s = t.stats()
+        assert s.state == "degraded" and s.down_misses == 2 and s.errors >= 1 and t.cluster is cluster
+        t.close()
+    t = RedisTier(server.url, connect_timeout=0.3, reconnect_s=0.05, max_reconnect_s=0.2)
+    server.start()
+    try:
+        wait_connected(t)
+        assert t.cluster is False
+        assert t.put(keys(2), [payload(0), payload(1)]) == [True, True] and t.get(keys(2)) == [payload(0), payload(1)]
+    finally:
+        t.close()
+        server.stop(kill=True)
 
 
 def test_frozen_server_times_out_as_misses(redis_server: RedisServer):
@@ -55,9 +89,10 @@ def test_frozen_server_times_out_as_misses(redis_server: RedisServer):
         assert t.get(keys(2)) == [None, None]
         assert t.contains(keys(2)) == 0
         assert t.put(keys(1, start=5), [payload(5)]) == [False]
-        assert t.stats().errors == 3 and "Timeout" in str(t.stats().last_error)
+        assert t.stats().errors == 1 and "Timeout" in str(t.stats().last_error)  # then degraded: no more waits
     finally:
         redis_server.signal(signal.SIGCONT)
+    wait_connected(t)
     assert t.get(keys(2)) == [payload(0), payload(1)]
     t.close()
 
@@ -165,8 +200,9 @@ def test_tls(tmp_path: Path):
         assert t.put(keys(2), [payload(0), payload(1)]) == [True, True]
         assert t.get(keys(3)) == [payload(0), payload(1), None] and t.stats().errors == 0
         t.close()
-        with pytest.raises(kvhal.TierError, match="cannot reach Redis"):  # a server it cannot verify
-            RedisTier(f"rediss://127.0.0.1:{server.port}")
+        t = RedisTier(f"rediss://127.0.0.1:{server.port}")  # a server it cannot verify: degraded, not raised
+        assert t.get(keys(1)) == [None] and t.stats().state == "degraded" and t.stats().errors == 1
+        t.close()
 
 
 def test_arguments_and_unreachable_server():
@@ -185,12 +221,13 @@ def test_arguments_and_unreachable_server():
     with pytest.raises(kvhal.TierError, match="over TCP"):
         RedisTier("unix:///tmp/x.sock", cluster=True)
     url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
-    with pytest.raises(kvhal.TierError, match="cannot reach Redis.*pass cluster=True/False"):
-        RedisTier(url, connect_timeout=0.5)
-    for cluster in (False, True):  # told what it is: connects on first use, and a failure there is a miss
-        t = RedisTier(url, cluster=cluster, connect_timeout=0.5)
+    for kw in ({"reconnect_s": 0}, {"max_reconnect_s": "1"}):
+        with pytest.raises(kvhal.TierError, match="reconnect"):
+            RedisTier(url, **kw)  # type: ignore[arg-type]
+    for cluster in (None, False, True):  # starts degraded, never fails to start; each call a miss
+        t = RedisTier(url, cluster=cluster, connect_timeout=0.5, reconnect_s=60)
         assert t.get(keys(2)) == [None, None] and t.put(keys(1), [b"x"]) == [False] and t.contains(keys(1)) == 0
-        assert t.stats().errors == 3
+        assert t.stats().errors == 1 and t.stats().state == "degraded"
         t.close()
 
 

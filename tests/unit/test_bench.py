@@ -197,3 +197,21 @@ def test_cli_bench_k_v_pairs_and_row_only_formats(capsys):
     assert r["gbps"] * r["median_ms"] * 1e6 == pytest.approx(32 * per_token, rel=1e-6)
     if any(b.name == "cpu" and b.available for b in backends()):
         assert bench.job_format("cpu", "kivi4") == "kivi4" and bench.job_format("cpu", "q4_0") == "q4_0"
+
+
+def test_attention_rows_name_the_kernels_they_ran():
+    """Each decode/prefill figure says which kernels ran it where the backend can tell (the cpu backend's
+    attention_path: amx-bf16 on a CPU with AMX, avx512-vnni, ...), in the table and the JSON."""
+    kvhal_cpu = pytest.importorskip("kvhal_cpu")
+    result = bench.run([("cpu", "q8_0"), ("reference", "q8_0")], sdpa=False, **TINY)
+    paths = {(r["backend"], r["op"]): r["path"] for r in result["rows"] if r["op"] in ("decode", "prefill")}
+    assert paths[("reference", "prefill")] is None and paths[("reference", "decode")] is None
+    spec = bench.CacheSpec(
+        n_layers=1, n_kv_heads=bench.N_KV_HEADS, head_dim=bench.HEAD_DIM, k_format="q8_0", v_format="q8_0"
+    )
+    be = kvhal_cpu.CpuBackend()
+    assert paths[("cpu", "prefill")] == be.attention_path(spec, bench.N_HEADS, TINY["prefill_queries"])
+    assert paths[("cpu", "decode")] == be.attention_path(spec, bench.N_HEADS, 1)
+    assert paths[("cpu", "prefill")] in {"amx-bf16", "avx512-vnni", "avx2", "neon", "scalar"}
+    lines = bench.table(result).splitlines()
+    assert lines[2].split()[-1] == "path" and any(line.endswith(paths[("cpu", "prefill")]) for line in lines)

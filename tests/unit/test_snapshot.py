@@ -126,9 +126,9 @@ def test_kill_9_during_save_never_leaves_a_torn_file(tmp_path):
         [r] = d.restore(path)  # always a whole, valid snapshot: the old one or a new one
         seen.add(d.seq_len(r))
         assert d.seq_len(r) in (300, 200)
-        for stray in tmp_path.glob(".live.kvs.*.tmp"):
-            stray.unlink()  # a temp file of the killed writer: never the target, never read
     assert seen <= {300, 200}
+    make_a.save(path, seqs=[a])  # the next save into the directory removes the killed writers' temp files
+    assert not list(tmp_path.glob(".live.kvs.*.tmp"))
 
 
 @pytest.fixture()
@@ -142,14 +142,24 @@ def saved(tmp_path):
     return path, target
 
 
-def _rewrite_meta(path: Path, out: Path, edit) -> None:
-    """Rewrite the safetensors header's kvhal metadata (the tensors stay as they are)."""
+def _rewrite_meta(path: Path, out: Path, edit, text=None, crc: bool | None = True) -> None:
+    """Rewrite the safetensors header's kvhal metadata (the tensors stay as they are), its checksum recomputed
+    (a deliberate edit) unless ``crc`` is False (a bit flip) or None (removed, as version 1 wrote);
+    ``text``: metadata text used as is."""
+    import zlib
+
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
-    meta = json.loads(header["__metadata__"]["kvhal"])
-    edit(meta)
-    header["__metadata__"]["kvhal"] = json.dumps(meta)
+    if text is None:
+        meta = json.loads(header["__metadata__"]["kvhal"])
+        edit(meta)
+        text = json.dumps(meta)
+    header["__metadata__"]["kvhal"] = text
+    if crc:
+        header["__metadata__"]["kvhal_crc32"] = f"{zlib.crc32(text.encode()):08x}"
+    elif crc is None:
+        header["__metadata__"].pop("kvhal_crc32", None)
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
     out.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
@@ -175,8 +185,9 @@ def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
     add(kvhal.SnapshotCorruptError, "empty.kvs", b"")
     for name, err, edit in (
         ("version.kvs", kvhal.SnapshotVersionError, lambda m: m.update(format_version=99)),
-        ("model.kvs", kvhal.FingerprintMismatchError, lambda m: m["fingerprint"].update(digest="00" * 32)),
-        ("spec.kvs", kvhal.FingerprintMismatchError, lambda m: m["spec"].update(head_dim=64)),
+        # another model's digest under this file's (stale) model name: the file disagrees with itself
+        ("model.kvs", kvhal.SnapshotCorruptError, lambda m: m["fingerprint"].update(digest="00" * 32)),
+        ("spec.kvs", kvhal.SnapshotCorruptError, lambda m: m["spec"].update(head_dim=64)),
         ("chain.kvs", kvhal.SnapshotCorruptError, lambda m: m["seqs"][0]["hashes"].reverse()),
         ("meta.kvs", kvhal.SnapshotCorruptError, lambda m: m.pop("seqs")),
     ):
@@ -187,6 +198,13 @@ def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
     s = prefill(other_model, list(range(40, 50)))
     other_model.save(tmp_path / "other.kvs", seqs=[s])
     cases.append((kvhal.FingerprintMismatchError, tmp_path / "other.kvs"))
+    import dataclasses
+
+    other_spec = kvhal.KVCache(dataclasses.replace(SPEC, v_format="q8_0"), 64, backend="reference",
+                               fingerprint=kvhal.Fingerprint("test-model"))
+    s = prefill(other_spec, list(range(40, 50)))
+    other_spec.save(tmp_path / "other-spec.kvs", seqs=[s])
+    cases.append((kvhal.FingerprintMismatchError, tmp_path / "other-spec.kvs"))
     for err, p in cases:
         with pytest.raises(err) as info:
             c.restore(p)
@@ -234,3 +252,149 @@ def test_snapshot_inspect_cli(saved, tmp_path, capsys):
     assert main(["snapshot", "inspect", str(bad)]) == 1
     assert "fails its checksum" in capsys.readouterr().out
     assert main(["snapshot", "inspect", str(tmp_path / "nope.kvs")]) == 2
+
+
+def _set_tensor(path: Path, out: Path, name: str, values: np.ndarray) -> None:
+    """Overwrite tensor ``name``'s bytes (same size) and recompute its checksum and the metadata's: a file that
+    every checksum passes, with a value no save writes."""
+    import zlib
+
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    lo, hi = header[name]["data_offsets"]
+    data = np.ascontiguousarray(values).tobytes()
+    assert len(data) == hi - lo
+    raw[8 + n + lo : 8 + n + hi] = data
+    tmp = out.with_suffix(".tmp-raw")
+    tmp.write_bytes(bytes(raw))
+    _rewrite_meta(tmp, out, lambda m: m["checksums"].update({name: zlib.crc32(data)}))
+    tmp.unlink()
+
+
+def _verdicts(c: kvhal.KVCache, p: Path) -> tuple[str | None, str | None]:
+    """(restore's error or None, inspect's error or None); inspect's raising counts as its verdict too."""
+    from kvhal.snapshot import inspect
+
+    before = state(c)
+    try:
+        c.restore(p)
+        got = None
+    except kvhal.SnapshotError as e:
+        got = type(e).__name__
+        assert_unchanged(before, c)
+    try:
+        rep = inspect(p)
+        seen = None if rep["ok"] else "refused"
+    except kvhal.SnapshotError as e:
+        seen = type(e).__name__
+    return got, seen
+
+
+def test_fuzz_findings_are_typed_errors_and_inspect_agrees(saved, tmp_path, capsys):
+    from kvhal.tools.cli import main
+
+    path, c = saved
+    cases = {
+        "nested-deep": dict(text='{"snapshot_version": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        "nested": dict(edit=lambda m: m["fingerprint"].update(extra={"a": json.loads("[" * 40 + "]" * 40)})),
+        "checksums-list": dict(edit=lambda m: m.update(checksums=[])),
+        "fingerprint-null": dict(edit=lambda m: m.update(fingerprint=None)),
+        "lens-flip": dict(edit=lambda m: m["seqs"][0].update(lens=[11, 10]), crc=False),  # one bit: 10 -> 11
+        "lens-str": dict(edit=lambda m: m["seqs"][0].update(lens=["10", 10])),
+        "seq-null": dict(edit=lambda m: m.update(seqs=[None])),
+        "n-blocks-bool": dict(edit=lambda m: m.update(n_blocks=True)),
+        "hashes-ints": dict(edit=lambda m: m["seqs"][0].update(hashes=[1, 2])),
+        "n-tokens": dict(edit=lambda m: m["seqs"][0].update(n_tokens=11)),
+        "extra-short": dict(edit=lambda m: m["seqs"][0].update(extra="00")),
+        "version-str": dict(edit=lambda m: m.update(snapshot_version="2")),
+        "meta-list": dict(text="[1, 2]"),
+    }
+    for name, kw in cases.items():
+        p = tmp_path / f"{name}.kvs"
+        _rewrite_meta(path, p, kw.get("edit"), text=kw.get("text"), crc=kw.get("crc", True))
+        restore_says, inspect_says = _verdicts(c, p)
+        assert restore_says == "SnapshotCorruptError" and inspect_says is not None, name
+        assert main(["snapshot", "inspect", str(p)]) in (1, 2), name  # a verdict or a typed error, no traceback
+        out = capsys.readouterr()
+        assert "Traceback" not in out.out + out.err and ("REFUSED" in out.out or "kvhal:" in out.err), name
+    # a negative token id past the hashed blocks, every checksum recomputed: refused
+    tokens = np.array(list(range(40, 49)) + [-5], np.int32)
+    _set_tensor(path, tmp_path / "negative.kvs", "seq0.tokens", tokens)
+    assert _verdicts(c, tmp_path / "negative.kvs") == ("SnapshotCorruptError", "refused")
+    assert main(["snapshot", "inspect", str(tmp_path / "negative.kvs")]) == 1
+    assert "negative token id" in capsys.readouterr().out
+    # the bit-flipped lens: inspect no longer says all is well
+    rep = json.loads((main(["snapshot", "inspect", str(tmp_path / "lens-flip.kvs"), "--json"]), capsys.readouterr().out)[1])
+    assert rep["checksums_ok"] and not rep["ok"] and "metadata fails its checksum" in rep["error"]
+    rep = json.loads((main(["snapshot", "inspect", str(tmp_path / "fingerprint-null.kvs"), "--json"]), capsys.readouterr().out)[1])
+    assert rep["fingerprint"] is None and not rep["ok"] and "fingerprint" in rep["error"]
+
+
+def test_random_metadata_mutations_restore_and_inspect_agree(saved, tmp_path):
+    """A seeded fuzz: a field replaced by a value of another type or shape; restore either succeeds or raises a
+    SnapshotError, never anything else, and inspect's verdict is restore's."""
+    path, _ = saved
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    meta = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"]["kvhal"])
+    rng = np.random.default_rng(11)
+    values = [None, True, -1, 0, 3, 2**31, 1.5, "", "zz", "00" * 32, [], [0], [-1, 1], {}, {"a": 1}, [[1]]]
+
+    def paths(x, at=()):
+        yield at
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+        for k, v in items:
+            yield from paths(v, (*at, k))
+
+    spots = [p for p in paths(meta) if p and p[0] != "snapshot_version"]
+    restored = 0
+    for trial in range(120):
+        spot = spots[int(rng.integers(len(spots)))]
+        value = values[int(rng.integers(len(values)))]
+
+        def edit(m, spot=spot, value=value):
+            x = m
+            for k in spot[:-1]:
+                x = x[k]
+            x[spot[-1]] = value
+
+        p = tmp_path / f"fuzz{trial}.kvs"
+        _rewrite_meta(path, p, edit)
+        restore_says, inspect_says = _verdicts(make(), p)
+        assert (restore_says is None) == (inspect_says is None), (spot, value, restore_says, inspect_says)
+        restored += restore_says is None
+        p.unlink()
+    assert restored < 120
+
+
+def test_version_1_files_are_still_read(saved, tmp_path):
+    path, c = saved
+
+    def to_v1(m):
+        m["snapshot_version"] = 1
+        for s in m["seqs"]:
+            del s["n_tokens"]
+
+    _rewrite_meta(path, tmp_path / "v1.kvs", to_v1, crc=None)
+    [r] = c.restore(tmp_path / "v1.kvs")
+    assert c.tokens(r) == list(range(40, 50))
+    from kvhal.snapshot import inspect
+
+    assert inspect(tmp_path / "v1.kvs")["ok"] and inspect(tmp_path / "v1.kvs")["snapshot_version"] == 1
+
+
+def test_save_onto_a_directory_and_dead_savers_temp_files(saved, tmp_path):
+    path, c = saved
+    with pytest.raises(kvhal.SnapshotError, match="is a directory"):
+        c.save(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    dead_tmp = tmp_path / f".good.kvs.kvhal-{dead.pid}-00ff00ff.tmp"
+    live_tmp = tmp_path / f".good.kvs.kvhal-{os.getppid()}-00ff00fe.tmp"
+    other = tmp_path / ".good.kvs.abcdef.tmp"  # not kvhal's naming: left alone
+    for p in (dead_tmp, live_tmp, other):
+        p.write_bytes(b"partial")
+    c.save(tmp_path / "next.kvs")
+    assert not dead_tmp.exists() and live_tmp.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.glob(".*kvhal-*.tmp")) == [live_tmp.name]

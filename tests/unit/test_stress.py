@@ -48,3 +48,40 @@ def test_a_broken_allocator_is_caught_with_step_and_seed(monkeypatch, capsys, fa
     rep = json.loads(capsys.readouterr().out)
     assert calls["done"] and rep["tokens_lost"] >= 1 and rep["steps_run"] < 3000
     assert rep["failure"].startswith(f"step {rep['steps_run'] - 1} (replay: kvhal stress --seed 7 --steps")
+
+
+def test_tiers_with_faults_are_audited(capsys):
+    """Blocks written down to host, disk and a real redis-server and pulled back are checked byte for byte, while
+    the server is killed (-9) and restarted and disk segments are cut behind the tier's back."""
+    from tests.tiers.conftest import require_redis
+
+    require_redis()
+    assert main(["stress", "--steps", "800", "--seed", "3", "--tiers", "host,disk,redis", "--faults", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["failure"] == "" and rep["tokens_lost"] == 0 and rep["tiers"] == ["host", "disk", "redis"]
+    assert rep["tier_hit_blocks"] > 0 and rep["tier_blocks_checked"] >= rep["tier_hit_blocks"]
+    assert all(st["puts"] > 0 for st in rep["tier_stats"].values())  # every tier took blocks
+    assert rep["faults"]["redis_kills"] >= 1 and rep["faults"]["disk_truncations"] >= 1
+
+
+def test_a_tier_returning_other_bytes_is_caught(monkeypatch, capsys):
+    import kvhal.tiers.disk as disk
+
+    real = disk._read_run
+
+    def flipped(keys, run):
+        out = real(keys, run)
+        return [(st, bytes([v[0] ^ 1]) + bytes(v[1:]) if st == disk._OK and len(v) else v) for st, v in out]
+
+    monkeypatch.setattr(disk, "_read_run", flipped)
+    assert main(["stress", "--steps", "1500", "--seed", "3", "--tiers", "disk", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert "disk tier: block" in rep["failure"] and "read back other bytes" in rep["failure"]
+    assert rep["failure"].startswith(f"step {rep['steps_run'] - 1} (replay:")
+
+
+def test_tier_arguments(capsys):
+    assert main(["stress", "--steps", "5", "--faults"]) == 2
+    assert "name the tiers" in capsys.readouterr().err
+    assert main(["stress", "--steps", "5", "--tiers", "host,tape"]) == 2
+    assert "host,disk,redis" in capsys.readouterr().err

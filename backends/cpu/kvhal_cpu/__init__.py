@@ -165,7 +165,8 @@ class CpuBackend(HostPoolsBackend):
         self.threads: int = opts["threads"] or os.cpu_count() or 1
         self.kv_split: int = opts["kv_split"]
         self.tile: int = opts["tile"]
-        self.attention_tolerance = self.INT_TOLERANCE if self.isa == "avx512" else self.F32_TOLERANCE
+        # amx: the AVX-512 kernels, prefill on the tile unit (bf16 halves, within the f32 figure)
+        self.attention_tolerance = self.INT_TOLERANCE if self.isa in ("avx512", "amx") else self.F32_TOLERANCE
 
     def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
         why = super().supports(spec, op, shape)
@@ -250,6 +251,15 @@ class CpuBackend(HostPoolsBackend):
         a.scale, a.causal, a.window = batch.scale, batch.causal, batch.window or 0
         self._check(self._lib.kvc_attention(a), "attention")
         return out, lse
+
+    def attention_path(self, spec: CacheSpec, n_heads: int, q_len: int) -> str:
+        """The kernels an attention call of ``spec`` with ``n_heads`` query heads and ``q_len`` queries per
+        sequence runs on this instance: amx-bf16, avx512-vnni, avx512-fma, avx2, neon or scalar."""
+        a = Args(
+            isa=ISAS.index(self.isa), kfmt=format_id(spec.k_format), vfmt=format_id(spec.v_format),
+            n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, n_heads=n_heads, kpaged=spec.k_paged,
+        )  # fmt: skip
+        return str(self._lib.kvc_attention_path(a, q_len).decode())
 
     def copy_slots(self, pools: Pools, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
         s = np.ascontiguousarray(src, dtype=np.int64)

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvhal.backend_util import format_table
 
 ABI_VERSION = 5
-ISAS = ("scalar", "avx2", "avx512", "neon")  # enum order of csrc/kvcpu.h
+ISAS = ("scalar", "avx2", "avx512", "neon", "amx")  # enum order of csrc/kvcpu.h
 ERRORS = {-1: "the requested ISA is not supported by this CPU", -2: "out of memory", -3: "invalid arguments"}
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -70,6 +70,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvc_load": (_i32, [args]),
         "kvc_copy_slots": (_i32, [args]),
         "kvc_attention": (_i32, [args]),
+        "kvc_attention_path": (ctypes.c_char_p, [args, _i32]),
         "kvc_read_blocks": (_i32, [args]),
         "kvc_write_blocks": (_i32, [args]),
     }

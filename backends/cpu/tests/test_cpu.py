@@ -91,7 +91,7 @@ def path_tolerance(isa: str, kf: str, vf: str, decode_path: bool = False) -> flo
     path takes, where mxfp4/nvfp4 run them too); every other path computes in f32."""
     quantized = kf in INT_FORMATS or vf in INT_FORMATS or vf == "kivi4"  # kivi4 V rows are q4_1's bytes and kernels
     quantized |= decode_path and kf in DECODE_INT_FORMATS and vf in DECODE_INT_FORMATS
-    return CpuBackend.INT_TOLERANCE if isa == "avx512" and quantized else F32_PATH_TOL
+    return CpuBackend.INT_TOLERANCE if isa in ("avx512", "amx") and quantized else F32_PATH_TOL
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -293,7 +293,7 @@ def test_tile_option_is_checked(monkeypatch):
         ({"threads": -1}, "threads=-1 must be >= 0"),
         ({"threads": 2.0}, "threads must be int"),
         ({"kv_split": "big"}, "kv_split must be int"),
-        ({"isa": "sse9"}, "isa='sse9' must be one of auto, scalar, avx2, avx512, neon"),
+        ({"isa": "sse9"}, "isa='sse9' must be one of auto, scalar, avx2, avx512, neon, amx"),
         ({"isa": 2}, "isa must be str"),
     ],
 )
@@ -439,7 +439,7 @@ def test_thread_pool_survives_fork():
 def test_instance_tolerance_covers_every_path_of_its_isa(isa):
     """One instance serves every spec, so it declares the loosest figure of its ISA's kernels."""
     be = CpuBackend(isa=isa)
-    assert be.attention_tolerance == (CpuBackend.INT_TOLERANCE if isa == "avx512" else F32_PATH_TOL)
+    assert be.attention_tolerance == (CpuBackend.INT_TOLERANCE if isa in ("avx512", "amx") else F32_PATH_TOL)
     for kf, vf in (("q8_0", "q8_0"), ("f16", "bf16"), ("f16", "q4_0")):
         assert path_tolerance(isa, kf, vf) <= be.attention_tolerance
 

@@ -17,6 +17,11 @@
  * queries, interleaved, with 128-token tiles and unsplit prefill KV): q8_0 16k 1.04-1.06x, f16 16k
  * 1.06x, f16 4k 1.04x, q8_0 4k and q4_0 16k 1.00-1.01x; 256 was no faster. */
 #define KV_ROWS_TARGET 128
+/* AMX prefill (kern_amx.c): rows per KV head and item; each K/V tile is dequantized and split into bf16
+ * once for all of them, which at 128 rows took a third of the item's time (q8_0, 4k) */
+#ifndef KV_AMX_ROWS_TARGET
+#define KV_AMX_ROWS_TARGET 512
+#endif
 #define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
 /* rows of a decode-sized item (positions x query heads of its KV heads): up to this many keep kv_split
  * slices and the tile chosen by where K/V sits; more (prefill) take longer slices and 128-token tiles */
@@ -89,6 +94,8 @@ static int isa_probe(int isa) {
         return isa_probe(KV_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+    case KV_ISA_AMX:
+        return isa_probe(KV_ISA_AVX512) && kv_amx_supported();
 #endif
 #if defined(__aarch64__)
     case KV_ISA_NEON:
@@ -124,6 +131,7 @@ static const kv_isa *get_isa(int isa) {
     case KV_ISA_AVX2:
         return &kv_isa_avx2;
     case KV_ISA_AVX512:
+    case KV_ISA_AMX: /* store, load and decode: the AVX-512 kernels; prefill items go to kern_amx.c */
         return &kv_isa_avx512;
 #endif
 #if defined(__aarch64__)
@@ -320,12 +328,17 @@ typedef struct {
     kv_scratch *ws;
     float *part_m, *part_l, *part_o;
     int rows_max;
+    int amx; /* items of at least KV_AMX_MIN_ROWS rows per KV head run kv_amx_attn_item */
 } attn_ctx;
 
 static void attn_task(void *p, int64_t task, int worker) {
     attn_ctx *a = (attn_ctx *)p;
     const kv_item *it = &a->items[task];
     size_t R = (size_t)a->rows_max, D = (size_t)a->c->head_dim, k = it->part < 0 ? 0 : (size_t)it->part;
+    if (a->amx && it->npos * (a->c->n_heads / a->c->n_kv_heads) >= KV_AMX_MIN_ROWS) {
+        kv_amx_attn_item(a->c, it, &a->ws[worker], a->part_m + k * R, a->part_l + k * R, a->part_o + k * R * D);
+        return;
+    }
     a->isa->attn_item(a->c, it, &a->ws[worker], a->part_m + k * R, a->part_l + k * R, a->part_o + k * R * D);
 }
 
@@ -422,9 +435,20 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
         acc += q_lens[s];
     }
     /* positions per item: enough GQA rows to share each K/V byte read, and all of one decode step */
-    int npc = KV_ROWS_TARGET / G > 0 ? KV_ROWS_TARGET / G : 1;
+    const int amx = a->isa == KV_ISA_AMX && kv_amx_takes(&c);
+    const int rows_target = amx ? KV_AMX_ROWS_TARGET : KV_ROWS_TARGET;
+    int npc = rows_target / G > 0 ? rows_target / G : 1;
     int n_hg = (n_kv_heads + KV_HEAD_GROUP - 1) / KV_HEAD_GROUP, hg = (n_kv_heads + n_hg - 1) / n_hg;
-    int rows_max = 0;
+    if (amx) { /* AMX's longer chunks: fewer head groups per item where the chunks alone leave threads idle */
+        int64_t chunks = 0;
+        for (int s = 0; s < n_seqs; s++) chunks += (q_lens[s] + npc - 1) / npc;
+        while (chunks * n_hg < 2 * (int64_t)threads && n_hg < n_kv_heads) {
+            n_hg++;
+            hg = (n_kv_heads + n_hg - 1) / n_hg;
+        }
+        n_hg = (n_kv_heads + hg - 1) / hg;
+    }
+    int rows_max = 0, head_rows_max = 0;
     int64_t n_items = 0, n_parts = 0, n_groups = 0, kv_bytes = 0;
     for (int s = 0; s < n_seqs; s++) {
         int n_kv = seq_lens[s], n_q = q_lens[s];
@@ -435,6 +459,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
             kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
             hi = hi2;
             if (np * G * hg > rows_max) rows_max = np * G * hg;
+            if (np * G > head_rows_max) head_rows_max = np * G;
             if (hi >= lo) kv_bytes += (int64_t)(hi - lo + 1) * n_kv_heads * (c.krow + c.vrow); /* what the items read */
             const int sp = chunk_split(split, (int64_t)np * G * hg);
             int pieces = 1;
@@ -466,6 +491,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     kv_scratch *ws = (kv_scratch *)calloc((size_t)threads, sizeof(kv_scratch));
     int ok = items && groups && pm && pl && po && ws;
     size_t R = (size_t)rows_max, extra = isa->extra_bytes(&c, rows_max);
+    if (amx && kv_amx_extra_bytes(&c, head_rows_max) > extra) extra = kv_amx_extra_bytes(&c, head_rows_max);
     for (int w = 0; ok && w < threads; w++) {
         ws[w].qf = (float *)aligned(sizeof(float) * R * (size_t)D);
         ws[w].o = (float *)aligned(sizeof(float) * R * (size_t)D);
@@ -504,7 +530,7 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
                 }
             }
         }
-        attn_ctx ctx = {&c, isa, items, groups, ws, pm, pl, po, rows_max};
+        attn_ctx ctx = {&c, isa, items, groups, ws, pm, pl, po, rows_max, amx};
         kv_pool_run(attn_task, &ctx, ni, threads);
         kv_pool_run(merge_task, &ctx, ng, threads);
         rc = KV_OK;
@@ -525,4 +551,31 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     free(po);
     free(q_start);
     return rc;
+}
+
+/* Which kernels run a call of this layer (a's isa, formats, head_dim, kpaged, n_kv_heads, n_heads) whose
+ * sequences have q_len queries: "amx-bf16" (kern_amx.c), "avx512-vnni" (integer kernels for a ggml
+ * K or V format), "avx512-fma" (f32 FMA), "avx2", "neon", "scalar". For `kvhal bench` and users on
+ * another CPU; it follows kvc_attention's own choices. */
+KV_EXPORT const char *kvc_attention_path(const kv_args *a, int32_t q_len) {
+    if (!kvc_isa_supported(a->isa)) return "unsupported";
+    const int G = a->n_kv_heads > 0 && a->n_heads >= a->n_kv_heads ? a->n_heads / a->n_kv_heads : 1;
+    const int target = a->isa == KV_ISA_AMX ? KV_AMX_ROWS_TARGET : KV_ROWS_TARGET;
+    const int npc = target / G > 0 ? target / G : 1, np = q_len < npc ? q_len : npc;
+    switch (a->isa) {
+    case KV_ISA_AMX: {
+        kv_call c;
+        memset(&c, 0, sizeof c);
+        c.head_dim = a->head_dim, c.kfmt = a->kfmt, c.vfmt = a->vfmt, c.kpaged = a->kpaged;
+        if (kv_amx_takes(&c) && np * G >= KV_AMX_MIN_ROWS) return "amx-bf16";
+    } /* fall through */
+    case KV_ISA_AVX512:
+        return kv_is_quant(a->kfmt) || kv_is_quant(a->vfmt) || a->vfmt == KV_KIVI4 ? "avx512-vnni" : "avx512-fma";
+    case KV_ISA_AVX2:
+        return "avx2";
+    case KV_ISA_NEON:
+        return "neon";
+    default:
+        return "scalar";
+    }
 }

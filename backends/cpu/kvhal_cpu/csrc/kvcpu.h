@@ -23,7 +23,8 @@
 
 #include "formats.h" /* format ids and block sizes, generated from kvhal's registry */
 
-enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_NISA };
+/* KV_ISA_AMX: the AVX-512 kernels, with prefill items on the AMX tile unit (kern_amx.c) */
+enum { KV_ISA_SCALAR = 0, KV_ISA_AVX2, KV_ISA_AVX512, KV_ISA_NEON, KV_ISA_AMX, KV_NISA };
 
 #define KV_QK 32 /* values per block of every quantized format the kernels run */
 _Static_assert(KV_Q8_0_LEN == KV_QK && KV_Q4_0_LEN == KV_QK && KV_Q4_1_LEN == KV_QK && KV_Q5_0_LEN == KV_QK &&
@@ -138,6 +139,15 @@ extern const kv_isa kv_isa_avx512_t128; /* the same kernels with 128-token tiles
 #if defined(__aarch64__)
 extern const kv_isa kv_isa_neon;
 #endif
+
+/* AMX prefill (kern_amx.c; stubs that say no where the build has no AMX): whether this CPU and OS run it
+ * (cpuid, XCR0, and Linux's tile-state permission, asked once), whether a call's formats and head_dim
+ * do, and its item kernel, which api.c gives items of at least KV_AMX_MIN_ROWS query rows per KV head */
+#define KV_AMX_MIN_ROWS 16
+int kv_amx_supported(void);
+int kv_amx_takes(const kv_call *c);
+size_t kv_amx_extra_bytes(const kv_call *c, int rows);
+void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float *part_m, float *part_l, float *part_o);
 
 /* thread pool (pool.c) */
 typedef void (*kv_task_fn)(void *ctx, int64_t task, int worker);

@@ -95,8 +95,10 @@ int main(void) {
                     kvc_attention(&b);
                     float err = 0.0f;
                     for (int i = 0; i < 3 * HQ * D; i++) err = fmaxf(err, fabsf(o0[i] - o1[i]));
-                    /* avx512: integer kernels (kivi4 V rows are q4_1 bytes and take its kernels) */
-                    if (!(err <= (isa == KV_ISA_AVX512 && (kv_is_quant(fmt) || fmt == KV_KIVI4) ? 3e-4f : 1e-5f))) {
+                    /* avx512 (and amx, whose decode-sized items are avx512's): integer kernels (kivi4 V rows are
+                     * q4_1 bytes and take its kernels) */
+                    const int int_isa = isa == KV_ISA_AVX512 || isa == KV_ISA_AMX;
+                    if (!(err <= (int_isa && (kv_is_quant(fmt) || fmt == KV_KIVI4) ? 3e-4f : 1e-5f))) {
                         printf("isa %d fmt %d%s causal %d tile %d: attention differs by %g\n", isa, fmt,
                                paged ? " (K pages)" : "", causal, tile, err);
                         fails++;

@@ -1,0 +1,195 @@
+"""``kvhal eval --evict``: eviction policies on a real model, kvpress's protocol.
+
+The packaged SmolLM2-135M-Instruct (``fidelity_model``) reads the first ``--tokens`` tokens of kvhal's passage
+(the context), which a ``KVHalCache`` with ``press=policy, keep=--keep`` compresses after its prefill; then it
+reads a question about the passage. The figure is the KL divergence of the first answer token's distribution
+from the one an uncompressed float32 ``DynamicCache`` gives (transformers' SDPA), as kvpress's evaluation
+measures it; beside it, the pages the compression freed and the prefill's time against the same prefill
+without eviction (scoring included: ``observe=True`` on every layer), measured side by side in this run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import KVHalError, SpecError
+from ..eviction import H2O, Policy, SinkWindow, SnapKV
+
+QUESTION = "\n\nQuestion: Who was the first keeper of the lighthouse at Carrow Point, and when did he arrive?\nAnswer:"
+DEFAULT_TOKENS = 1628
+
+
+@dataclass(frozen=True)
+class EvictRow:
+    policy: str
+    kl: float  # KL(uncompressed || compressed) of the first answer token, nats
+    top1_same: bool  # the same most likely first answer token as the uncompressed cache
+    kept_tokens: int
+    blocks_before: int
+    blocks_after: int
+    pages_freed: float  # fraction of the context's pages returned to the free list
+    bytes_held: int
+    prefill_s: float
+    prefill_ratio: (
+        float  # this prefill (scoring + eviction) over the mean of the plain prefills run just before and after
+    )
+
+
+def policies(n: int, keep: float) -> dict[str, Policy]:
+    k = int(n * keep)
+    return {
+        "SinkWindow(sinks=4)": SinkWindow(sinks=4),
+        "SnapKV(window=64, kernel=5)": SnapKV(window=64, kernel=5),
+        f"H2O({k // 2}, {k - k // 2})": H2O(heavy=k // 2, recent=k - k // 2),
+    }
+
+
+def _load(model: str | None) -> tuple[Any, Any, str]:
+    from pathlib import Path
+
+    from . import fidelity_model
+
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise KVHalError(
+            f"kvhal eval --evict runs the model with transformers ({e}): {fidelity_model.INSTALL}"
+        ) from None
+    path = fidelity_model.packaged_model() if model is None else Path(model)
+    if not path.exists():
+        raise SpecError(f"--model {model!r} does not exist (a .gguf file or a transformers model directory)")
+    where, extra = (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+        lm = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **extra)
+    return tok, lm.eval(), path.name
+
+
+def run(
+    model: str | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    keep: float = 0.5,
+    k_format: str = "f16",
+    v_format: str = "f16",
+    backend: str = "auto",
+    block_size: int = 16,
+) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from ..integrations.transformers import KVHalCache
+
+    tok, lm, name = _load(model)
+    from . import fidelity_model
+
+    ctx = tok(fidelity_model.passage(), return_tensors="pt").input_ids
+    if ctx.shape[1] < tokens:
+        raise SpecError(f"--tokens {tokens}: the passage is {ctx.shape[1]} tokens of this model's tokenizer")
+    ctx = ctx[:, :tokens]
+    question = tok(QUESTION, return_tensors="pt", add_special_tokens=False).input_ids
+    n_q = question.shape[1]
+    mask = torch.ones(1, tokens + n_q, dtype=torch.long)
+
+    def answer_logp(cache: Any) -> np.ndarray:
+        with torch.inference_mode():
+            out = lm(question, attention_mask=mask, cache=cache)
+        return torch.log_softmax(out.logits[0, -1].double(), -1).numpy()
+
+    lm.set_attn_implementation("sdpa")
+    ref_cache = transformers.DynamicCache(config=lm.config)
+    with torch.inference_mode():
+        lm(ctx, cache=ref_cache)
+    ref = answer_logp(ref_cache)
+    lm.set_attn_implementation("kvhal")
+
+    def prefill(press: Policy | None) -> tuple[Any, float]:
+        cache = KVHalCache.from_model(
+            lm,
+            capacity_tokens=tokens + n_q + block_size,
+            k_format=k_format,
+            v_format=v_format,
+            backend=backend,
+            block_size=block_size,
+            press=press,
+            keep=None if press is None else keep,
+        )
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            lm(ctx, cache=cache)
+        return cache, time.perf_counter() - t0
+
+    plain, t_plain = prefill(None)
+    before = plain.kv.stats().blocks_used
+    rows = [_row("none", plain, ref, answer_logp(plain), tokens, before, t_plain, t_plain)]
+    times = [t_plain]
+    for label, press in policies(tokens, keep).items():
+        cache, t = prefill(press)
+        _, t_again = prefill(None)  # the plain prefill again, right after: the load drifts on a shared machine
+        times.append(t_again)
+        rows.append(_row(label, cache, ref, answer_logp(cache), tokens, before, t, (times[-2] + t_again) / 2))
+    return {
+        "model": name,
+        "backend": plain.kv.backend.name,
+        "format": f"{k_format}/{v_format}",
+        "context_tokens": tokens,
+        "question_tokens": n_q,
+        "keep": keep,
+        "plain_prefill_s": times,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _row(
+    label: str, cache: Any, ref: np.ndarray, got: np.ndarray, n: int, before: int, t: float, t0: float
+) -> EvictRow:
+    st = cache.kv.stats()
+    p = np.exp(ref)
+    kl = float(np.sum(p * (ref - got)))
+    kept = cache.evictions[0].kept.size if cache.evictions else n
+    # the question's tokens were stored after the press: count the context's pages only
+    after = math.ceil(kept / cache.kv.spec.block_size)
+    return EvictRow(label, kl, bool(ref.argmax() == got.argmax()), int(kept), before, after, 1 - after / before,
+                    int(st.bytes_held), t, t / t0)  # fmt: skip
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [
+        f"kvhal eval --evict: {res['model']}, {res['backend']} {res['format']}, {res['context_tokens']}-token "
+        f"context kept at {res['keep']}, {res['question_tokens']}-token question",
+        f"  plain prefill (no eviction) {', '.join(f'{t:.1f}' for t in res['plain_prefill_s'])} s",
+        f"  {'policy':<28} {'KL first token':>14} {'top-1':>6} {'kept':>5} {'pages freed':>12} {'prefill':>8} "
+        f"{'vs plain':>8}",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"  {r['policy']:<28} {r['kl']:>14.3e} {'same' if r['top1_same'] else 'diff':>6} {r['kept_tokens']:>5} "
+            f"{r['pages_freed']:>11.1%} {r['prefill_s']:>7.1f}s {r['prefill_ratio']:>7.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def cli(args: Any) -> int:
+    try:
+        tokens = DEFAULT_TOKENS if args.tokens is None else int(args.tokens)
+        keep = float(args.keep)
+        block_size = int(args.block_size)
+    except ValueError as e:
+        raise SpecError(f"--tokens, --keep and --block-size take numbers: {e}") from None
+    if not 0 < keep <= 1:
+        raise SpecError(f"--keep takes a fraction in (0, 1], got {args.keep!r}")
+    if tokens < 1 or block_size < 1:
+        raise SpecError(f"--tokens and --block-size take positive integers, got {args.tokens!r}, {args.block_size!r}")
+    k_format, _, v_format = args.evict_format.partition("/")
+    res = run(args.model, tokens, keep, k_format, v_format or k_format, args.backend, block_size)
+    print(json.dumps(res, indent=2) if args.json else table(res))
+    return 0

@@ -1,0 +1,67 @@
+"""observe=True on every backend: the attention mass it accumulates equals a float64 softmax transcribed here
+over the backend's own ``load`` (the bytes as stored), and the attention it returns is the plain call's.
+
+Backends whose kernel returns the log-sum-exp (``"attention_lse"`` in ``fused``) get the mass from one float32
+pass against it (``backend_util.attention_mass_lse``); the rest take the float64 host path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvhal
+
+
+def f64_mass(cache, seqs, q, q_lens, scale, window, tail):
+    """Per sequence: ``(all queries, last tail queries)`` mass ``[n_kv_heads, n]``, softmax in float64."""
+    out, start = [], 0
+    group = q.shape[1] // cache.spec.n_kv_heads
+    for s, n_q in zip(seqs, q_lens):
+        k, _ = cache.load(s, 0)
+        k = np.repeat(np.asarray(cache.backend.to_numpy(k), np.float64), group, axis=1)
+        n = k.shape[0]
+        qs = q[start : start + n_q].astype(np.float64)
+        start += n_q
+        sc = np.einsum("qhd,khd->hqk", qs, k) * scale
+        pos = n - n_q + np.arange(n_q)[:, None]
+        j = np.arange(n)[None]
+        vis = (j <= pos) & ((j > pos - window) if window else True)
+        sc = np.where(vis[None], sc, -np.inf)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        per_kv = p.reshape(cache.spec.n_kv_heads, group, n_q, n).sum(1)
+        out.append((per_kv.sum(1), per_kv[:, max(0, n_q - tail) :].sum(1)))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_observed_mass_equals_float64_softmax(backend_info, window):
+    if "q8_0" not in backend_info.formats:
+        pytest.skip(f"{backend_info.name} does not claim q8_0")
+    rng = np.random.default_rng(3)
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="q8_0", v_format="q8_0", block_size=16)
+    cache = kvhal.KVCache(spec, 1024, backend=backend_info.name, observe_window=24)
+    plain = kvhal.KVCache(spec, 1024, backend=backend_info.name)
+    seqs, pseqs, lens, q_lens = (
+        [cache.new_seq(), cache.new_seq()],
+        [plain.new_seq(), plain.new_seq()],
+        [301, 70],
+        [301, 9],
+    )
+    for s, p, n in zip(seqs, pseqs, lens):
+        k = rng.standard_normal((n, 2, 64), dtype=np.float32)
+        k[:, :, 3] *= 8
+        v = rng.standard_normal((n, 2, 64), dtype=np.float32)
+        cache.store(s, 0, k, v)
+        plain.store(p, 0, k, v)
+    q = rng.standard_normal((sum(q_lens), 6, 64), dtype=np.float32)
+    out = cache.attention(0, q, seqs=seqs, q_lens=q_lens, window=window, observe=True)
+    want_out = plain.attention(0, q, seqs=pseqs, q_lens=q_lens, window=window)
+    np.testing.assert_array_equal(cache.backend.to_numpy(out), plain.backend.to_numpy(want_out))
+    want = f64_mass(cache, seqs, q, q_lens, 64**-0.5, window, 24)
+    for s, (total, last) in zip(seqs, want):
+        rec = cache.seq_table.get(s)
+        np.testing.assert_allclose(rec.mass[0], total, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(rec.window_mass[0], last, rtol=1e-4, atol=1e-5)
+        assert rec.mass[0].sum() == pytest.approx(q_lens[seqs.index(s)] * 6, rel=1e-5)  # each row's weights sum to 1

