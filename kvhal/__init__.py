@@ -11,6 +11,7 @@ from .backend import AttentionBatch, AttentionShape, Backend, HostPoolsBackend, 
 from .cache import CacheStats, KVCache
 from .errors import (
     BackendUnavailableError,
+    CacheMismatchError,
     CapacityError,
     DTypeError,
     FingerprintMismatchError,
@@ -48,6 +49,7 @@ __all__ = [
     "BackendUnavailableError",
     "CacheSpec",
     "CacheStats",
+    "CacheMismatchError",
     "CapacityError",
     "DTypeError",
     "Fingerprint",

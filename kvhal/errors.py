@@ -94,3 +94,8 @@ class LlamaStateMismatchError(LlamaStateError):
 class LlamaStateUnsupportedError(LlamaStateError):
     """A valid state kvhal cannot hold: positions not contiguous from 0, a ggml type kvhal does not share,
     per-cell extension data (M-RoPE), quantized transposed V."""
+
+
+class CacheMismatchError(KVHalError, TypeError):
+    """A framework's cache and attention function that do not go together (kvhal attention over another
+    cache); the message says which to pass instead."""

@@ -5,6 +5,12 @@
     cache = KVHalCache.from_model(model, k_format="q8_0", v_format="q8_0", capacity_tokens=8192, backend="cpu")
     out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64)
 
+Under ``attn_implementation="sdpa"`` or ``"eager"`` the same cache works too (for a user who forgot to
+switch): ``update`` stores every new column and returns each row's whole history from ``KVCache.load``,
+dense, in the model's dtype, and transformers' own attention runs over it with its own mask. That reads
+every cached token back per layer and step, and stores padding columns like any other: correct, slower,
+and without kvhal's fused attention; ``"kvhal"`` is the mode to run.
+
 Batch row ``b`` is kvhal sequence ``cache.seqs[b]`` and holds that row's real tokens only: a position the
 attention mask marks as padding is never stored or attended, and its attention output is zero. kvhal
 sequences are dense, so ``get_seq_length`` counts columns (padding included, as transformers does) while
@@ -33,7 +39,7 @@ import numpy as np
 
 from ..backend import Backend
 from ..cache import KVCache
-from ..errors import KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
+from ..errors import CacheMismatchError, KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
 from ..eviction import EvictionResult, EvictOnFull, OnEvict, Policy, SnapKV
 from ..fingerprint import Fingerprint
 from ..interop import to_like
@@ -76,6 +82,8 @@ except ImportError as e:
     raise _need_transformers(_found, str(e)) from e
 
 ATTN_IMPLEMENTATION = "kvhal"
+# transformers' own attention functions a KVHalCache also serves, with dense K/V from KVCache.load
+DENSE_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # (cache, layer, the key tensor its update returned, the value tensor): set by update, taken by the attention
 _PENDING: ContextVar[tuple[KVHalCache, int, torch.Tensor, torch.Tensor] | None] = ContextVar(
@@ -129,7 +137,8 @@ class KVHalLayer(CacheLayerMixin):  # type: ignore[misc]
 class KVHalCache(Cache):  # type: ignore[misc]
     """A transformers ``Cache`` whose layers all store into one kvhal ``KVCache`` (``self.kv``).
 
-    Run the model with ``attn_implementation="kvhal"``: attention reads the quantized pages directly.
+    Run the model with ``attn_implementation="kvhal"``: attention reads the quantized pages directly. Under
+    ``"sdpa"`` or ``"eager"`` (a cache from ``from_model``) it hands transformers dense K/V from ``load``.
     Sliding-window layers attend over their window but keep every token (pages are shared by all layers
     of a sequence), so ``crop`` is always exact.
 
@@ -165,6 +174,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._cols = [0] * n_layers  # columns each layer has attended (they differ inside a forward)
         self._step: _Step | None = None
         self._failed: str | None = None
+        self._config: Any = None  # the model's text config (from_model): its attention implementation, read per update
         self.press, self.keep = press, keep
         self.evictions: list[EvictionResult] = []  # what the press dropped from each row, in row order
         self._pressed_cols: int | None = None  # columns at the press (None: the prefill is still to come)
@@ -193,7 +203,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
         """A cache shaped by ``model``'s config: its layers, KV heads (GQA), head_dim and sliding windows.
 
         ``capacity_tokens`` is the whole cache (all rows, all beams); ``spec_options`` go to ``CacheSpec``
-        (e.g. ``block_size``, ``tail``). The model must run ``attn_implementation="kvhal"``. ``fingerprint`` names
+        (e.g. ``block_size``, ``tail``). The model runs ``attn_implementation="kvhal"`` (attention over the
+        quantized pages) or ``"sdpa"``/``"eager"`` (transformers' attention over K/V dense from ``load``; no
+        press there). ``fingerprint`` names
         the model for the prefix cache (default: its class, name and config; pass one with the weights' digest
         before sharing blocks through tiers or snapshots).
 
@@ -217,13 +229,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
             snap = [p for p in (press, getattr(on_full, "policy", None)) if isinstance(p, SnapKV)]
             observe_window = snap[0].window if snap else 32
         config = model.config.get_text_config(decoder=True)
-        impl = getattr(config, "_attn_implementation", None)
-        if impl != ATTN_IMPLEMENTATION:
-            raise SpecError(
-                f"the model runs attn_implementation={impl!r}; a KVHalCache needs the kvhal attention function: "
-                f'call model.set_attn_implementation("{ATTN_IMPLEMENTATION}") or load it with '
-                f'attn_implementation="{ATTN_IMPLEMENTATION}"'
-            )
+        _check_implementation(getattr(config, "_attn_implementation", None))
         n_heads = config.num_attention_heads
         n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
@@ -261,7 +267,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
             on_evict=on_evict,
             observe_window=observe_window,
         )
-        return cls(kv, windows, press=press, keep=keep)
+        cache = cls(kv, windows, press=press, keep=keep)
+        cache._config = config
+        return cache
 
     def match_prefix(self, input_ids: Any, attention_mask: Any = None) -> list[int]:
         """Before ``generate``: give each row the longest cached prefix of its prompt, and record the
@@ -342,8 +350,50 @@ class KVHalCache(Cache):  # type: ignore[misc]
             raise ShapeError(
                 f"the cache holds {len(self.seqs)} rows but this step has {batch}; call reset() for a new batch"
             )
+        if self._config is not None:
+            impl = getattr(self._config, "_attn_implementation", None)
+            if impl != ATTN_IMPLEMENTATION:
+                _check_implementation(impl)
+                return self._dense(layer, key_states, value_states)
         _PENDING.set((self, layer, key_states, value_states))
         return key_states, value_states
+
+    def _dense(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' own attention (sdpa, eager): store every new column, return each row's whole history
+        ``[batch, n_kv_heads, columns, head_dim]`` from ``load``, in the model's dtype."""
+        if self.press is not None or self._observe_always:
+            raise UnsupportedError(
+                "a press, or on_full=EvictOnFull with a scoring policy, needs the attention scores that only kvhal "
+                f'attention observes: call model.set_attn_implementation("{ATTN_IMPLEMENTATION}")'
+            )
+        if not self._real.all():
+            raise UnsupportedError(
+                "this cache holds rows with padding left out (stored under kvhal attention or match_prefix), which "
+                'transformers\' dense attention cannot line up with its mask: call model.set_attn_implementation("kvhal")'
+                " or reset() the cache"
+            )
+        batch, n_new = int(key_states.shape[0]), int(key_states.shape[2])
+        kv = self.kv
+        try:
+            self._plan(layer, None, batch, n_new)
+            k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [batch, n_new, n_kv_heads, head_dim]
+            for b, s in enumerate(self.seqs):
+                kv.store(s, layer, k[b], v[b])
+            ks, vs = [], []
+            for s in self.seqs:
+                kb, vb = kv.load(s, layer)
+                ks.append(to_like(kb, key_states))
+                vs.append(to_like(vb, value_states))
+            dense_k = torch.stack(ks).transpose(1, 2).to(key_states.dtype)
+            dense_v = torch.stack(vs).transpose(1, 2).to(value_states.dtype)
+        except BaseException as e:
+            if self._real.shape[1] != self._cols[layer]:  # this forward already changed the cache
+                self._failed = f"layer {layer} failed in the middle of a forward pass ({type(e).__name__}: {e})"
+            raise
+        self._cols[layer] += n_new
+        return dense_k, dense_v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns seen (padding included), as transformers counts positions."""
@@ -588,16 +638,17 @@ def kvhal_attention(
     """The ``attn_implementation="kvhal"`` function: store this layer's real new tokens, then attend over
     the quantized pages. ``query`` is ``[batch, n_heads, n_new, head_dim]``; returns ``[batch, n_new, n_heads, head_dim]``."""
     pending = _PENDING.get()
-    if pending is not None and pending[2] is not key:
+    if pending is None:
+        raise CacheMismatchError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a KVHalCache (this forward pass has another cache, '
+            "or none): pass cache=KVHalCache.from_model(model, ...) to generate() or to the forward call, or run "
+            'this cache with model.set_attn_implementation("sdpa")'
+        )
+    if pending[2] is not key:
         _PENDING.set(None)
         raise UnsupportedError(
             f"layer {pending[1]}'s attention got other key states than KVHalCache.update returned: this model "
             "changes K/V after the cache update, which kvhal attention cannot follow; use another attn_implementation"
-        )
-    if pending is None:
-        raise KVHalError(
-            f'attn_implementation="{ATTN_IMPLEMENTATION}" needs a KVHalCache: pass '
-            "cache=KVHalCache.from_model(model, ...) to generate() or to the forward call"
         )
     _PENDING.set(None)
     cache, layer = pending[0], pending[1]
@@ -616,6 +667,15 @@ def kvhal_attention(
         )
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
     return cache.attend(layer, query, key, value, attention_mask, scale), None
+
+
+def _check_implementation(impl: Any) -> None:
+    if impl != ATTN_IMPLEMENTATION and impl not in DENSE_IMPLEMENTATIONS:
+        raise SpecError(
+            f"the model runs attn_implementation={impl!r}; a KVHalCache runs under "
+            f'"{ATTN_IMPLEMENTATION}" (attention over the quantized pages: call '
+            f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}")) or {" or ".join(map(repr, DENSE_IMPLEMENTATIONS))}'
+        )
 
 
 def kvhal_mask(*, attention_mask: Any = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:

@@ -70,6 +70,26 @@ def max_logit_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_cache_under_sdpa_and_eager_equals_dynamic_cache(models, backend_info, name, impl):
+    """A user who forgets attn_implementation="kvhal": transformers' attention over K/V dense from load."""
+    model, (ids, mask) = models[name], prompts(3)
+    model.set_attn_implementation(impl)
+    cache = KVHalCache.from_model(model, k_format="f32", v_format="f32", capacity_tokens=512,
+                                  backend=backend_info.name, block_size=8)
+    runs = []
+    for c in (transformers.DynamicCache(config=model.config), cache):
+        with torch.inference_mode():
+            runs.append(model.generate(ids, attention_mask=mask, cache=c, max_new_tokens=NEW, min_new_tokens=NEW,
+                                       do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                                       output_logits=True))
+    ref, out = runs
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) < 1e-4
+    assert cache.kv.seq_len(cache.seqs[0]) == 17 + NEW - 1  # every column stored, padding too
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_f32_equals_dynamic_cache(models, backend_info, name, batch):
     model, (ids, mask) = models[name], prompts(batch)
@@ -182,18 +202,25 @@ def test_without_padding_mask_equals_dynamic_cache(models, backend_info):
 
 def test_errors_say_what_to_do(models):
     model, (ids, mask) = models["llama"], prompts(3)
-    model.set_attn_implementation("sdpa")
-    with pytest.raises(kvhal.SpecError, match='set_attn_implementation\\("kvhal"\\)'):
-        KVHalCache.from_model(model, capacity_tokens=64, backend="reference")
     with pytest.raises(kvhal.SpecError, match="PreTrainedModel"):
         KVHalCache.from_model(model.config, capacity_tokens=64, backend="reference")
     cache = kv_cache(model, "reference")
-    model.set_attn_implementation("sdpa")  # the cache used with another attention function is caught
+    direct = KVHalCache(cache.kv, [None, None])  # built without the model: it cannot see the attention in use
+    model.set_attn_implementation("sdpa")
     with pytest.raises(kvhal.KVHalError, match="did not run through"), torch.inference_mode():
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, cache=direct)
     model.set_attn_implementation("kvhal")
-    with pytest.raises(kvhal.KVHalError, match="needs a KVHalCache"), torch.inference_mode():
+    with pytest.raises(kvhal.errors.CacheMismatchError, match="needs a KVHalCache.*from_model"), torch.inference_mode():
         model(ids, attention_mask=mask, cache=transformers.DynamicCache(config=model.config))
+    with torch.inference_mode():  # padding left out under kvhal attention cannot be handed to sdpa as columns
+        model(ids, attention_mask=mask, cache=cache)
+        model.set_attn_implementation("sdpa")
+        more = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        with pytest.raises(kvhal.UnsupportedError, match="padding left out"):
+            model(ids[:, :1], attention_mask=more, cache=cache)
+        model.set_attn_implementation("kvhal")
+        model(ids[:, :1], attention_mask=more, cache=cache)  # nothing changed: kvhal attention goes on
+    cache.reset()
     with pytest.raises(kvhal.UnsupportedError, match="2D padding mask"), torch.inference_mode():
         model(ids, attention_mask=torch.ones(3, 1, 17, 17, dtype=torch.bool), cache=kv_cache(model, "reference"))
     for bad in (True, 3, 2.0, "1"):

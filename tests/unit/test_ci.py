@@ -85,7 +85,7 @@ def test_cpu_rows_are_the_cpu_tagged_variants_and_the_fixed_sessions():
     sessions = [r.session for r in matrix.cpu_rows()]
     variants = [v.session for v in kvhal_tables.variants() if "cpu" in v.tags]
     core = [r.session for r in matrix.CORE_CPU]
-    assert core == ["lint", "test-reference", "test-transformers", "test-llamacpp"]
+    assert core == ["lint", "test-reference", "test-transformers", "test-llamacpp", "test-vllm"]
     assert sessions == [*core, *variants, *[r.session for r in matrix.FIXED_CPU]]
     assert "test-cuda13" not in sessions  # gpu-only: a hardware row
     out = subprocess.run([sys.executable, "ci/matrix.py", "--cpu"], cwd=ROOT, capture_output=True, text=True, check=True)
