@@ -153,8 +153,16 @@ class KVHalCache(Cache):  # type: ignore[misc]
     """
 
     def __init__(
-        self, kv: KVCache, windows: Sequence[int | None], *, press: Policy | None = None, keep: float | None = None
+        self,
+        kv: KVCache,
+        windows: Sequence[int | None],
+        *,
+        press: Policy | None = None,
+        keep: float | None = None,
+        config: Any = None,
     ) -> None:
+        """``config``: the model's text config (``from_model`` passes it), whose attention implementation is read
+        at each update; without it the cache serves ``attn_implementation="kvhal"`` only."""
         if not isinstance(kv, KVCache):
             raise SpecError(f"kv must be a kvhal.KVCache, got {type(kv).__name__}; or use KVHalCache.from_model")
         press, keep = _check_press(kv, press, keep)
@@ -174,7 +182,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._cols = [0] * n_layers  # columns each layer has attended (they differ inside a forward)
         self._step: _Step | None = None
         self._failed: str | None = None
-        self._config: Any = None  # the model's text config (from_model): its attention implementation, read per update
+        self._config = config  # its attention implementation is read per update: sdpa/eager get dense K/V
         self.press, self.keep = press, keep
         self.evictions: list[EvictionResult] = []  # what the press dropped from each row, in row order
         self._pressed_cols: int | None = None  # columns at the press (None: the prefill is still to come)
@@ -267,9 +275,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
             on_evict=on_evict,
             observe_window=observe_window,
         )
-        cache = cls(kv, windows, press=press, keep=keep)
-        cache._config = config
-        return cache
+        return cls(kv, windows, press=press, keep=keep, config=config)
 
     def match_prefix(self, input_ids: Any, attention_mask: Any = None) -> list[int]:
         """Before ``generate``: give each row the longest cached prefix of its prompt, and record the
