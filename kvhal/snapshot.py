@@ -33,6 +33,7 @@ from .errors import (
     UnsupportedError,
 )
 from .fingerprint import FORMAT_VERSION, Fingerprint, hash_chain
+from .fsutil import fsync_path
 from .seqs import Seq, SeqTable
 from .snapshot_file import (
     SNAPSHOT_VERSION,
@@ -147,20 +148,12 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
     text = json.dumps(meta)
     try:
         st.numpy.save_file(tensors, tmp, metadata={"kvhal": text, "kvhal_crc32": text_crc(text)})
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dfd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_path(str(target.parent))
 
 
 def restore(cache: SnapshotCache, path: Any) -> list[int]:

@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import KVHalError, SnapshotCorruptError, SnapshotError, SnapshotVersionError
 from .fingerprint import FORMAT_VERSION, Fingerprint, hash_chain
+from .fsutil import pid_alive
 from .spec import CacheSpec
 
 SNAPSHOT_VERSION = 2  # the file layout above; FORMAT_VERSION covers the meaning of the stored bytes
@@ -82,16 +83,6 @@ def file_path(path: Any) -> Path:
 
 def text_crc(text: str) -> str:
     return f"{zlib.crc32(text.encode()):08x}"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_dead_temps(directory: Path) -> None:

@@ -32,26 +32,34 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import struct
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..errors import TierError
+from ..fsutil import fsync_path, pid_alive
 from .base import Tier
 from .blob import HEADER_SIZE as BLOB_HEADER_SIZE
 from .blob import crc32, decode_blob
 from .keys import BlockKey, Payload, check_count, check_seconds
+from .segments import (
+    CORRUPT,
+    ERROR,
+    OK,
+    PUT,
+    RECORD_HEADER,
+    TOMBSTONE,
+    Entry,
+    Segment,
+    parse_header,
+    read_record,
+    read_run,
+    record_header,
+    write_all,
+)
 
-RECORD_MAGIC = b"KVSR"
-RECORD_VERSION = 1
-PUT, TOMBSTONE = 1, 2
-_RECORD = struct.Struct("<4sHH32s32sQII")
-RECORD_HEADER = _RECORD.size  # 88, as a blob header: a record takes blob_size(payload) bytes
 _SEG = re.compile(r"seg-([0-9a-f]{16})\.kvs")
 _SEG_TEMP = re.compile(r"\.seg-[0-9a-f]{16}\.(\d+)\.tmp")  # a compaction in progress (pid of its writer)
 _OLD_DIR = re.compile(r"[0-9a-f]{16}")  # the one-file-per-block layout (kvhal <= 0.x): <ns[:16]>/<hash>.kvb
@@ -66,75 +74,6 @@ COMMIT_S = 0.02
 MIN_SEGMENT = 16 << 20
 MAX_SEGMENT = 256 << 20
 RUN_BYTES = 8 << 20  # a get groups adjacent records in runs up to this size
-
-
-def record_header(kind: int, key: BlockKey, payload: bytes | memoryview) -> bytes:
-    head = _RECORD.pack(
-        RECORD_MAGIC, RECORD_VERSION, kind, key.namespace, key.block_hash, len(payload), crc32(payload), 0
-    )
-    return head[:-4] + struct.pack("<I", crc32(head[:-4]))
-
-
-def parse_header(raw: bytes | memoryview) -> tuple[int, BlockKey, int, int] | None:
-    """(kind, key, payload length, payload CRC) of an intact record header, else None."""
-    if len(raw) < RECORD_HEADER:
-        return None
-    magic, version, kind, ns, h, length, crc, hcrc = _RECORD.unpack_from(raw)
-    if magic != RECORD_MAGIC or version != RECORD_VERSION or kind not in (PUT, TOMBSTONE):
-        return None
-    if crc32(raw[: RECORD_HEADER - 4]) != hcrc:
-        return None
-    return kind, BlockKey(bytes(ns), bytes(h)), int(length), int(crc)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, parts: list[bytes | memoryview], total: int) -> None:
-    """``writev`` until all ``total`` bytes of ``parts`` are written (a short write resumes where it stopped)."""
-    i = 0
-    while i < len(parts):
-        n = os.writev(fd, parts[i : i + 1024])
-        if i == 0 and n == total:
-            return
-        while i < len(parts) and n >= len(parts[i]):
-            n -= len(parts[i])
-            i += 1
-        if n:
-            parts[i] = memoryview(parts[i])[n:]
-
-
-@dataclass(slots=True)
-class _Segment:
-    id: int
-    path: str
-    size: int = 0
-    live: dict[BlockKey, int] = field(default_factory=dict)  # key -> record offset, records the index points at
-    fd: int = -1  # read descriptor
-
-
-@dataclass(slots=True)
-class _Entry:
-    seg: int
-    offset: int
-    length: int  # payload bytes
-    used: bool = False  # read or put again since written: copied, not evicted, when its segment is reclaimed
-    tick: int = 0  # last use
 
 
 class DiskTier(Tier):
@@ -184,11 +123,11 @@ class DiskTier(Tier):
                 f"the disk tier directory {self.path} is in use by another DiskTier (its LOCK file is held); "
                 "close that one, or give each process a directory of its own"
             ) from None
-        self._segs: dict[int, _Segment] = {}  # by id, oldest first
-        self._index: dict[BlockKey, _Entry] = {}
+        self._segs: dict[int, Segment] = {}  # by id, oldest first
+        self._index: dict[BlockKey, Entry] = {}
         self._total = 0  # bytes of every segment file
         self._next_id = 1
-        self._open: _Segment | None = None  # the segment appended to
+        self._open: Segment | None = None  # the segment appended to
         self._wfd = -1
         self._unsynced = 0
         self._unsynced_since = 0.0
@@ -237,7 +176,7 @@ class DiskTier(Tier):
             for e in it:
                 if m := _SEG.fullmatch(e.name):
                     segs.append(int(m[1], 16))
-                elif (m := _SEG_TEMP.fullmatch(e.name)) and not _pid_alive(int(m[1])):
+                elif (m := _SEG_TEMP.fullmatch(e.name)) and not pid_alive(int(m[1])):
                     self._drop_file(e.path)
                 elif _OLD_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
                     old_dirs.append(e.path)
@@ -257,7 +196,7 @@ class DiskTier(Tier):
         except OSError as e:
             self._error(e)
             return
-        seg = _Segment(sid, path, fd=fd)
+        seg = Segment(sid, path, fd=fd)
         self._segs[sid] = seg
         size = os.fstat(fd).st_size
         off = 0
@@ -272,7 +211,7 @@ class DiskTier(Tier):
             self._unindex(key)
             if kind == PUT:
                 self._tick += 1
-                self._index[key] = _Entry(sid, off, length, tick=self._tick)
+                self._index[key] = Entry(sid, off, length, tick=self._tick)
                 seg.live[key] = off
             off += RECORD_HEADER + length
         if off < size:  # a torn or corrupt record: the segment ends before it
@@ -292,7 +231,7 @@ class DiskTier(Tier):
             with os.scandir(d) as files:
                 for f in files:
                     temp = _OLD_TEMP.fullmatch(f.name)
-                    if temp and not _pid_alive(int(temp[1])):
+                    if temp and not pid_alive(int(temp[1])):
                         self._drop_file(f.path)
                     elif _OLD_FILE.fullmatch(f.name) and f.is_file(follow_symlinks=False):
                         found.append((f.stat().st_mtime_ns, f.path))
@@ -364,12 +303,12 @@ class DiskTier(Tier):
                     runs.append((self._segs[e.seg].fd, e.offset, [(i, e.offset, e.length)]))
                 last = (e.seg, e.offset + RECORD_HEADER + e.length)
             out: list[bytes | memoryview | None] = [None] * len(keys)
-            for run, got in zip(runs, self._map(_read_run, [(keys, r) for r in runs])):
+            for run, got in zip(runs, self._map(read_run, [(keys, r) for r in runs])):
                 for (i, _, _), (state, value) in zip(run[2], got):
-                    if state == _OK:
+                    if state == OK:
                         out[i] = value
                         self._touch(keys[i])
-                    elif state == _ERROR:
+                    elif state == ERROR:
                         self._error(value)
                     else:
                         self._stats.corrupt_dropped += 1
@@ -459,13 +398,13 @@ class DiskTier(Tier):
             self._flush()
 
     def _append_to(
-        self, seg: _Segment, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool
+        self, seg: Segment, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool
     ) -> bool:
         parts: list[bytes | memoryview] = [x for _, h, p in records for x in (h, p)]
         start = seg.size
         size = sum(map(len, parts))
         try:
-            _write_all(self._wfd, parts, size)
+            write_all(self._wfd, parts, size)
         except OSError as e:
             self._error(e)
             try:  # cut whatever part of the batch landed: the segment ends where it ended before
@@ -477,7 +416,7 @@ class DiskTier(Tier):
         for k, _, p in records:  # keys not indexed (put) or no longer (delete)
             if count_puts:  # block records (a delete's tombstones index nothing)
                 tick += 1
-                index[k] = _Entry(seg.id, off, len(p), False, tick)
+                index[k] = Entry(seg.id, off, len(p), False, tick)
                 live[k] = off
             off += RECORD_HEADER + len(p)
         self._tick = tick
@@ -490,7 +429,7 @@ class DiskTier(Tier):
         self._unsynced += off - start
         return True
 
-    def _new_segment(self) -> _Segment | None:
+    def _new_segment(self) -> Segment | None:
         self._seal()
         sid = self._next_id
         path = os.path.join(self._root, f"seg-{sid:016x}.kvs")
@@ -502,7 +441,7 @@ class DiskTier(Tier):
             return None
         self._next_id += 1
         self._dir_dirty = True  # its name made durable with the group commit of its first records
-        seg = _Segment(sid, path, fd=rfd)
+        seg = Segment(sid, path, fd=rfd)
         self._segs[sid] = seg
         self._open, self._wfd = seg, wfd
         return seg
@@ -526,7 +465,7 @@ class DiskTier(Tier):
             if self._unsynced and self._wfd >= 0:
                 os.fsync(self._wfd)
             if self._dir_dirty:
-                _fsync_dir(self._root)
+                fsync_path(self._root)
                 self._dir_dirty = False
         except OSError as e:
             self._error(e)
@@ -558,16 +497,16 @@ class DiskTier(Tier):
             if not self._compact(seg, keep):
                 return
 
-    def _compact(self, seg: _Segment, keep: list[BlockKey]) -> bool:
+    def _compact(self, seg: Segment, keep: list[BlockKey]) -> bool:
         """Copy ``keep`` (records of ``seg``) to a new segment, evict its other live records, delete it."""
         ticks = {k: self._index[k].tick for k in keep}
         copies = []
         for k in keep:
             e = self._index[k]
-            state, value = _read(k, (seg.fd, e.offset, e.length))
-            if state == _OK:
+            state, value = read_record(k, (seg.fd, e.offset, e.length))
+            if state == OK:
                 copies.append((k, value))
-            elif state == _CORRUPT:
+            elif state == CORRUPT:
                 self._stats.corrupt_dropped += 1
         copied = {k for k, _ in copies}
         for k in list(seg.live):
@@ -586,7 +525,7 @@ class DiskTier(Tier):
         self._next_id += 1
         path = os.path.join(self._root, f"seg-{sid:016x}.kvs")
         tmp = os.path.join(self._root, f".seg-{sid:016x}.{os.getpid()}.tmp")
-        new = _Segment(sid, path)
+        new = Segment(sid, path)
         parts: list[bytes | memoryview] = []
         for k, p in copies:
             h = record_header(PUT, k, p)
@@ -596,7 +535,7 @@ class DiskTier(Tier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, parts, new.size)
+                write_all(fd, parts, new.size)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -613,10 +552,10 @@ class DiskTier(Tier):
         self._segs[sid] = new
         self._total += new.size
         for k, p in copies:  # the second chance taken: evicted next time unless used again
-            self._index[k] = _Entry(sid, new.live[k], len(p), used=False, tick=ticks[k])
+            self._index[k] = Entry(sid, new.live[k], len(p), used=False, tick=ticks[k])
         return first or self._drop_segment(seg)
 
-    def _drop_segment(self, seg: _Segment) -> bool:
+    def _drop_segment(self, seg: Segment) -> bool:
         """Delete a segment file (its live records evicted); False if it could not be removed."""
         for k in list(seg.live):
             self._evicted()
@@ -625,7 +564,7 @@ class DiskTier(Tier):
             self._seal()
         try:
             os.unlink(seg.path)
-            _fsync_dir(self._root)
+            fsync_path(self._root)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -657,9 +596,6 @@ class DiskTier(Tier):
             self._error(e)
 
 
-_OK, _MISSING, _CORRUPT, _ERROR = range(4)
-
-
 def _flush_loop(ref: weakref.ReferenceType[DiskTier], stop: threading.Event, every: float) -> None:
     """The group commit's time bound: a commit once the oldest waiting record is ``every`` seconds old."""
     while not stop.wait(every / 2):
@@ -668,50 +604,3 @@ def _flush_loop(ref: weakref.ReferenceType[DiskTier], stop: threading.Event, eve
             return
         tier._commit_due()
         del tier
-
-
-def _read_run(keys: list[BlockKey], run: tuple[int, int, list[tuple[int, int, int]]]) -> list[tuple[int, Any]]:
-    """(state, payload view or exception) per record of a run of adjacent records: one pread per record, in
-    order, so the kernel sees a sequential reader and reads ahead (one large pread per run measured 0.3-0.6 of
-    the speed of record-sized reads from cold segments: a synchronous read gets no readahead behind it)."""
-    fd, _, recs = run
-    out: list[tuple[int, Any]] = []
-    for i, off, n in recs:
-        try:
-            buf = os.pread(fd, RECORD_HEADER + n, off)
-        except OSError as e:
-            out.append((_ERROR, e))
-            continue
-        view = memoryview(buf)
-        head, payload = view[:RECORD_HEADER], view[RECORD_HEADER:]
-        out.append((_OK, payload) if _intact(keys[i], head, payload, n) else (_CORRUPT, None))
-    return out
-
-
-def _intact(key: BlockKey, head: bytes | memoryview, payload: bytes | memoryview, n: int) -> bool:
-    if len(head) != RECORD_HEADER or len(payload) != n:
-        return False
-    magic, version, kind, ns, h, length, crc, hcrc = _RECORD.unpack(head)
-    if (magic, version, kind, ns, h, length) != (RECORD_MAGIC, RECORD_VERSION, PUT, key.namespace, key.block_hash, n):
-        return False
-    return crc32(head[:-4]) == hcrc and crc32(payload) == crc
-
-
-def _read(key: BlockKey, where: tuple[int, int, int] | None) -> tuple[int, Any]:
-    """(state, payload or exception) of ``key``'s record at (descriptor, offset, payload length)."""
-    if where is None:
-        return _MISSING, None
-    fd, off, n = where
-    try:
-        head = os.pread(fd, RECORD_HEADER, off)
-        payload = os.pread(fd, n, off + RECORD_HEADER)
-    except OSError as e:
-        return _ERROR, e
-    if len(head) != RECORD_HEADER or len(payload) != n:
-        return _CORRUPT, None
-    magic, version, kind, ns, h, length, crc, hcrc = _RECORD.unpack(head)
-    if (magic, version, kind, ns, h, length) != (RECORD_MAGIC, RECORD_VERSION, PUT, key.namespace, key.block_hash, n):
-        return _CORRUPT, None
-    if crc32(head[:-4]) != hcrc or crc32(payload) != crc:
-        return _CORRUPT, None
-    return _OK, payload

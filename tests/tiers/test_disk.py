@@ -15,7 +15,7 @@ import pytest
 
 import kvhal
 from kvhal.tiers import DiskTier, blob_size, encode_blob
-from kvhal.tiers.disk import RECORD_HEADER, parse_header
+from kvhal.tiers.segments import RECORD_HEADER, parse_header
 
 from .conftest import NS_B, key, keys, payload
 

@@ -67,13 +67,13 @@ def test_tiers_with_faults_are_audited(capsys):
 def test_a_tier_returning_other_bytes_is_caught(monkeypatch, capsys):
     import kvhal.tiers.disk as disk
 
-    real = disk._read_run
+    real = disk.read_run
 
     def flipped(keys, run):
         out = real(keys, run)
-        return [(st, bytes([v[0] ^ 1]) + bytes(v[1:]) if st == disk._OK and len(v) else v) for st, v in out]
+        return [(st, bytes([v[0] ^ 1]) + bytes(v[1:]) if st == disk.OK and len(v) else v) for st, v in out]
 
-    monkeypatch.setattr(disk, "_read_run", flipped)
+    monkeypatch.setattr(disk, "read_run", flipped)
     assert main(["stress", "--steps", "1500", "--seed", "3", "--tiers", "disk", "--json"]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert "disk tier: block" in rep["failure"] and "read back other bytes" in rep["failure"]
