@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from .errors import ShapeError, SpecError
+from .attention import AttentionBatch, AttentionShape
+from .errors import SpecError, UnsupportedError
 from .formats import Format
 from .spec import CacheSpec
+
+__all__ = ["FUSED", "OPS", "AttentionBatch", "AttentionShape", "Backend", "HostPoolsBackend", "Pools", "Probe"]
 
 Op = Literal["store", "load", "attention"]
 OPS: tuple[Op, ...] = ("store", "load", "attention")
@@ -51,66 +53,6 @@ class Probe:
     @property
     def available(self) -> bool:
         return self.score is not None
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionBatch:
-    """One attention call's geometry, what every backend's ``attention``/``attention_lse``/``attention_mass``
-    takes: host int32 ``block_table [n_seqs, max_blocks]`` (padded with -1), ``seq_lens [n_seqs]`` (KV tokens
-    per sequence), ``q_lens [n_seqs]``, and the call's ``scale``, ``causal`` and ``window``. A new attention
-    parameter (soft-capping, sink tokens) is a new field here, not a new argument in every backend.
-
-    Query ``i`` of a sequence of ``n`` tokens sits at ``n - q_len + i`` and sees KV position ``j`` iff
-    ``j <= pos`` (causal) and ``j > pos - window`` (window); ``visible`` computes that once per call."""
-
-    block_table: np.ndarray
-    seq_lens: np.ndarray
-    q_lens: np.ndarray
-    scale: float
-    causal: bool = True
-    window: int | None = None
-
-    @property
-    def n_seqs(self) -> int:
-        return len(self.q_lens)
-
-    @cached_property
-    def visible(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per query row: its sequence index, position and visible KV interval ``[lo, hi)`` (int64), once."""
-        from .backend_util import visible_range
-
-        return visible_range(self.seq_lens, self.q_lens, self.causal, self.window)
-
-    def with_(self, **changes: Any) -> AttentionBatch:
-        """A copy with some fields replaced (the visible range is computed afresh)."""
-        import dataclasses
-
-        return dataclasses.replace(self, **changes)
-
-    def shape(self, n_heads: int) -> AttentionShape:
-        """The static parts of this call with ``n_heads`` query heads: what ``Backend.supports`` sees."""
-        return AttentionShape(n_heads, self.causal, self.window, int(self.q_lens.max()) if self.n_seqs else 0)
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """The static parts of an attention call: query heads (the GQA ratio is ``n_heads // spec.n_kv_heads``),
-    causal, the window, and the longest ``q_len`` (1: decode). ``supports(spec, "attention", shape)`` refuses
-    from these what a backend cannot run; hashable, so an answer can be kept per shape."""
-
-    n_heads: int
-    causal: bool = True
-    window: int | None = None
-    max_q_len: int = 1
-
-    def __post_init__(self) -> None:
-        def count(x: Any, least: int) -> bool:
-            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and bool(x >= least)
-
-        if not (count(self.n_heads, 1) and count(self.max_q_len, 0) and isinstance(self.causal, (bool, np.bool_))):
-            raise ShapeError(f"{self}: n_heads must be an int >= 1, max_q_len an int >= 0 and causal a bool")
-        if self.window is not None and not count(self.window, 1):
-            raise ShapeError(f"{self}: window must be a positive int or None")
 
 
 @dataclass
@@ -245,6 +187,16 @@ class Backend(ABC):
     def check_values(self, fmt: Format, x: Any) -> None:
         """Raise NonFiniteError when ``x`` holds what ``fmt`` cannot store (before anything is written)."""
         fmt.check_values(self.to_numpy(x))
+
+
+def check_shape(backend: Backend, spec: CacheSpec, batch: AttentionBatch, n_heads: int) -> None:
+    """UnsupportedError where ``backend`` declares ``shape_limits`` and refuses this call's shape; a caller
+    of ``attention*`` runs it first. Costs one attribute read on backends without per-call limits."""
+    if backend.shape_limits and (why := backend.supports(spec, "attention", batch.shape(n_heads))) is not None:
+        raise UnsupportedError(
+            f"backend {backend.name!r} refuses this attention call ({why}); change the call or create the cache on "
+            "a backend that runs it (see `kvhal info`)"
+        )
 
 
 class HostPoolsBackend(Backend):

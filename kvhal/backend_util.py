@@ -8,16 +8,14 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import formats
-from .errors import FormatError, PositionError, ShapeError, SpecError, UnsupportedError
+from .attention import AttentionBatch
+from .errors import FormatError, PositionError, ShapeError, SpecError
 from .spec import CacheSpec
-
-if TYPE_CHECKING:  # backend imports this module lazily; a runtime import would be circular
-    from .backend import AttentionBatch, Backend
 
 # -- formats ----------------------------------------------------------------------------------------
 
@@ -49,32 +47,6 @@ def whole_pages(slots: np.ndarray, block_size: int) -> np.ndarray:
 
 
 # -- attention geometry -----------------------------------------------------------------------------
-
-
-def visible_range(
-    seq_lens: np.ndarray, q_lens: np.ndarray, causal: bool, window: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per query row (``sum(q_lens)`` of them): its sequence index, its position, and the KV interval
-    ``[lo, hi)`` it sees. Query ``i`` of a sequence of ``n`` tokens sits at ``n - q_len + i``; it sees
-    ``j <= pos`` when causal and ``j > pos - window`` when a window is given. int64 arrays."""
-    seq_lens = np.asarray(seq_lens, np.int64)
-    q_lens = np.asarray(q_lens, np.int64)
-    seq = np.repeat(np.arange(len(q_lens)), q_lens)
-    starts = np.cumsum(q_lens) - q_lens
-    pos = seq_lens[seq] - q_lens[seq] + (np.arange(int(q_lens.sum())) - starts[seq])
-    hi = pos + 1 if causal else seq_lens[seq].copy()
-    lo = np.maximum(0, pos - window + 1) if window is not None else np.zeros_like(pos)
-    return seq, pos, lo, hi
-
-
-def check_shape(backend: Backend, spec: CacheSpec, batch: AttentionBatch, n_heads: int) -> None:
-    """UnsupportedError where ``backend`` declares ``shape_limits`` and refuses this call's shape; a caller
-    of ``attention*`` runs it first. Costs one attribute read on backends without per-call limits."""
-    if backend.shape_limits and (why := backend.supports(spec, "attention", batch.shape(n_heads))) is not None:
-        raise UnsupportedError(
-            f"backend {backend.name!r} refuses this attention call ({why}); change the call or create the cache on "
-            "a backend that runs it (see `kvhal info`)"
-        )
 
 
 # -- options ----------------------------------------------------------------------------------------

@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import registry, validate
-from .backend import AttentionBatch, Backend
-from .backend_util import check_shape
+from .backend import AttentionBatch, Backend, check_shape
 from .blocks import BlockAllocator
 from .codec import Codec, Pending
 from .errors import CapacityError, NonFiniteError, PositionError, ShapeError, SpecError, UnsupportedError

@@ -431,7 +431,7 @@ def test_backend_options_are_parsed_once_with_typed_errors(monkeypatch):
 
 
 def test_visible_range_matches_the_rule():
-    from kvhal.backend_util import visible_range
+    from kvhal.attention import visible_range
 
     seq_lens, q_lens = np.array([5, 9, 3]), np.array([2, 3, 1])
     for causal, window in ((True, None), (False, None), (True, 2), (False, 4)):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhal import formats
-from kvhal.backend_util import format_id, visible_range
+from kvhal.attention import visible_range
+from kvhal.backend_util import format_id
 from kvhal.errors import ShapeError, UnsupportedError
 from kvhal.spec import CacheSpec
 
@@ -291,7 +292,7 @@ def plan_attention(
     n_kv_heads: int | None = None,
 ) -> AttentionPlan:
     """Route each sequence's queries (one query: the split-KV decode kernel; more: prefill tiles) and give
-    every query row its visible KV interval (``kvhal.backend_util.visible_range``)."""
+    every query row its visible KV interval (``kvhal.attention.visible_range``)."""
     seq_lens = np.asarray(seq_lens, np.int32)
     q_lens = np.asarray(q_lens, np.int32)
     table = pack_block_table(block_table, seq_lens, block_size)

@@ -10,7 +10,8 @@ from kvhal_cuda import CudaBackend, plan, runtime, source
 
 import kvhal
 from kvhal import formats, registry
-from kvhal.backend_util import format_id, format_table, visible_range
+from kvhal.attention import visible_range
+from kvhal.backend_util import format_id, format_table
 from tests.oracle import attention_f64
 
 SRC = runtime.kernel_source()

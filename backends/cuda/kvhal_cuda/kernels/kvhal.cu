@@ -590,7 +590,7 @@ extern "C" __global__ void kvhal_blocks_scatter(const unsigned long long* __rest
 // ---- attention ---------------------------------------------------------------------------------------
 //
 // Query row r sees the KV interval [lo[r], hi[r]) of its sequence, computed on the host by
-// kvhal.backend_util.visible_range and packed into meta (plan.plan_attention). KV is cut into splits of
+// kvhal.attention.visible_range and packed into meta (plan.plan_attention). KV is cut into splits of
 // split_pages pages; with n_splits > 1 every CTA writes its split's normalized output and log-sum-exp to
 // part_o/part_lse and kvhal_attn_merge combines them.
 
