@@ -322,14 +322,7 @@ class KVCache:
         s = self.seq_table.resident(seq, "load_rows")
         layer = validate.layer(layer, self.spec.n_layers)
         self._raw_rows_supported("load_rows")
-        L = s.lens[layer]
-        p0 = validate.position(p0, "p0", allow_none=False)
-        p1 = validate.position(p1, "p1")
-        hi = L if p1 is None or p1 < 0 else p1
-        if not (0 <= p0 <= hi <= L):
-            raise PositionError(
-                f"load_rows range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}"
-            )
+        p0, hi = validate.stored_range(p0, p1, s.lens[layer], f"load_rows of sequence {seq} at layer {layer}")
         return self.seq_table.read_rows(s, layer, p0, hi)
 
     def _raw_rows_supported(self, what: str) -> None:
@@ -347,14 +340,7 @@ class KVCache:
         """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
         s = self.seq_table.resident(seq, "load")
         layer = validate.layer(layer, self.spec.n_layers)
-        L = s.lens[layer]
-        p0 = validate.position(p0, "p0", allow_none=False)
-        p1 = validate.position(p1, "p1")
-        hi = L if p1 is None or p1 < 0 else p1
-        if not (0 <= p0 <= hi <= L):
-            raise PositionError(
-                f"load range [{p0}, {hi}) is outside sequence {seq}, which has {L} tokens at layer {layer}"
-            )
+        p0, hi = validate.stored_range(p0, p1, s.lens[layer], f"load of sequence {seq} at layer {layer}")
         bs = self.spec.block_size
         if not (self.spec.uses_tail or self.spec.transformed):
             first = p0 // bs

@@ -61,6 +61,16 @@ def pos_range(p0: Any, p1: Any) -> tuple[int, int]:
     return lo, hi
 
 
+def stored_range(p0: Any, p1: Any, length: int, what: str) -> tuple[int, int]:
+    """``[p0, p1)`` within ``length`` stored tokens (``p1`` None or < 0: the end)."""
+    p0 = position(p0, "p0", allow_none=False)
+    p1 = position(p1, "p1")
+    hi = length if p1 is None or p1 < 0 else p1
+    if not (0 <= p0 <= hi <= length):
+        raise PositionError(f"{what}: range [{p0}, {hi}) is outside the {length} tokens stored")
+    return p0, hi
+
+
 def seq_ids(seqs: Any) -> list[Any]:
     if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
         raise SequenceError(f"seqs must be a list of sequence ids, got {type(seqs).__name__}")
