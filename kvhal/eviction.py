@@ -15,6 +15,7 @@ over heads and layers before choosing.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,6 +160,38 @@ class EvictOnFull:
 
 
 OnEvict = Callable[[EvictionResult], None]
+
+
+def check_press(press: Any, keep: Any, observe_window: int, uses_tail: bool) -> tuple[Policy | None, float | None]:
+    """A prefill press (a policy run after the prefill) and the fraction ``keep`` of each row it keeps, checked
+    against the cache they will run on (its ``observe_window``, whether it has an f16 tail): both or neither."""
+    if press is None and keep is None:
+        return None, None
+    if press is None or keep is None:
+        raise SpecError(
+            f"press and keep go together (got press={press!r}, keep={keep!r}): e.g. press=SnapKV(window=64), "
+            "keep=0.5 keeps half of each row's prefill"
+        )
+    if not isinstance(press, Policy):
+        raise SpecError(f"press must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {press!r}")
+    if (
+        not isinstance(keep, (int, float, np.integer, np.floating))
+        or isinstance(keep, (bool, np.bool_))
+        or not (math.isfinite(keep) and 0 < keep <= 1)
+    ):
+        raise SpecError(f"keep is the fraction of each row's prefill to keep, a real number in (0, 1]; got {keep!r}")
+    if isinstance(press, SnapKV) and press.window != observe_window:
+        raise SpecError(
+            f"press=SnapKV(window={press.window}) needs the mass of the last {press.window} queries but the cache "
+            f"observes {observe_window}: pass observe_window={press.window} (from_model's default for a SnapKV press)"
+        )
+    if press.needs_scores and uses_tail:
+        raise UnsupportedError(
+            f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
+            "tail (tail > 0 or a per-channel K format) does not support yet; use SinkWindow, or tail=0 and a "
+            "per-token K format"
+        )
+    return press, float(keep)
 
 
 class Evictor:

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
-import re
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -40,46 +37,21 @@ import numpy as np
 from ..backend import Backend
 from ..cache import KVCache
 from ..errors import CacheMismatchError, KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
-from ..eviction import EvictionResult, EvictOnFull, OnEvict, Policy, SnapKV
+from ..eviction import EvictionResult, EvictOnFull, OnEvict, Policy, SnapKV, check_press
 from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
 from ..validate import is_int
+from .versions import need_transformers, require_transformers
 
-TRANSFORMERS_NEEDED = (5, 25)  # the Cache and attention interfaces this module follows (pyproject's extra)
-
-
-class TransformersVersionError(UnsupportedError, ImportError):
-    """transformers (or torch) is missing or older than this integration needs."""
-
-
-def _transformers_version() -> str | None:
-    try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _need_transformers(found: str | None, why: str) -> TransformersVersionError:
-    need = ".".join(map(str, TRANSFORMERS_NEEDED))
-    have = "is not installed" if found is None else f"{found} is installed"
-    return TransformersVersionError(
-        f"kvhal.integrations.transformers needs transformers >= {need}, < 6 and torch; transformers {have} ({why}): "
-        f"pip install 'kvhal[transformers]' (or 'transformers>={need},<6')"
-    )
-
-
-_found = _transformers_version()
-_m = re.match(r"(\d+)\.(\d+)", _found or "")
-if _found is not None and (_m is None or (int(_m[1]), int(_m[2])) < TRANSFORMERS_NEEDED or int(_m[1]) >= 6):
-    raise _need_transformers(_found, "too old" if _m and int(_m[1]) < 6 else "not a supported version")
+_found = require_transformers()
 try:
     import torch
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as e:
-    raise _need_transformers(_found, str(e)) from e
+    raise need_transformers(_found, str(e)) from e
 
 ATTN_IMPLEMENTATION = "kvhal"
 # transformers' own attention functions a KVHalCache also serves, with dense K/V from KVCache.load
@@ -165,7 +137,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         at each update; without it the cache serves ``attn_implementation="kvhal"`` only."""
         if not isinstance(kv, KVCache):
             raise SpecError(f"kv must be a kvhal.KVCache, got {type(kv).__name__}; or use KVHalCache.from_model")
-        press, keep = _check_press(kv, press, keep)
+        press, keep = check_press(press, keep, kv.observe_window, kv.spec.uses_tail)
         n_layers = kv.spec.n_layers
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n_layers:
             raise SpecError(f"windows must list one sliding window (int) or None per layer, {n_layers} in all")
@@ -598,37 +570,6 @@ class KVHalCache(Cache):  # type: ignore[misc]
             results.append(self.kv.evict(s, self.press, int(n * self.keep)))
         self.evictions = results
         self._pressed_cols = self._real.shape[1]
-
-
-def _check_press(kv: KVCache, press: Any, keep: Any) -> tuple[Policy | None, float | None]:
-    """``press``/``keep`` checked against the cache they will run on: both or neither, before anything runs."""
-    if press is None and keep is None:
-        return None, None
-    if press is None or keep is None:
-        raise SpecError(
-            f"press and keep go together (got press={press!r}, keep={keep!r}): e.g. press=SnapKV(window=64), "
-            "keep=0.5 keeps half of each row's prefill"
-        )
-    if not isinstance(press, Policy):
-        raise SpecError(f"press must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {press!r}")
-    if (
-        not isinstance(keep, (int, float, np.integer, np.floating))
-        or isinstance(keep, (bool, np.bool_))
-        or not (math.isfinite(keep) and 0 < keep <= 1)
-    ):
-        raise SpecError(f"keep is the fraction of each row's prefill to keep, a real number in (0, 1]; got {keep!r}")
-    if isinstance(press, SnapKV) and press.window != kv.observe_window:
-        raise SpecError(
-            f"press=SnapKV(window={press.window}) needs the mass of the last {press.window} queries but the cache "
-            f"observes {kv.observe_window}: pass observe_window={press.window} (from_model's default for a SnapKV press)"
-        )
-    if press.needs_scores and kv.spec.uses_tail:
-        raise UnsupportedError(
-            f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
-            "tail (tail > 0 or a per-channel K format) does not support yet; use SinkWindow, or tail=0 and a "
-            "per-token K format"
-        )
-    return press, float(keep)
 
 
 def kvhal_attention(
