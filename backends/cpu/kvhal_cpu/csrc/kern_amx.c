@@ -204,11 +204,7 @@ typedef struct {
 static size_t amx_layout(int D, int rows, uint8_t *base, amx_ws *L) {
     const size_t RP = ((size_t)rows + 31) & ~(size_t)31, d = (size_t)D, T = AMX_T;
     size_t off = 0;
-#define TAKE(field, type, count)                                    \
-    do {                                                            \
-        if (L) L->field = (type *)(void *)(base + off);             \
-        off += ((size_t)(count) * sizeof(type) + 63) & ~(size_t)63; \
-    } while (0)
+#define TAKE(field, type, count) KV_WS_TAKE(L, base, off, field, type, count)
     for (int i = 0; i < 3; i++) TAKE(q[i], uint32_t, d / 2 * RP);
     for (int i = 0; i < 3; i++) TAKE(k[i], uint16_t, T * d);
     TAKE(xf, float, T * d);

@@ -57,11 +57,7 @@ typedef struct {
 static size_t int_layout(const kv_call *c, int R, uint8_t *base, int_ws *L) {
     const size_t nb = (size_t)c->head_dim / KV_QK, r = (size_t)R;
     size_t off = 0;
-#define TAKE(field, type, count)                                                 \
-    do {                                                                         \
-        if (L) L->field = (type *)(void *)(base + off);                          \
-        off += ((size_t)(count) * sizeof(type) + 63) & ~(size_t)63;              \
-    } while (0)
+#define TAKE(field, type, count) KV_WS_TAKE(L, base, off, field, type, count)
     TAKE(qh, int32_t, r * nb * 8);
     TAKE(ql, int32_t, r * nb * 8);
     TAKE(qoff, int32_t, r * nb);

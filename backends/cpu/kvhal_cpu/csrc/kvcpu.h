@@ -197,4 +197,12 @@ KV_INLINE float kv_item_row_end(const kv_call *c, const kv_item *it, int r, cons
     return kv_row_done(c, qrow, head, m[r], l[r]);
 }
 
+/* Carving a kernel's workspace: point L->field at base + off (when L is given: a first call with L NULL
+   only sizes it) and advance off past count items of type, 64-byte aligned. */
+#define KV_WS_TAKE(L, base, off, field, type, count)                 \
+    do {                                                             \
+        if (L) (L)->field = (type *)(void *)((base) + (off));        \
+        (off) += ((size_t)(count) * sizeof(type) + 63) & ~(size_t)63; \
+    } while (0)
+
 #endif
