@@ -53,11 +53,11 @@ from .segments import (
     TOMBSTONE,
     Entry,
     Segment,
+    open_segment,
     parse_header,
     read_record,
     read_run,
-    record_header,
-    write_all,
+    write_records,
 )
 
 _SEG = re.compile(r"seg-([0-9a-f]{16})\.kvs")
@@ -192,7 +192,7 @@ class DiskTier(Tier):
     def _scan_segment(self, sid: int, last: bool) -> None:
         path = os.path.join(self._root, f"seg-{sid:016x}.kvs")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_segment(path, os.O_RDWR)
         except OSError as e:
             self._error(e)
             return
@@ -332,7 +332,7 @@ class DiskTier(Tier):
                     room -= n
             fit.reverse()
             if fit:
-                self._append([(k, record_header(PUT, k, batch[k]), batch[k]) for k in fit], count_puts=True)
+                self._append(PUT, [(k, batch[k]) for k in fit])
             return [k in self._index for k in keys]
 
     def _delete(self, keys: list[BlockKey]) -> int:
@@ -341,7 +341,7 @@ class DiskTier(Tier):
             for k in gone:
                 self._unindex(k)
             if gone:  # tombstones, so a restart does not bring them back
-                self._append([(k, record_header(TOMBSTONE, k, b""), b"") for k in gone], count_puts=False)
+                self._append(TOMBSTONE, [(k, b"") for k in gone])
             return len(gone)
 
     def _usage(self) -> tuple[int | None, int | None]:
@@ -369,12 +369,12 @@ class DiskTier(Tier):
 
     # -- appending and durability ----------------------------------------------------------------------------
 
-    def _append(self, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool) -> None:
-        """Append records (budget made first), index them; an I/O error leaves them out (counted)."""
-        need = sum(len(h) + len(p) for _, h, p in records)
+    def _append(self, kind: int, records: list[tuple[BlockKey, bytes | memoryview]]) -> None:
+        """Append records of ``kind`` (budget made first); puts are indexed; an I/O error leaves them out (counted)."""
+        need = sum(RECORD_HEADER + len(p) for _, p in records)
         self._reclaim(need)
         if self._total + need > self.max_bytes:  # the reclaim failed (I/O errors): nothing is written
-            for k, _, _ in records:
+            for k, _ in records:
                 self._unindex(k)
             return
         while records:  # as many records as fit the open segment (at least one), then the next segment
@@ -384,27 +384,21 @@ class DiskTier(Tier):
                 if seg is None:
                     break
             n, size = 0, seg.size
-            while n < len(records) and (
-                n == 0 or size + len(records[n][1]) + len(records[n][2]) <= self._segment_bytes
-            ):
-                size += len(records[n][1]) + len(records[n][2])
+            while n < len(records) and (n == 0 or size + RECORD_HEADER + len(records[n][1]) <= self._segment_bytes):
+                size += RECORD_HEADER + len(records[n][1])
                 n += 1
-            if not self._append_to(seg, records[:n], count_puts):
+            if not self._append_to(seg, kind, records[:n]):
                 break
             records = records[n:]
-        for k, _, _ in records:  # not written (an I/O error, counted)
+        for k, _ in records:  # not written (an I/O error, counted)
             self._unindex(k)
         if self.durable is None and self._unsynced >= self._commit_bytes:
             self._flush()
 
-    def _append_to(
-        self, seg: Segment, records: list[tuple[BlockKey, bytes, bytes | memoryview]], count_puts: bool
-    ) -> bool:
-        parts: list[bytes | memoryview] = [x for _, h, p in records for x in (h, p)]
+    def _append_to(self, seg: Segment, kind: int, records: list[tuple[BlockKey, bytes | memoryview]]) -> bool:
         start = seg.size
-        size = sum(map(len, parts))
         try:
-            write_all(self._wfd, parts, size)
+            write_records(self._wfd, kind, records)
         except OSError as e:
             self._error(e)
             try:  # cut whatever part of the batch landed: the segment ends where it ended before
@@ -413,14 +407,14 @@ class DiskTier(Tier):
                 self._seal()
             return False
         off, index, live, tick = start, self._index, seg.live, self._tick
-        for k, _, p in records:  # keys not indexed (put) or no longer (delete)
-            if count_puts:  # block records (a delete's tombstones index nothing)
+        for k, p in records:  # keys not indexed (put) or no longer (delete)
+            if kind == PUT:  # block records (a delete's tombstones index nothing)
                 tick += 1
                 index[k] = Entry(seg.id, off, len(p), False, tick)
                 live[k] = off
             off += RECORD_HEADER + len(p)
         self._tick = tick
-        if count_puts:
+        if kind == PUT:
             self._stats.puts += len(records)
         seg.size = off
         self._total += off - start
@@ -435,7 +429,7 @@ class DiskTier(Tier):
         path = os.path.join(self._root, f"seg-{sid:016x}.kvs")
         try:
             wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            rfd = os.open(path, os.O_RDONLY)
+            rfd = open_segment(path)
         except OSError as e:
             self._error(e)
             return None
@@ -526,21 +520,18 @@ class DiskTier(Tier):
         path = os.path.join(self._root, f"seg-{sid:016x}.kvs")
         tmp = os.path.join(self._root, f".seg-{sid:016x}.{os.getpid()}.tmp")
         new = Segment(sid, path)
-        parts: list[bytes | memoryview] = []
         for k, p in copies:
-            h = record_header(PUT, k, p)
             new.live[k] = new.size
-            new.size += len(h) + len(p)
-            parts += [h, p]
+            new.size += RECORD_HEADER + len(p)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                write_all(fd, parts, new.size)
+                write_records(fd, PUT, copies)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, path)
-            new.fd = os.open(path, os.O_RDONLY)
+            new.fd = open_segment(path)
         except OSError as e:
             self._error(e)
             try:
