@@ -136,6 +136,7 @@ class DiskTier(Tier):
         self._tick = 0
         self._mu = threading.RLock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the first record a commit waits for, or close: the flusher's alarm
         self._flusher: threading.Thread | None = None
         try:
             self._recover()
@@ -148,7 +149,7 @@ class DiskTier(Tier):
         if durable is None:  # the thread holds the tier weakly: a tier dropped without close() is still collected
             self._flusher = threading.Thread(
                 target=_flush_loop,
-                args=(weakref.ref(self), self._stop, self._commit_s),
+                args=(weakref.ref(self), self._stop, self._wake, self._commit_s),
                 name="kvhal-disk-commit",
                 daemon=True,
             )
@@ -160,6 +161,7 @@ class DiskTier(Tier):
             if not self._closed:
                 self._closed = True
                 self._stop.set()
+                self._wake.set()
                 with self._mu:
                     self._flush()
                     self._close_fds()
@@ -349,6 +351,7 @@ class DiskTier(Tier):
 
     def _close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._flusher is not None:
             self._flusher.join()
         with self._mu:
@@ -420,6 +423,7 @@ class DiskTier(Tier):
         self._total += off - start
         if not self._unsynced:
             self._unsynced_since = time.monotonic()
+            self._wake.set()
         self._unsynced += off - start
         return True
 
@@ -466,10 +470,16 @@ class DiskTier(Tier):
             return
         self._unsynced = 0
 
-    def _commit_due(self) -> None:
+    def _commit_due(self) -> float | None:
+        """Commit if the oldest waiting record is ``commit_s`` old; else the seconds until it is (None: none waits)."""
         with self._mu:
-            if self._unsynced and not self._closed and time.monotonic() - self._unsynced_since >= self._commit_s:
-                self._flush()
+            if not self._unsynced or self._closed:
+                return None
+            left = self._unsynced_since + self._commit_s - time.monotonic()
+            if left > 0:
+                return left
+            self._flush()
+            return None
 
     # -- space -------------------------------------------------------------------------------------------------
 
@@ -587,11 +597,20 @@ class DiskTier(Tier):
             self._error(e)
 
 
-def _flush_loop(ref: weakref.ReferenceType[DiskTier], stop: threading.Event, every: float) -> None:
-    """The group commit's time bound: a commit once the oldest waiting record is ``every`` seconds old."""
-    while not stop.wait(every / 2):
-        tier = ref()
-        if tier is None:
-            return
-        tier._commit_due()
-        del tier
+def _flush_loop(
+    ref: weakref.ReferenceType[DiskTier], stop: threading.Event, wake: threading.Event, every: float
+) -> None:
+    """The group commit's time bound: a commit once the oldest waiting record is ``every`` seconds old. Asleep
+    while no record waits, so reads are never interrupted (a 10 ms poll measured -18% on a 64 KiB get)."""
+    while True:
+        wake.wait()
+        wake.clear()
+        left: float | None = every
+        while left is not None:
+            if stop.wait(left):
+                return
+            tier = ref()
+            if tier is None:
+                return
+            left = tier._commit_due()
+            del tier
