@@ -31,7 +31,7 @@ from .errors import CapacityError, NonFiniteError, PositionError, ShapeError, Sp
 from .eviction import EvictionResult, EvictOnFull, Evictor, OnEvict, Policy
 from .fingerprint import Fingerprint, extra_digest
 from .prefix import PrefixIndex
-from .seqs import SeqTable
+from .seqs import Seq, SeqTable
 from .spec import CacheSpec
 from .stats import CacheStats, collect
 from .streaming import Streamer
@@ -336,18 +336,64 @@ class KVCache:
         if self.codec.commit(pending):
             self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
-    def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
-        """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
+    def load(
+        self, seq: int, layer: int, p0: int = 0, p1: int | None = None, *, out: Any = None, dtype: str | None = None
+    ) -> tuple[Any, Any]:
+        """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end): f32 on the backend's device.
+
+        ``out=(k, v)``: write them into these host buffers instead (numpy arrays, ``ml_dtypes.bfloat16`` arrays or
+        CPU torch tensors; C-contiguous, ``[p1 - p0, n_kv_heads, head_dim]``, float32, float16 or bfloat16) and
+        return them: a buffer reused across calls costs no allocation or page faults. ``dtype`` ("float32",
+        "float16", "bfloat16"): the output dtype (that of ``out`` when both are given); without ``out`` it returns
+        new host arrays, bfloat16 as ``ml_dtypes.bfloat16`` (install ml_dtypes, or pass torch tensors as ``out``).
+        Narrowing rounds to nearest even; values past float16's range become inf, as in ``astype``. A call that
+        raises writes nothing."""
         s = self.seq_table.resident(seq, "load")
         layer = validate.layer(layer, self.spec.n_layers)
         p0, hi = validate.stored_range(p0, p1, s.lens[layer], f"load of sequence {seq} at layer {layer}")
+        dtype = validate.load_dtype(dtype)
+        shape = (hi - p0, self.spec.n_kv_heads, self.spec.head_dim)
+        if out is None and dtype not in (None, "float32"):
+            out = self._new_out(shape, dtype)
+        dst = None if out is None else validate.load_out(out, dtype, shape)
         bs = self.spec.block_size
         if not (self.spec.uses_tail or self.spec.transformed):
             first = p0 // bs
             blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
-            k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
             skip = p0 - first * bs
+            if dst is not None:
+                self.backend.load_into(self.pools, layer, blocks, hi - first * bs, skip, dst)
+                return dst.result
+            k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
             return k[skip:], v[skip:]
+        k, v = self._load_f32(s, layer, p0, hi)
+        if dst is not None:
+            from .interop import cast_into
+
+            cast_into(dst.k, dst.dtype, k)
+            cast_into(dst.v, dst.dtype, v)
+            return dst.result
+        return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
+
+    @staticmethod
+    def _new_out(shape: tuple[int, int, int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        if dtype == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                raise UnsupportedError(
+                    'load(dtype="bfloat16") returns ml_dtypes.bfloat16 arrays (numpy has no bfloat16): pip install '
+                    "ml_dtypes, or pass out=(k, v) as torch.bfloat16 CPU tensors"
+                ) from None
+            np_dtype: Any = ml_dtypes.bfloat16
+        else:
+            np_dtype = np.dtype(dtype)
+        return np.empty(shape, np_dtype), np.empty(shape, np_dtype)
+
+    def _load_f32(self, s: Seq, layer: int, p0: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host f32 K, V of ``[p0, hi)`` of a cache with an f16 tail or transformed K/V: pages, sink and tail rows,
+        back through the codec's transforms."""
+        bs = self.spec.block_size
         paged = s.pages()[layer]
         ks: list[np.ndarray] = []
         vs: list[np.ndarray] = []
@@ -376,7 +422,7 @@ class KVCache:
             k, v = np.concatenate([empty, *ks]), np.concatenate([empty, *vs])
         if self.spec.transformed and len(k):
             k, v = self.codec.backward("k", layer, k), self.codec.backward("v", layer, v)
-        return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
+        return k, v
 
     def attention(
         self,
