@@ -70,7 +70,7 @@ def test_store_launch_of_k_pages_is_a_cta_per_page_and_head_a_thread_per_code_by
 def test_every_launched_kernel_is_in_the_source():
     launched = set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "__init__.py").read_text()))
     launched |= set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "plan.py").read_text()))
-    assert len(source.kernel_names()) == 11 and launched == set(source.kernel_names())
+    assert len(source.kernel_names()) == 12 and launched == set(source.kernel_names())
 
 
 @pytest.mark.parametrize("fmt", formats.names())

@@ -529,6 +529,20 @@ extern "C" __global__ void kvhal_load(const u8* __restrict__ pool, const int* __
   out[i] = k_value(fmt, pool, block_ids, (int)(th / H), h, H, bs, row_bytes, D, e);  // V pools too (no KV_KPAGED)
 }
 
+// out [n, H, D] bf16 bits: kvhal_load rounded to nearest even (NaN stays a quiet NaN of its sign), what the
+// torch SDPA prefill route (sdpa.py) hands FlashAttention: the dequantization pass that route pays, half the
+// bytes of f32
+extern "C" __global__ void kvhal_load_bf16(const u8* __restrict__ pool, const int* __restrict__ block_ids,
+                                           u16* __restrict__ out, int n, int H, int D, int bs, int row_bytes, int fmt) {
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (i64)n * H * D) return;
+  const int e = (int)(i % D);
+  const i64 th = i / D;
+  const int h = (int)(th % H);
+  const unsigned int u = kv_f32_as_u32(k_value(fmt, pool, block_ids, (int)(th / H), h, H, bs, row_bytes, D, e));
+  out[i] = (u & 0x7fffffffu) > 0x7f800000u ? (u16)((u >> 16) | 0x40u) : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // copy_slots in two launches, so overlapping src/dst (a sequence shifting down) read before any write
 extern "C" __global__ void kvhal_copy_gather(const u8* __restrict__ pool, const i64* __restrict__ slots,
                                              u8* __restrict__ tmp, int n, int H, int bs, int row_bytes) {

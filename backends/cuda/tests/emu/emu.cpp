@@ -207,7 +207,7 @@ const std::map<std::string, Thunk>& table() {
       {"kvhal_copy_scatter", make(kvhal_copy_scatter)}, {"kvhal_attn_decode", make(kvhal_attn_decode)},
       {"kvhal_attn_prefill", make(kvhal_attn_prefill)}, {"kvhal_attn_merge", make(kvhal_attn_merge)},
       {"kvhal_blocks_gather", make(kvhal_blocks_gather)}, {"kvhal_blocks_scatter", make(kvhal_blocks_scatter)},
-      {"kvhal_store_kpage", make(kvhal_store_kpage)},
+      {"kvhal_store_kpage", make(kvhal_store_kpage)},   {"kvhal_load_bf16", make(kvhal_load_bf16)},
   };
   return t;
 }
