@@ -164,6 +164,9 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
   unsigned int x, y;
 };
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
 // built with -ffp-contract=off: plain IEEE single-precision operations
 static inline float kv_fmul_rn(float a, float b) { return a * b; }
 static inline float kv_fadd_rn(float a, float b) { return a + b; }
