@@ -116,19 +116,30 @@ def host_out_view(x: Any, what: str) -> tuple[np.ndarray, str]:
     return view, name
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 ``x`` rounded to bfloat16 (nearest even; NaN stays a quiet NaN of its sign), as uint16 bits."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    if nan.any():
-        r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
-    return r
+def bf16_bits(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``x`` rounded to bfloat16 (nearest even; NaN stays a quiet NaN of its sign), as uint16 bits (into
+    ``out``, a uint16 array of x's size, when given). In chunks that stay in the caches: no full-size temporaries."""
+    u = np.ascontiguousarray(x, np.float32).reshape(-1).view(np.uint32)
+    res = np.empty(u.size, np.uint16) if out is None else out.reshape(-1)
+    chunk = 1 << 16
+    r = np.empty(min(chunk, u.size), np.uint32)
+    for i in range(0, u.size, chunk):
+        src, t = u[i : i + chunk], r[: min(chunk, u.size - i)]
+        np.right_shift(src, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        t += 0x7FFF
+        t += src
+        t >>= 16
+        nan = (src & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        if nan.any():
+            t[nan] = (src[nan] >> 16) | 0x40
+        res[i : i + len(t)] = t
+    return res.reshape(np.shape(x))
 
 
 def cast_into(dst: np.ndarray, dtype: str, src: np.ndarray) -> None:
     """Write f32 ``src`` into a view ``host_out_view`` returned (``dtype`` its name), rounding to nearest even."""
     if dtype == "bfloat16":
-        dst[...] = bf16_bits(src)
+        bf16_bits(src, dst)
     else:
         np.copyto(dst, src, casting="unsafe")

@@ -514,3 +514,25 @@ def test_load_bfloat16_without_ml_dtypes_says_what_to_install(monkeypatch):
     c.store(s, 0, rows(4), rows(4))
     with pytest.raises(kvhal.UnsupportedError, match="pip install ml_dtypes"):
         c.load(s, 0, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("extra", [{"tail": 8}, {"sinks": 4, "tail": 8}, {"k_rotation": "hadamard", "v_scale": 0.5}])
+def test_load_out_of_tail_sink_and_transformed_caches_is_the_f32_load_cast(backend, extra):
+    """Pages into out through the backend, the f16 sink and tail rows over and after them, transformed K/V through
+    the codec first: the same bits as the f32 load cast by numpy / ml_dtypes, for ranges across each piece."""
+    if backend not in {i.name for i in kvhal.backends() if i.available}:
+        pytest.skip(f"backend {backend} is not available here")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=32, k_format="q4_1", v_format="q8_0", block_size=8,
+                           **extra)  # fmt: skip
+    c = kvhal.KVCache(spec, 128, backend=backend)
+    s = c.new_seq()
+    c.store(s, 0, rows(45), rows(45, seed=1))
+    for p0, p1 in ((0, None), (3, 30), (41, 45), (2, 6)):
+        want = [np.asarray(kvhal.to_numpy(x)) for x in c.load(s, 0, p0, p1)]
+        for dtype, np_dtype in (("float32", np.float32), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
+            out = (np.full(want[0].shape, 3, np_dtype), np.full(want[0].shape, 3, np_dtype))
+            c.load(s, 0, p0, p1, out=out, dtype=dtype)
+            for o, w in zip(out, want):
+                np.testing.assert_array_equal(o.view(np.uint8), w.astype(np_dtype).view(np.uint8))

@@ -192,6 +192,13 @@ class CudaBackend(Backend):
             return self._attention_sdpa(q, pools, layer, batch)
         return self._attention_kernel(q, pools, layer, batch, want_lse)
 
+    def attention_path(self, spec: CacheSpec, n_heads: int, q_len: int) -> str:
+        """What an attention call of ``q_len`` queries per sequence runs (``kvhal bench``'s path column): the decode
+        kernel, torch SDPA over bf16 pages, or kvhal.cu's prefill kernel."""
+        if q_len <= 1:
+            return "kvhal-decode"
+        return "sdpa-bf16" if self.prefill == "sdpa" else "kvhal-prefill"
+
     def _attention_sdpa(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
         """Sequences of one query through the decode kernel (one launch for all of them), each longer one through
         ``sdpa.attend`` over its visible pages dequantized to bf16 (``kvhal_load_bf16``)."""

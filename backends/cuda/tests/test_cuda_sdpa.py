@@ -72,6 +72,7 @@ def test_sdpa_route_matches_float64_on_the_emulator(fmt):
         names = [name for name, *_ in launches]
         assert names.count("kvhal_load_bf16") == 4 and "kvhal_attn_prefill" not in names
         assert "kvhal_attn_decode" in names  # the one-query sequence
+    assert [got.backend.attention_path(got.spec, 8, n) for n in (1, 512)] == ["kvhal-decode", "sdpa-bf16"]
 
 
 def test_prefill_without_torch_is_refused_with_the_extra_to_install(monkeypatch):

@@ -241,8 +241,9 @@ static void load_to_task(void *p, int64_t task, int worker) {
     const int nt = a->n - t0 < bs ? (int)(a->n - t0) : bs;
     const int u0 = c->skip > t0 ? (int)(c->skip - t0) : 0; /* first token of this page that is written */
     const size_t esize = c->dtype ? 2 : 4, tok_bytes = (size_t)HD * esize;
-    float *f32 = c->scratch + (size_t)worker * c->scratch_floats; /* one f32 row [D] */
-    uint8_t *stage = (uint8_t *)(void *)(f32 + (((size_t)D + 15) & ~(size_t)15)); /* [H][D] of the output dtype */
+    /* f32 rows: [D], or a head's page [bs][D] of per-channel K; then the stage [H][D] of the output dtype */
+    float *f32 = c->scratch + (size_t)worker * c->scratch_floats;
+    uint8_t *stage = (uint8_t *)(void *)(f32 + (((size_t)(a->kpaged ? bs : 1) * D + 15) & ~(size_t)15));
     for (int w = 0; w < 2; w++) {
         const int fmt = w ? a->vfmt : a->kfmt;
         const int64_t row = w ? a->vrow : a->krow;
@@ -258,14 +259,26 @@ static void load_to_task(void *p, int64_t task, int worker) {
             }
             continue;
         }
+        if (paged) { /* a head's rows come from its whole page: dequantized at once, then narrowed row by row */
+            const size_t row_out = (size_t)D * esize;
+            for (int h = 0; h < H; h++) {
+                c->isa->kpage_rows(fmt, page + (int64_t)h * bs * row, bs, D, u0, nt - u0, f32, D);
+                for (int t = 0; t < nt - u0; t++) {
+                    const float *src = f32 + (size_t)t * D;
+                    if (c->dtype) kv_cvt_row(isa, c->dtype, src, (uint16_t *)(void *)stage, D);
+                    kv_out_copy(isa, out + (size_t)t * tok_bytes + h * row_out, c->dtype ? (const void *)stage : src,
+                                row_out, c->stream);
+                }
+            }
+            continue;
+        }
         for (int t = u0; t < nt; t++) {
             for (int h = 0; h < H; h++) {
                 uint8_t *o = stage + (size_t)h * D * esize;
                 const uint8_t *src = page + ((int64_t)h * bs + t) * row;
-                if (!paged && kv_load_row(isa, fmt, src, o, c->dtype, D)) continue;
+                if (kv_load_row(isa, fmt, src, o, c->dtype, D)) continue;
                 float *dst = c->dtype ? f32 : (float *)(void *)o;
-                if (paged) c->isa->kpage_rows(fmt, page + (int64_t)h * bs * row, bs, D, t, 1, dst, D);
-                else c->isa->dequantize(fmt, src, dst, D);
+                c->isa->dequantize(fmt, src, dst, D);
                 if (c->dtype) kv_cvt_row(isa, c->dtype, dst, (uint16_t *)(void *)o, D);
             }
             kv_out_copy(isa, out + (size_t)(t - u0) * tok_bytes, stage, tok_bytes, c->stream);
@@ -283,8 +296,10 @@ KV_EXPORT int kvc_load_to(const kv_args *a, int64_t skip, int32_t dtype) {
     const int workers = a->threads > 1 ? a->threads : 1;
     const int64_t HD = (int64_t)a->n_kv_heads * a->head_dim;
     const int stream = 2 * (a->n - skip) * HD * (dtype ? 2 : 4) >= KV_STREAM_OUT_BYTES;
-    /* per worker: an f32 row and an [H][D] stage, each a 64-byte multiple so every worker's stays aligned */
-    const size_t per = (((size_t)a->head_dim + 15) & ~(size_t)15) + (((size_t)HD + 15) & ~(size_t)15);
+    /* per worker: f32 rows (one, or a page of per-channel K) and an [H][D] stage, each a 64-byte multiple so every
+     * worker's stays aligned */
+    const size_t rows = (size_t)(a->kpaged ? a->block_size : 1) * (size_t)a->head_dim;
+    const size_t per = ((rows + 15) & ~(size_t)15) + (((size_t)HD + 15) & ~(size_t)15);
     float *scratch = NULL;
     if ((dtype || stream) && !(scratch = (float *)aligned_alloc(64, (size_t)workers * per * sizeof(float))))
         return KV_ENOMEM;
