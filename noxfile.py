@@ -261,7 +261,8 @@ def compile_rocm(session: nox.Session) -> None:
 @nox.session(name="test-cuda-host", tags=["cpu"])
 def test_cuda_host(session: nox.Session) -> None:
     """The cuda backend without a GPU: host logic, probe, and kvhal.cu (emulated) against the contract."""
-    session.install("-e", ".[test]", "-e", CUDA_DIR, "-e", f"{CUDA_DIR}/tests")  # the last: backend cuda-emu
+    # the last: backend cuda-emu; torch (CPU): the SDPA prefill route's tests (test_cuda_sdpa.py)
+    session.install("-e", ".[test]", TORCH, "-e", CUDA_DIR, "-e", f"{CUDA_DIR}/tests")
     env = {"KVHAL_STRICT": "1"}
     session.run("pytest", f"{CUDA_DIR}/tests", *pytest_args(session), env=env)
     session.run("pytest", "tests/contract", *pytest_args(session), env={**env, "KVHAL_TEST_BACKENDS": "cuda-emu"})

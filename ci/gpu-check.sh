@@ -8,9 +8,16 @@
 #   3. runs what `nox -s test-cuda13 -- --strict` (or test-cuda12) runs, in that venv: the contract suite and
 #      backends/cuda/tests on the GPU, KVHAL_STRICT=1;
 #   4. runs `kvhal bench --backend cuda`: decode 4k..128k, prefill 512 queries over 4k and 16k, load, every
-#      format (one process each, so a format that fails leaves the others' figures), as fractions of the HBM
-#      read bandwidth measured in the same run, with torch SDPA ratios where torch has CUDA;
-#   5. prints one summary block (also written to $OUT/summary.txt).
+#      format (one process each, so a format that fails leaves the others' figures; the target formats q8_0,
+#      fp8_e4m3 and q4_0 first), as fractions of the HBM read bandwidth measured in the same run, with torch SDPA
+#      ratios where torch has CUDA;
+#   5. prints one summary block (also written to $OUT/summary.txt), with the performance targets: prefill at 16k
+#      against torch SDPA bf16 on the same K/V, decode at 32k as a fraction of the HBM read bandwidth, for
+#      q8_0, fp8_e4m3 and q4_0.
+#
+# Prefill runs through torch SDPA (the cuda backend's default prefill="sdpa", kvhal-cuda[torch]): install adds
+# torch with CUDA; where torch cannot be installed or sees no GPU, tests and bench run prefill="kernel" (kvhal.cu's
+# own prefill kernel) and the summary says so.
 #
 #   bash ci/gpu-check.sh                 # outputs under $OUT, default .gpu-check/out
 #
@@ -90,7 +97,8 @@ install() {
     # kvhal and the backend only, built from this tree; what they need comes from the image
     rm -rf "$site"
     python3 -m pip install -q --disable-pip-version-check --no-deps --target "$site" . backends/cuda || return 1
-    python3 -c 'import numpy, pytest, cupy, kvhal_cuda; print("system python3: cupy", cupy.__version__)'
+    python3 -c 'import numpy, pytest, cupy, kvhal_cuda; print("system python3: cupy", cupy.__version__)' &&
+      prefill_route python3
     return
   fi
   if [ ! -x "$py" ]; then
@@ -106,12 +114,29 @@ install() {
   # the CUDA runtime and NVRTC come as wheels for the driver's CUDA major (no toolkit on the machine)
   "${pip[@]}" -e ".[test,bench]" -e "backends/cuda[cuda$cuda]" "$toolkit" || return 1
   local smoke='import cupy as cp; x = cp.arange(1 << 20, dtype=cp.float32); assert float((x * 2).sum()) > 0'
-  "$py" -c "$smoke" && return 0
-  echo "cupy with the runtime and NVRTC wheels alone failed; installing cupy-cuda${cuda}x[ctk] (every CUDA wheel)"
-  "${pip[@]}" "cupy-cuda${cuda}x[ctk]" "$toolkit" && "$py" -c "$smoke"
+  if ! "$py" -c "$smoke"; then
+    echo "cupy with the runtime and NVRTC wheels alone failed; installing cupy-cuda${cuda}x[ctk] (every CUDA wheel)"
+    "${pip[@]}" "cupy-cuda${cuda}x[ctk]" "$toolkit" && "$py" -c "$smoke" || return 1
+  fi
+  # the SDPA prefill route's torch (PyPI's Linux torch is a CUDA build); without it prefill="kernel" runs
+  "${pip[@]}" -e "backends/cuda[torch]" || echo "torch could not be installed"
+  prefill_route "$py"
 }
 
+# $OUT/prefill-route: sdpa where PYTHON has torch with a CUDA device, else kernel (KVHAL_CUDA_PREFILL for the rest)
+prefill_route() {
+  if "$1" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    echo sdpa >"$OUT/prefill-route"
+  else
+    echo "no torch with CUDA: prefill runs kvhal.cu's own kernel (prefill=kernel)"
+    echo kernel >"$OUT/prefill-route"
+  fi
+}
+
+route() { cat "$OUT/prefill-route" 2>/dev/null || echo kernel; }
+
 tests() {
+  export KVHAL_CUDA_PREFILL=$(route)
   # the test-cuda$cuda session's command (noxfile.py), in this venv
   # (test_cuda_emulated runs kvhal.cu on the CPU emulator: test-cuda-host's job, not the GPU's)
   KVHAL_TEST_BACKENDS=cuda KVHAL_STRICT=1 "$py" -m pytest -q -p no:cacheprovider tests/contract backends/cuda/tests \
@@ -122,11 +147,14 @@ bench() {
   # one process per format: a kernel that faults the CUDA context costs that format's figures only.
   # SDPA (where torch has CUDA) runs in the first process; the summary's merge gives every row its ratios.
   local parts=$root/.gpu-check/bench rc=0 sdpa=() fmt
+  export KVHAL_CUDA_PREFILL=$(route)
   rm -rf "$parts" && mkdir -p "$parts"
   "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null || sdpa=(--no-sdpa)
   for fmt in $("$py" -c 'import kvhal, kvhal.tools.bench as b
 cuda = {i.name: i for i in kvhal.backends()}["cuda"]
-print(" ".join(b.job_format("cuda", f) for f in kvhal.formats.names() if f in cuda.formats))'); do
+first = ["q8_0", "fp8_e4m3", "q4_0"]  # the targets, before the budget runs out
+names = first + [f for f in kvhal.formats.names() if f not in first]
+print(" ".join(b.job_format("cuda", f) for f in names if f in cuda.formats))'); do
     echo "== $fmt"
     "$py" -m kvhal bench --backend cuda --format "$fmt" --contexts "$contexts" \
       --prefill-contexts 4096,16384 --repeats 5 "${sdpa[@]}" --json -o "$parts/${fmt//\//_}.json" >/dev/null || rc=1
@@ -135,13 +163,15 @@ print(" ".join(b.job_format("cuda", f) for f in kvhal.formats.names() if f in cu
   python3 "$root/ci/gpu_check_summary.py" --merge "$parts" -o "$OUT/bench-cuda.json" && return $rc
 }
 
-export -f install tests bench
+export -f install prefill_route route tests bench
+rm -f "$OUT/prefill-route"
 step install && {
   step tests
   step bench
 }
 
-summary_args=(--gpu "$gpu" --driver-cuda "$driver_cuda" --cuda "$cuda" --python "$python" --out "$OUT" --budget "$budget")
+summary_args=(--gpu "$gpu" --driver-cuda "$driver_cuda" --cuda "$cuda" --python "$python" --out "$OUT" --budget "$budget"
+  --prefill-route "$(cat "$OUT/prefill-route" 2>/dev/null || echo unknown)")
 for s in install tests bench; do
   summary_args+=(--step "$s=${status[$s]:-not run}=${seconds[$s]:-0}")
 done

@@ -15,6 +15,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 TARGET = 0.8  # decode at 32k+ should read the cache at this fraction of the measured HBM bandwidth
+# the performance targets the summary checks: prefill (512 queries) at PREFILL_CTX against torch SDPA bf16 on the
+# same K/V, decode at DECODE_CTX against the HBM read bandwidth, for these formats
+TARGET_FORMATS = ("q8_0", "fp8_e4m3", "q4_0")
+PREFILL_CTX, PREFILL_TARGET = 16384, 0.7
+DECODE_CTX = 32768
 
 
 def _ctx(n: int) -> str:
@@ -115,6 +120,26 @@ def merge(parts: Path, out: Path) -> int:
     return 0
 
 
+def targets(path: Path, route: str) -> list[str]:
+    """One line per target format: prefill at PREFILL_CTX as a multiple of torch SDPA bf16, decode at DECODE_CTX as a
+    fraction of the HBM read bandwidth, each marked ok / below, or "-" where it was not measured."""
+    rows = json.loads(path.read_text())["rows"] if path.is_file() else []
+    by = {(r["format"], r["op"], r["context"]): r for r in rows if not r["backend"].startswith("torch-sdpa")}
+
+    def cell(x: float | None, target: float, unit: str) -> str:
+        return f"{'-':>6}{'':<9}" if x is None else f"{x:>6.2f}{unit} {'ok' if x >= target else 'below':<6}"
+
+    lines = [
+        f"targets (prefill route: {route}): prefill {_ctx(PREFILL_CTX)} >= {PREFILL_TARGET}x torch SDPA bf16, "
+        f"decode {_ctx(DECODE_CTX)} >= {TARGET} of HBM read"
+    ]
+    for f in TARGET_FORMATS:
+        pre = by.get((f, "prefill", PREFILL_CTX), {}).get("speedup_vs_sdpa_bf16")
+        dec = by.get((f, "decode", DECODE_CTX), {}).get("frac_bw")
+        lines.append(f"  {f:<10}prefill {cell(pre, PREFILL_TARGET, 'x')}  decode {cell(dec, TARGET, ' ')}")
+    return lines
+
+
 def tail(log: Path, n: int = 3) -> list[str]:
     if not log.is_file():
         return []
@@ -132,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver-cuda", default="")
     ap.add_argument("--cuda", default="")
     ap.add_argument("--budget", type=int, default=0)
+    ap.add_argument("--prefill-route", default="unknown", help="sdpa or kernel: what the cuda backend's prefill ran")
     args = ap.parse_args(argv)
     if args.merge:
         if not args.merged:
@@ -153,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
         if name == "bench" and status != "not run":
             lines += [" " * 10 + b for b in bench(args.out / "bench-cuda.json")]
+            lines += [" " * 10 + t for t in targets(args.out / "bench-cuda.json", args.prefill_route)]
         if status not in ("ok", "not run"):
             lines += [" " * 10 + "| " + t for t in tail(args.out / f"{name}.log")]
     ok = bool(steps) and all(s == "ok" for _, s, _ in steps)

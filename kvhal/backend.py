@@ -30,6 +30,7 @@ import numpy as np
 from .attention import AttentionBatch, AttentionShape
 from .errors import SpecError, UnsupportedError
 from .formats import Format
+from .interop import LoadOut
 from .spec import CacheSpec
 
 __all__ = ["FUSED", "OPS", "AttentionBatch", "AttentionShape", "Backend", "HostPoolsBackend", "Pools", "Probe"]
@@ -113,6 +114,15 @@ class Backend(ABC):
     @abstractmethod
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
         """The first ``n`` tokens of the pages ``block_ids``, dequantized: ``[n, n_kv_heads, head_dim]`` f32."""
+
+    def load_into(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int, skip: int, out: LoadOut) -> None:
+        """Rows ``[skip, n)`` of ``load`` written into the host buffers of ``out`` (checked by the cache) in
+        ``out.dtype``, rounded to nearest even. The default loads f32 and copies; a backend whose kernels write
+        the buffers directly overrides it."""
+        from .interop import cast_into
+
+        for x, dst in zip(self.load(pools, layer, block_ids, n), (out.k, out.v)):
+            cast_into(dst, out.dtype, self.to_numpy(x)[skip:])
 
     @abstractmethod
     def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from .errors import CapacityError, NonFiniteError, PositionError, ShapeError, Sp
 from .eviction import EvictionResult, EvictOnFull, Evictor, OnEvict, Policy
 from .fingerprint import Fingerprint, extra_digest
 from .prefix import PrefixIndex
-from .seqs import SeqTable
+from .seqs import Seq, SeqTable
 from .spec import CacheSpec
 from .stats import CacheStats, collect
 from .streaming import Streamer
@@ -336,47 +337,124 @@ class KVCache:
         if self.codec.commit(pending):
             self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
-    def load(self, seq: int, layer: int, p0: int = 0, p1: int | None = None) -> tuple[Any, Any]:
-        """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end), f32 on the backend's device."""
+    def load(
+        self, seq: int, layer: int, p0: int = 0, p1: int | None = None, *, out: Any = None, dtype: str | None = None
+    ) -> tuple[Any, Any]:
+        """Dequantized K, V of positions ``[p0, p1)`` (``p1`` None or < 0: the end): f32 on the backend's device.
+
+        ``out=(k, v)``: write them into these host buffers instead (numpy arrays, ``ml_dtypes.bfloat16`` arrays or
+        CPU torch tensors; C-contiguous, ``[p1 - p0, n_kv_heads, head_dim]``, float32, float16 or bfloat16) and
+        return them: a buffer reused across calls costs no allocation or page faults. ``dtype`` ("float32",
+        "float16", "bfloat16"): the output dtype (that of ``out`` when both are given); without ``out`` it returns
+        new host arrays, bfloat16 as ``ml_dtypes.bfloat16`` (install ml_dtypes, or pass torch tensors as ``out``).
+        Narrowing rounds to nearest even; values past float16's range become inf, as in ``astype``. A call that
+        raises writes nothing."""
         s = self.seq_table.resident(seq, "load")
         layer = validate.layer(layer, self.spec.n_layers)
         p0, hi = validate.stored_range(p0, p1, s.lens[layer], f"load of sequence {seq} at layer {layer}")
+        dtype = validate.load_dtype(dtype)
+        shape = (hi - p0, self.spec.n_kv_heads, self.spec.head_dim)
+        if out is None and dtype not in (None, "float32"):
+            out = self._new_out(shape, dtype)
+        dst = None if out is None else validate.load_out(out, dtype, shape)
         bs = self.spec.block_size
         if not (self.spec.uses_tail or self.spec.transformed):
             first = p0 // bs
             blocks = np.asarray(s.blocks[first : math.ceil(hi / bs)], np.int64)
+            skip = p0 - first * bs
+            if dst is not None:
+                self.backend.load_into(self.pools, layer, blocks, hi - first * bs, skip, dst)
+                return dst.result
             k, v = self.backend.load(self.pools, layer, blocks, hi - first * bs)
-            skip = p0 - first * bs
             return k[skip:], v[skip:]
+        pages, rows = self._tail_parts(s, layer, p0, hi)
+        if dst is not None and not self.spec.transformed:  # pages straight into out, then the f16 rows over them
+            from .interop import cast_into
+
+            if pages is not None:
+                blocks, n, skip, m = pages
+                self.backend.load_into(self.pools, layer, blocks, n, skip, replace(dst, k=dst.k[:m], v=dst.v[:m]))
+            for r0, rk, rv in rows:
+                cast_into(dst.k[r0 : r0 + len(rk)], dst.dtype, rk)
+                cast_into(dst.v[r0 : r0 + len(rv)], dst.dtype, rv)
+            return dst.result
+        k, v = self._assemble_f32(shape, pages, rows, layer)
+        if dst is not None:
+            from .interop import cast_into
+
+            cast_into(dst.k, dst.dtype, k)
+            cast_into(dst.v, dst.dtype, v)
+            return dst.result
+        return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
+
+    @staticmethod
+    def _new_out(shape: tuple[int, int, int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        if dtype == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                raise UnsupportedError(
+                    'load(dtype="bfloat16") returns ml_dtypes.bfloat16 arrays (numpy has no bfloat16): pip install '
+                    "ml_dtypes, or pass out=(k, v) as torch.bfloat16 CPU tensors"
+                ) from None
+            np_dtype: Any = ml_dtypes.bfloat16
+        else:
+            np_dtype = np.dtype(dtype)
+        return np.empty(shape, np_dtype), np.empty(shape, np_dtype)
+
+    def _tail_parts(
+        self, s: Seq, layer: int, p0: int, hi: int
+    ) -> tuple[tuple[np.ndarray, int, int, int] | None, list[tuple[int, np.ndarray, np.ndarray]]]:
+        """``[p0, hi)`` of a cache with an f16 tail or sink rows: the paged part as ``(blocks, n, skip, rows)`` for
+        ``load``/``load_into`` (None when there is none), and the f32 rows that stand over or after it, as
+        ``(first output row, k, v)``: the f16 sink rows (which stand for their quantized pages), then the tail's."""
+        bs = self.spec.block_size
         paged = s.pages()[layer]
-        ks: list[np.ndarray] = []
-        vs: list[np.ndarray] = []
-        if p0 < min(hi, paged):
-            first, end = p0 // bs, min(hi, paged)
-            blocks = np.asarray(s.blocks[first : math.ceil(end / bs)], np.int64)
-            k, v = self.backend.load(self.pools, layer, blocks, end - first * bs)
-            skip = p0 - first * bs
-            k = np.asarray(self.backend.to_numpy(k), np.float32)[skip:]
-            v = np.asarray(self.backend.to_numpy(v), np.float32)[skip:]
+        pages = None
+        rows: list[tuple[int, np.ndarray, np.ndarray]] = []
+        end = min(hi, paged)
+        if p0 < end:
+            first = p0 // bs
+            pages = (
+                np.asarray(s.blocks[first : math.ceil(end / bs)], np.int64),
+                end - first * bs,
+                p0 - first * bs,
+                end - p0,
+            )
             sink = min(self.spec.sink_tokens, end)
-            if p0 < sink:  # the f16 sink rows stand for their quantized pages
+            if p0 < sink:
                 sk, sv = self.tail.sink_rows(s, layer)
-                k, v = k.copy(), v.copy()
-                k[: sink - p0], v[: sink - p0] = sk[p0:sink], sv[p0:sink]
-            ks.append(k)
-            vs.append(v)
+                rows.append((0, sk[p0:sink], sv[p0:sink]))
         if hi > paged:
             kt, vt = self.tail.rows(s, layer, max(p0, paged) - paged, hi - paged)
-            ks.append(kt)
-            vs.append(vt)
-        if len(ks) == 1:  # pages only or tail only: no copy (a 16k-token load is ~130 MB of f32)
-            k, v = ks[0], vs[0]
+            rows.append((max(p0, paged) - p0, kt, vt))
+        return pages, rows
+
+    def _assemble_f32(
+        self,
+        shape: tuple[int, int, int],
+        pages: tuple[np.ndarray, int, int, int] | None,
+        rows: list[tuple[int, np.ndarray, np.ndarray]],
+        layer: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Host f32 K, V of ``_tail_parts``' pieces, back through the codec's transforms. Pages alone or one tail
+        piece alone come back without a copy (a 16k-token load is ~130 MB of f32)."""
+        if pages is not None:
+            blocks, n, skip, _ = pages
+            paged = [
+                np.asarray(self.backend.to_numpy(x), np.float32)[skip:]
+                for x in self.backend.load(self.pools, layer, blocks, n)
+            ]
+            rows = [(0, paged[0], paged[1]), *rows]
+        if len(rows) == 1 and len(rows[0][1]) == shape[0]:
+            _, k, v = rows[0]
         else:
-            empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float32)
-            k, v = np.concatenate([empty, *ks]), np.concatenate([empty, *vs])
+            k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            for r0, rk, rv in rows:  # pages first, the f16 sink and tail rows over and after them
+                k[r0 : r0 + len(rk)], v[r0 : r0 + len(rv)] = rk, rv
         if self.spec.transformed and len(k):
             k, v = self.codec.backward("k", layer, k), self.codec.backward("v", layer, v)
-        return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
+        return k, v
 
     def attention(
         self,

@@ -197,3 +197,35 @@ def stored_rows(x: Any, what: str, n_kv_heads: int, row_bytes: int) -> np.ndarra
         f"{what} has shape {arr.shape}; expected [n, {n_kv_heads}, {row_bytes}] (n_kv_heads, bytes per head row) "
         f"or whole tokens of {token} bytes"
     )
+
+
+def load_dtype(dtype: Any) -> str | None:
+    """``load``'s ``dtype``: None or one of interop.OUT_DTYPES."""
+    from .interop import OUT_DTYPES
+
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in OUT_DTYPES):
+        raise DTypeError(f"dtype must be None or one of {', '.join(map(repr, OUT_DTYPES))}, got {dtype!r}")
+    return dtype
+
+
+def load_out(out: Any, dtype: str | None, shape: tuple[int, int, int]) -> Any:
+    """``load``'s ``out``: a (k, v) pair of writable, C-contiguous, non-overlapping host buffers of ``shape`` and
+    one dtype (``dtype`` when given), as an ``interop.LoadOut``."""
+    from .interop import LoadOut, host_out_view
+
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ShapeError(f"out must be a (k, v) pair of arrays, got {type(out).__name__}")
+    (k, kd), (v, vd) = host_out_view(out[0], "out[0] (k)"), host_out_view(out[1], "out[1] (v)")
+    if kd != vd or (dtype is not None and kd != dtype):
+        want = f"dtype={dtype!r}" if dtype is not None else "one dtype"
+        raise DTypeError(f"out has dtypes {kd} (k) and {vd} (v); they must match {want}")
+    for what, a in (("out[0] (k)", k), ("out[1] (v)", v)):
+        if a.shape != shape:
+            raise ShapeError(f"{what} has shape {a.shape}; this load returns {shape} (positions, kv heads, head_dim)")
+        if not a.flags.c_contiguous:
+            raise ShapeError(f"{what} is not C-contiguous; pass a contiguous buffer (np.empty / torch.empty)")
+        if not a.flags.writeable:
+            raise SpecError(f"{what} is read-only; pass a writable buffer")
+    if k.size and np.may_share_memory(k, v):
+        raise SpecError("out[0] (k) and out[1] (v) overlap; pass two separate buffers")
+    return LoadOut(k, v, kd, (out[0], out[1]))

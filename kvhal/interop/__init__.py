@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -67,3 +68,78 @@ def host_float_array(x: Any, what: str) -> np.ndarray:
     if arr.dtype not in (np.float32, np.float16):
         raise DTypeError(f"{what} has dtype {arr.dtype}; kvhal takes float32, float16 or bfloat16")
     return arr
+
+
+# ---- load outputs: host buffers a caller hands to ``KVCache.load(out=...)`` ---------------------------------------
+
+OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LoadOut:
+    """A checked ``out`` of ``KVCache.load``: the numpy views the backend writes (bfloat16 as uint16 bits), their
+    dtype name, and the caller's own objects, which the call returns."""
+
+    k: np.ndarray
+    v: np.ndarray
+    dtype: str
+    result: tuple[Any, Any]
+
+
+def host_out_view(x: Any, what: str) -> tuple[np.ndarray, str]:
+    """A writable numpy view of the caller's output buffer ``x`` (numpy array, ``ml_dtypes.bfloat16`` array or CPU
+    torch tensor) and its dtype name, one of OUT_DTYPES; bfloat16 comes back as its uint16 bits. Raises DTypeError
+    for another array type or dtype, UnsupportedError for a tensor off the host."""
+    from ..errors import UnsupportedError
+
+    module = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        name = x.dtype.name
+        view = x.view(np.uint16) if name == "bfloat16" and x.dtype.itemsize == 2 else x
+    elif module == "torch" and hasattr(x, "device"):
+        if x.device.type != "cpu":
+            raise UnsupportedError(
+                f"{what} is a torch tensor on {x.device}; load writes host memory: pass a CPU tensor (or a numpy "
+                "array) and move it to the device afterwards"
+            )
+        import torch  # already imported: x is a tensor
+
+        name = str(x.dtype).replace("torch.", "")
+        t = x.detach()
+        view = t.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else t.numpy()
+    else:
+        raise DTypeError(
+            f"{what} is a {type(x).__module__}.{type(x).__name__}; out takes numpy arrays or CPU torch tensors"
+        )
+    if name not in OUT_DTYPES:
+        raise DTypeError(f"{what} has dtype {name}; load writes {', '.join(OUT_DTYPES)}")
+    return view, name
+
+
+def bf16_bits(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``x`` rounded to bfloat16 (nearest even; NaN stays a quiet NaN of its sign), as uint16 bits (into
+    ``out``, a uint16 array of x's size, when given). In chunks that stay in the caches: no full-size temporaries."""
+    u = np.ascontiguousarray(x, np.float32).reshape(-1).view(np.uint32)
+    res = np.empty(u.size, np.uint16) if out is None else out.reshape(-1)
+    chunk = 1 << 16
+    r = np.empty(min(chunk, u.size), np.uint32)
+    for i in range(0, u.size, chunk):
+        src, t = u[i : i + chunk], r[: min(chunk, u.size - i)]
+        np.right_shift(src, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        t += 0x7FFF
+        t += src
+        t >>= 16
+        nan = (src & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        if nan.any():
+            t[nan] = (src[nan] >> 16) | 0x40
+        res[i : i + len(t)] = t
+    return res.reshape(np.shape(x))
+
+
+def cast_into(dst: np.ndarray, dtype: str, src: np.ndarray) -> None:
+    """Write f32 ``src`` into a view ``host_out_view`` returned (``dtype`` its name), rounding to nearest even."""
+    if dtype == "bfloat16":
+        bf16_bits(src, dst)
+    else:
+        np.copyto(dst, src, casting="unsafe")

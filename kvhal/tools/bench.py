@@ -12,6 +12,7 @@ the backend (CPU for host backends, torch's CUDA device for cuda/rocm when torch
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import threading
@@ -38,11 +39,14 @@ DEVICE_BACKENDS = {"cuda", "rocm"}  # their pools live in device memory, reached
 class Row:
     backend: str
     format: str  # KV format, or the SDPA dtype for baseline rows
-    op: str  # store-1 | store-512 | load | decode | prefill
+    op: str  # store-1 | store-512 | load | load-out | load-bf16 | decode | prefill
     context: int
     median_ms: float
     gbps: float  # bytes moved per second / 1e9 (see module doc)
     frac_bw: float  # gbps / the read bandwidth measured where the data lives
+    # loads: (bytes read + output bytes written) per second / the read bandwidth: how much of the memory system the
+    # call uses, where frac_bw counts only the format's bytes (an output of dense K/V outweighs those several times)
+    frac_moved: float | None = None
     tokens_per_s: float | None = None
     gflops: float | None = None  # attention FLOP/s / 1e9 (prefill)
     speedup_vs_sdpa_f32: float | None = None
@@ -467,7 +471,21 @@ def _bench_one(
     for n in sorted({*decode, *prefill}):
         work.fill(cache, s, n)
         if n in decode:
-            row("load", n, median_time(lambda: cache.load(s, 0), sync, repeats), n * row_bytes, n)
+            r = row("load", n, median_time(lambda: cache.load(s, 0), sync, repeats), n * row_bytes, n)
+            r.frac_moved = r.frac_bw * (row_bytes + f32_bytes) / row_bytes  # f32 written to new arrays
+            # into reused host buffers (load's out=): f32, then bf16 (what a dense kernel takes)
+            for op, out_bytes, make in (("load-out", f32_bytes, _f32_out), ("load-bf16", f32_bytes // 2, _bf16_out)):
+                buf = make((n, N_KV_HEADS, HEAD_DIM))
+                if buf is not None:
+                    r = row(
+                        op,
+                        n,
+                        median_time(functools.partial(cache.load, s, 0, out=buf), sync, repeats),
+                        n * row_bytes,
+                        n,
+                    )
+                    r.frac_moved = r.frac_bw * (row_bytes + out_bytes) / row_bytes
+                del buf
             r = row("decode", n, median_time(decode_call, sync, repeats), n * row_bytes)
             r.path = path_of(spec, N_HEADS, 1) if path_of else None
             last_decode = (r, decode_call, sync) if n == decode[-1] else None
@@ -479,6 +497,25 @@ def _bench_one(
         if decode and n > decode[-1]:  # the sequence grew past the largest decode context
             last_decode = None
     return out, last_decode
+
+
+def _f32_out(shape: tuple[int, ...]) -> tuple[Any, Any]:
+    return np.empty(shape, np.float32), np.empty(shape, np.float32)
+
+
+def _bf16_out(shape: tuple[int, ...]) -> tuple[Any, Any] | None:
+    """Two bfloat16 host buffers: ml_dtypes arrays, else torch CPU tensors; None with neither installed."""
+    try:
+        import ml_dtypes
+
+        return np.empty(shape, ml_dtypes.bfloat16), np.empty(shape, ml_dtypes.bfloat16)
+    except ImportError:
+        torch = _torch()
+        return (
+            None
+            if torch is None
+            else (torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16))
+        )
 
 
 def table(result: dict[str, Any]) -> str:
@@ -495,8 +532,10 @@ def table(result: dict[str, Any]) -> str:
         f"machine: {m['cpu']}, {m['cores']} cores; measured read bandwidth: {where}",
         f"shape: {sh['n_heads']} q heads / {sh['n_kv_heads']} kv heads / head_dim {sh['head_dim']}; "
         f"prefill: the last {sh['prefill_queries']} positions, causal; median of {result['repeats']}; alt ms: "
-        f"decode at the largest context, the formats called in turn (median of {3 * result['repeats']} rounds)",
-        f"{'backend':<11} {'format':<{fw}} {'op':<9} {'ctx':>6} {'thr':>3} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
+        f"decode at the largest context, the formats called in turn (median of {3 * result['repeats']} rounds); "
+        "moved: a load's bytes read and written per second over the read bandwidth (load-out / load-bf16: into "
+        "reused f32 / bf16 buffers)",
+        f"{'backend':<11} {'format':<{fw}} {'op':<9} {'ctx':>6} {'thr':>3} {'ms':>9} {'GB/s':>7} {'of bw':>6} {'moved':>6} "
         f"{'tok/s':>9} {'GFLOP/s':>8} {'x sdpa f32':>10} {'x sdpa bf16':>11} {'alt ms':>8} path",
     ]
 
@@ -506,7 +545,8 @@ def table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         lines.append(
             f"{r['backend']:<11} {r['format']:<{fw}} {r['op']:<9} {r['context']:>6} {opt(r['threads'], 'd'):>3} "
-            f"{r['median_ms']:>9.3f} {r['gbps']:>7.2f} {r['frac_bw']:>6.2f} {opt(r['tokens_per_s'], '.3g'):>9} "
+            f"{r['median_ms']:>9.3f} {r['gbps']:>7.2f} {r['frac_bw']:>6.2f} "
+            f"{opt(r.get('frac_moved'), '.2f'):>6} {opt(r['tokens_per_s'], '.3g'):>9} "
             f"{opt(r['gflops'], '.1f'):>8} {opt(r['speedup_vs_sdpa_f32'], '.2f'):>10} "
             f"{opt(r['speedup_vs_sdpa_bf16'], '.2f'):>11} {opt(r.get('alternating_ms'), '.3f'):>8} "
             f"{r.get('path') or '-'}"

@@ -171,6 +171,70 @@ def test_store_load_bytes_match_reference(backend_info, fmt, rng):
     np.testing.assert_allclose(k3, k2[5:21], rtol=0, atol=0)
 
 
+OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def narrowed(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The oracle of a narrowed load: ml_dtypes' / numpy's round-to-nearest-even cast of the f32 load, as bits."""
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    return x.astype(dtype).view(np.uint16 if dtype == "float16" else np.uint32)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_load_into_out_and_dtype_match_the_f32_load(backend_info, fmt, rng):
+    """load(out=) into reused buffers and load(dtype=) equal the f32 load cast by numpy / ml_dtypes, bit for bit,
+    over a range that starts and ends inside pages; torch CPU tensors (bf16 included) take the same bits."""
+    fk, fv = k_v_pair(backend_info, fmt)
+    cache = make_cache(backend_info.name, fk, fv, bs=16)
+    s = cache.new_seq()
+    k, v = kv(rng, 53)
+    cache.store(s, 0, k, v)
+    want = [kvhal.to_numpy(x) for x in cache.load(s, 0, 5, 45)]
+    torch = None if os.environ.get("KVHAL_TEST_NO_TORCH") else _torch()
+    for dtype in OUT_DTYPES:
+        bits = [narrowed(w, dtype) for w in want]
+        got = cache.load(s, 0, 5, 45, dtype=dtype)
+        for g, b in zip(got, bits):
+            np.testing.assert_array_equal(np.asarray(g).view(b.dtype), b)
+        out = tuple(np.full((40, 2, 64), 7, b.dtype) for b in bits)  # dtype's bits: a reused, dirty buffer
+        views = tuple(o.view(got[0].dtype) for o in out)
+        for _ in range(2):
+            assert cache.load(s, 0, 5, 45, out=views)[0] is views[0]
+            for o, b in zip(out, bits):
+                np.testing.assert_array_equal(o, b)
+        if torch is not None:
+            t = tuple(torch.empty((40, 2, 64), dtype=getattr(torch, dtype)) for _ in range(2))
+            cache.load(s, 0, 5, 45, out=t)
+            for x, w in zip(t, want):
+                assert torch.equal(x, torch.from_numpy(w).to(x.dtype))
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "f16"])
+def test_load_into_a_large_output_matches_the_f32_load(backend_info, fmt, rng):
+    """An output of more than 8 MiB (the cpu backend writes those with non-temporal stores) holds the same bits."""
+    fk, fv = k_v_pair(backend_info, fmt)
+    cache = make_cache(backend_info.name, fk, fv, heads=8, dim=128, bs=16, cap=2200)
+    s = cache.new_seq()
+    k, v = kv(rng, 2100, 8, 128)
+    cache.store(s, 0, k, v)
+    want = [kvhal.to_numpy(x) for x in cache.load(s, 0, 3)]
+    for dtype in ("float32", "bfloat16"):
+        got = cache.load(s, 0, 3, dtype=dtype)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint16 if dtype != "float32" else np.uint32),
+                                          narrowed(w, dtype))
+
+
 def adversarial_rows(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
     """Rows [n, 2 heads, dim] that hit every rounding and sign rule of the ggml quantizers."""
     def tile(values: np.ndarray) -> np.ndarray:

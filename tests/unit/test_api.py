@@ -453,3 +453,86 @@ def test_format_table_comes_from_the_registry():
     for name, fid, block_len, block_bytes in table:
         f = formats.get(name)
         assert format_id(name) == fid and (f.block_len, f.block_bytes) == (block_len, block_bytes)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_load_out_is_validated_and_a_refused_call_writes_nothing(backend):
+    if backend not in {i.name for i in kvhal.backends() if i.available}:
+        pytest.skip(f"backend {backend} is not available here")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=32, k_format="q8_0", v_format="q4_0", block_size=8)
+    c = kvhal.KVCache(spec, 64, backend=backend)
+    s = c.new_seq()
+    c.store(s, 0, rows(20), rows(20, seed=1))
+    f32 = np.float32
+
+    def buf(n=10, dtype=f32):
+        return np.full((n, 2, 32), 7, dtype)
+
+    k_out, v_out = buf(), buf()
+    big = np.full((2, 10, 2, 32), 7, f32)
+    ro = buf()
+    ro.flags.writeable = False
+    cases = [
+        (kvhal.ShapeError, "pair", k_out),  # not a pair
+        (kvhal.ShapeError, "pair", (k_out, v_out, v_out)),
+        (kvhal.DTypeError, "numpy arrays or CPU torch", (k_out, [[0.0]])),
+        (kvhal.DTypeError, "float64", (k_out, buf(dtype=np.float64))),
+        (kvhal.DTypeError, "must match", (k_out, buf(dtype=np.float16))),  # k and v differ
+        (kvhal.ShapeError, r"\(10, 2, 32\)", (k_out, buf(11))),
+        (kvhal.ShapeError, "contiguous", (k_out, np.full((10, 2, 64), 7, f32)[:, :, ::2])),
+        (kvhal.SpecError, "read-only", (k_out, ro)),
+        (kvhal.SpecError, "overlap", (k_out, k_out)),
+    ]
+    for err, match, out in cases:
+        with pytest.raises(err, match=match):
+            c.load(s, 0, 3, 13, out=out)
+        assert (k_out == 7).all() and (v_out == 7).all(), f"a refused load wrote into out ({match})"
+    with pytest.raises(kvhal.DTypeError, match="must match"):
+        c.load(s, 0, 3, 13, out=(k_out, v_out), dtype="float16")  # out's dtype is not the dtype asked for
+    for bad in ("bf16", np.float16, 3):
+        with pytest.raises(kvhal.DTypeError, match="dtype must be"):
+            c.load(s, 0, dtype=bad)
+    with pytest.raises(kvhal.PositionError):
+        c.load(s, 0, 3, 40, out=(k_out, v_out))
+    assert (k_out == 7).all() and (v_out == 7).all()
+    c.load(s, 0, 3, 13, out=(big[0], big[1]))  # two halves of one buffer are two buffers
+    want = c.load(s, 0, 3, 13)
+    np.testing.assert_array_equal(big[0], want[0])
+    np.testing.assert_array_equal(big[1], want[1])
+    torch = pytest.importorskip("torch")
+    on_meta = (torch.empty((10, 2, 32), device="meta"), torch.empty((10, 2, 32), device="meta"))
+    with pytest.raises(kvhal.UnsupportedError, match="CPU tensor"):
+        c.load(s, 0, 3, 13, out=on_meta)
+    with pytest.raises(kvhal.DTypeError, match="int32"):
+        c.load(s, 0, 3, 13, out=(torch.zeros((10, 2, 32), dtype=torch.int32),) * 2)
+
+
+def test_load_bfloat16_without_ml_dtypes_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes now raises ImportError
+    c = cache()
+    s = c.new_seq()
+    c.store(s, 0, rows(4), rows(4))
+    with pytest.raises(kvhal.UnsupportedError, match="pip install ml_dtypes"):
+        c.load(s, 0, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("extra", [{"tail": 8}, {"sinks": 4, "tail": 8}, {"k_rotation": "hadamard", "v_scale": 0.5}])
+def test_load_out_of_tail_sink_and_transformed_caches_is_the_f32_load_cast(backend, extra):
+    """Pages into out through the backend, the f16 sink and tail rows over and after them, transformed K/V through
+    the codec first: the same bits as the f32 load cast by numpy / ml_dtypes, for ranges across each piece."""
+    if backend not in {i.name for i in kvhal.backends() if i.available}:
+        pytest.skip(f"backend {backend} is not available here")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=32, k_format="q4_1", v_format="q8_0", block_size=8,
+                           **extra)  # fmt: skip
+    c = kvhal.KVCache(spec, 128, backend=backend)
+    s = c.new_seq()
+    c.store(s, 0, rows(45), rows(45, seed=1))
+    for p0, p1 in ((0, None), (3, 30), (41, 45), (2, 6)):
+        want = [np.asarray(kvhal.to_numpy(x)) for x in c.load(s, 0, p0, p1)]
+        for dtype, np_dtype in (("float32", np.float32), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
+            out = (np.full(want[0].shape, 3, np_dtype), np.full(want[0].shape, 3, np_dtype))
+            c.load(s, 0, p0, p1, out=out, dtype=dtype)
+            for o, w in zip(out, want):
+                np.testing.assert_array_equal(o.view(np.uint8), w.astype(np_dtype).view(np.uint8))

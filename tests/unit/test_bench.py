@@ -54,8 +54,8 @@ def test_run_makes_store_load_decode_and_prefill_rows():
     rows = by_key(result)
     for fmt in ("q8_0", "f32"):
         ops = {(op, ctx) for (b, f, op, ctx, _t) in rows if b == "reference" and f == fmt}
-        assert ops == {("store-1", 1), ("store-512", 512), ("load", 32), ("decode", 32), ("load", 64), ("decode", 64),
-                       ("prefill", 64)}  # fmt: skip
+        loads = {(op, ctx) for op in ("load", "load-out", "load-bf16") for ctx in (32, 64)}
+        assert ops == {("store-1", 1), ("store-512", 512), *loads, ("decode", 32), ("decode", 64), ("prefill", 64)}
     (host,) = result["bandwidth"]
     assert host["where"] == "host" and host["threads"] == os.cpu_count()
     for fmt in ("q8_0", "f32"):
@@ -64,6 +64,11 @@ def test_run_makes_store_load_decode_and_prefill_rows():
             load = rows[("reference", fmt, "load", ctx, None)]
             assert load["gbps"] == pytest.approx(ctx * row_bytes / (load["median_ms"] / 1e3) / 1e9)
             assert load["frac_bw"] == pytest.approx(load["gbps"] / host["read_gbps"])
+            # moved: the format's bytes and the output's (f32 new or reused, bf16 reused) over the same time
+            for op, out_bytes in (("load", 4), ("load-out", 4), ("load-bf16", 2)):
+                r = rows[("reference", fmt, op, ctx, None)]
+                moved = ctx * (row_bytes + out_bytes * bench.N_KV_HEADS * bench.HEAD_DIM * 2)
+                assert r["frac_moved"] == pytest.approx(moved / (r["median_ms"] / 1e3) / 1e9 / host["read_gbps"])
         pre = rows[("reference", fmt, "prefill", 64, None)]
         assert pre["gflops"] == pytest.approx(bench.prefill_flops(64, 16) / (pre["median_ms"] / 1e3) / 1e9)
         assert pre["tokens_per_s"] == pytest.approx(16 / (pre["median_ms"] / 1e3))
@@ -111,7 +116,7 @@ def test_run_with_sdpa_gives_ratios_against_the_same_shapes():
 def test_threads_sweep_runs_a_backend_without_the_option_once_and_says_so():
     result = bench.run([("reference", "q8_0")], sdpa=False, threads=[1, 2], bandwidth_bytes=1 << 20, **TINY)
     assert result["threads"] == [1, 2]
-    assert [r["threads"] for r in result["rows"]] == [None] * 7
+    assert [r["threads"] for r in result["rows"]] == [None] * 11  # store x2, load x3 and decode at 32 and 64, prefill
     assert result["notes"] == ["threads: reference takes no threads option; it ran once, with its own default"]
     assert "note: threads: reference takes no threads option" in bench.table(result)
 

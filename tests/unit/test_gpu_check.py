@@ -117,3 +117,29 @@ def test_merge_joins_per_format_runs_and_gives_every_row_the_sdpa_ratios(tmp_pat
     p = subprocess.run([sys.executable, str(ROOT / "ci" / "gpu_check_summary.py"), "--merge", str(empty), "-o",
                         str(tmp_path / "x.json")], capture_output=True, text=True)  # fmt: skip
     assert p.returncode == 1 and "no bench results" in p.stderr
+
+
+def test_targets_block_marks_each_format_ok_below_or_unmeasured(tmp_path):
+    sys.path.insert(0, str(ROOT / "ci"))
+    try:
+        import gpu_check_summary as s
+    finally:
+        sys.path.pop(0)
+
+    def row(fmt, op, ctx, **kw):
+        return {"backend": "cuda", "format": fmt, "op": op, "context": ctx, **kw}
+
+    rows = [
+        row("q8_0", "prefill", s.PREFILL_CTX, speedup_vs_sdpa_bf16=0.9),
+        row("q8_0", "decode", s.DECODE_CTX, frac_bw=0.5),
+        row("q4_0", "prefill", s.PREFILL_CTX, speedup_vs_sdpa_bf16=0.3),
+        row("q4_0", "decode", s.DECODE_CTX, frac_bw=0.85),
+        {**row("fp8_e4m3", "decode", s.DECODE_CTX, frac_bw=0.99), "backend": "torch-sdpa-cuda"},  # a baseline row
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": rows}))
+    head, q8, fp8, q4 = s.targets(path, "sdpa")
+    assert "prefill route: sdpa" in head and "16k >= 0.7x" in head and "32k >= 0.8" in head
+    assert q8.split() == ["q8_0", "prefill", "0.90x", "ok", "decode", "0.50", "below"]
+    assert fp8.split() == ["fp8_e4m3", "prefill", "-", "decode", "-"]
+    assert q4.split() == ["q4_0", "prefill", "0.30x", "below", "decode", "0.85", "ok"]

@@ -31,6 +31,8 @@ from kvhal.backend_util import (
     whole_pages,
 )
 from kvhal.errors import BackendUnavailableError, KVHalError
+from kvhal.interop import OUT_DTYPES as _OUT_DTYPES
+from kvhal.interop import LoadOut
 from kvhal.spec import CacheSpec
 
 from ._abi import ERRORS, ISAS, Args, library_path, open_library
@@ -216,14 +218,25 @@ class CpuBackend(HostPoolsBackend):
         self._check(self._lib.kvc_store(a), "store")
 
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        spec = pools.spec
+        shape = (n, pools.spec.n_kv_heads, pools.spec.head_dim)
+        k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        self._load_to(pools, layer, block_ids, n, 0, k, v, 0)
+        return k, v
+
+    def load_into(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int, skip: int, out: LoadOut) -> None:
+        """Straight into the caller's buffers: each row dequantized (and narrowed to f16/bf16 through an L1
+        scratch row) by the kernels' own dequantization, so a reused output costs no page faults."""
+        self._load_to(pools, layer, block_ids, n, skip, out.k, out.v, _OUT_DTYPES.index(out.dtype))
+
+    def _load_to(
+        self, pools: Pools, layer: int, block_ids: np.ndarray, n: int, skip: int, k: np.ndarray, v: np.ndarray, dt: int
+    ) -> None:
+        if n - skip <= 0:
+            return
         ids = np.ascontiguousarray(block_ids, dtype=np.int64)
-        k = np.empty((n, spec.n_kv_heads, spec.head_dim), np.float32)
-        v = np.empty_like(k)
         a = Args.from_buffer_copy(pools.state[layer])
         a.blocks, a.n, a.kout, a.vout = _ptr(ids), n, _ptr(k), _ptr(v)
-        self._check(self._lib.kvc_load(a), "load")
-        return k, v
+        self._check(self._lib.kvc_load_to(a, skip, dt), "load")
 
     def attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         return self._attention(q, pools, layer, batch, False)[0]

@@ -67,7 +67,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvc_best_isa": (_i32, []),
         "kvc_scan_f32": (_i32, [_p, _i64, ctypes.POINTER(_f32)]),
         "kvc_store": (_i32, [args]),
-        "kvc_load": (_i32, [args]),
+        "kvc_load_to": (_i32, [args, _i64, _i32]),
         "kvc_copy_slots": (_i32, [args]),
         "kvc_attention": (_i32, [args]),
         "kvc_attention_path": (ctypes.c_char_p, [args, _i32]),

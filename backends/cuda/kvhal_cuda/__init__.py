@@ -9,6 +9,7 @@ Launch geometry, spec limits and metadata packing live in ``plan`` (tested on th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ from kvhal.backend_util import (
     check_block_ids,
     logsumexp,
     non_negative,
+    one_of,
     parse_options,
     whole_pages,
 )
@@ -29,7 +31,7 @@ from kvhal.errors import DTypeError, SpecError
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
 
-from . import plan
+from . import plan, sdpa
 
 __all__ = ["CudaBackend", "RocmBackend"]
 __version__ = "0.1.0"
@@ -56,9 +58,15 @@ class CudaBackend(Backend):
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4
     fused = frozenset({"attention_lse"})
+    _no_sdpa: str | None = None  # why prefill="sdpa" cannot run here (no torch); set per instance
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("device", int, 0, env="KVHAL_CUDA_DEVICE", check=non_negative, help="CUDA device index"),
-    )
+        Option(
+            "prefill", str, "sdpa", env="KVHAL_CUDA_PREFILL", check=one_of("sdpa", "kernel"),
+            help="sequences of more than one query: sdpa (dequantize to bf16, torch SDPA; needs kvhal-cuda[torch]) "
+            "or kernel (kvhal.cu's own prefill, f32)",
+        ),
+    )  # fmt: skip
 
     @classmethod
     def probe(cls) -> Probe:
@@ -71,9 +79,17 @@ class CudaBackend(Backend):
         return runtime.probe(cls.platform, device)
 
     def __init__(self, **options: Any) -> None:
-        """Options: ``device`` (the device index; ``KVHAL_CUDA_DEVICE`` / ``KVHAL_ROCM_DEVICE`` when not given)."""
-        self._rt = self._runtime(parse_options(self.name, options, self.OPTIONS))
+        """Options: ``device`` (the device index; ``KVHAL_CUDA_DEVICE`` / ``KVHAL_ROCM_DEVICE`` when not given) and
+        ``prefill`` ("sdpa" or "kernel"; ``KVHAL_CUDA_PREFILL`` / ``KVHAL_ROCM_PREFILL``)."""
+        opts = parse_options(self.name, options, self.OPTIONS)
+        self._rt = self._runtime(opts)
         self._xp = self._rt.xp
+        self.prefill: str = opts["prefill"]
+        # the SDPA route rounds q, K and V to bf16; decode and the kernel route stay at f32's figure
+        self.attention_tolerance = sdpa.TOLERANCE if self.prefill == "sdpa" else type(self).attention_tolerance
+        # without torch the route refuses prefill shapes, so supports() is asked per call
+        self._no_sdpa = sdpa.torch_missing() if self.prefill == "sdpa" else None
+        self.shape_limits = self._no_sdpa is not None
 
     def _runtime(self, options: dict[str, Any]) -> Any:
         """The device runtime (kernel module and launches); the tests' emulator overrides this."""
@@ -82,7 +98,10 @@ class CudaBackend(Backend):
         return runtime.CupyRuntime(options["device"], self.platform)
 
     def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
-        return super().supports(spec, op, shape) or plan.spec_refusal(spec, op)
+        why = super().supports(spec, op, shape) or plan.spec_refusal(spec, op)
+        if why is None and self._no_sdpa and op == "attention" and shape is not None and shape.max_q_len > 1:
+            return f"{self._no_sdpa}; or backend_options={{'prefill': 'kernel'}} for kvhal's own prefill kernel"
+        return why
 
     # -- pools --------------------------------------------------------------------------------------------
 
@@ -169,6 +188,65 @@ class CudaBackend(Backend):
         return self.to_numpy(out), logsumexp(self.to_numpy(part_lse).astype(np.float64))  # over [n_splits, R, Hq]
 
     def _attention(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, want_lse: bool) -> Any:
+        if self.prefill == "sdpa" and not want_lse and (batch.q_lens > 1).any():
+            return self._attention_sdpa(q, pools, layer, batch)
+        return self._attention_kernel(q, pools, layer, batch, want_lse)
+
+    def attention_path(self, spec: CacheSpec, n_heads: int, q_len: int) -> str:
+        """What an attention call of ``q_len`` queries per sequence runs (``kvhal bench``'s path column): the decode
+        kernel, torch SDPA over bf16 pages, or kvhal.cu's prefill kernel."""
+        if q_len <= 1:
+            return "kvhal-decode"
+        return "sdpa-bf16" if self.prefill == "sdpa" else "kvhal-prefill"
+
+    def _attention_sdpa(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
+        """Sequences of one query through the decode kernel (one launch for all of them), each longer one through
+        ``sdpa.attend`` over its visible pages dequantized to bf16 (``kvhal_load_bf16``)."""
+        torch = sdpa.import_torch()
+        cp: plan.CachePlan = pools.state.plan
+        xp, bs = self._xp, cp.block_size
+        q_lens = np.asarray(batch.q_lens, np.int64)
+        starts = np.cumsum(q_lens) - q_lens
+        with self._rt.device:
+            qd = self._f32(q)
+            out = xp.empty(qd.shape, xp.float32)
+            one = np.flatnonzero(q_lens == 1)
+            if one.size:
+                sub = batch.with_(
+                    block_table=batch.block_table[one], seq_lens=batch.seq_lens[one], q_lens=batch.q_lens[one]
+                )
+                rows = self._rt.to_device(starts[one])
+                out[rows] = self._attention_kernel(qd[rows], pools, layer, sub, False)
+            for i in np.flatnonzero(q_lens > 1):
+                q0, q_len, seq_len = int(starts[i]), int(q_lens[i]), int(batch.seq_lens[i])
+                lo, hi = sdpa.visible_span(seq_len, q_len, batch.causal, batch.window)
+                first = lo // bs
+                ids = np.asarray(batch.block_table[i, first : -(-hi // bs)])
+                k, v = (torch.from_dlpack(x[lo - first * bs :].view(xp.int16)).view(torch.bfloat16)
+                        for x in self._load_bf16(pools, layer, ids, hi - first * bs))  # fmt: skip
+                tq = torch.from_dlpack(qd[q0 : q0 + q_len]).to(torch.bfloat16)
+                o = sdpa.attend(torch, tq, k, v, kv_start=lo, seq_len=seq_len, scale=batch.scale,
+                                causal=batch.causal, window=batch.window)  # fmt: skip
+                out[q0 : q0 + q_len] = xp.from_dlpack(o.float().contiguous())
+        return out
+
+    def _load_bf16(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[Any, Any]:
+        """``load`` as bf16 bits (device uint16 ``[n, H, D]``, rounded to nearest even): the SDPA route's pass."""
+        cp: plan.CachePlan = pools.state.plan
+        xp = self._xp
+        out = (
+            xp.empty((n, cp.n_kv_heads, cp.head_dim), xp.uint16),
+            xp.empty((n, cp.n_kv_heads, cp.head_dim), xp.uint16),
+        )
+        ids = self._rt.to_device(np.ascontiguousarray(block_ids, np.int32))
+        grid, block = plan.grid_1d(n * cp.n_kv_heads * cp.head_dim)
+        for o, pool, side in ((out[0], pools.k[layer], cp.k), (out[1], pools.v[layer], cp.v)):
+            args = (pool, ids, o, _i32(n), _i32(cp.n_kv_heads), _i32(cp.head_dim), _i32(cp.block_size),
+                    _i32(side.row_bytes), _i32(side.fmt_id))  # fmt: skip
+            self._rt.launch("kvhal_load_bf16", grid, block, args)
+        return out
+
+    def _attention_kernel(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, want_lse: bool) -> Any:
         cp: plan.CachePlan = pools.state.plan
         R, Hq, D = (int(d) for d in q.shape)
         pl = plan.plan_attention(
@@ -263,4 +341,7 @@ class RocmBackend(CudaBackend):
 
     name = "rocm"
     platform = "rocm"
-    OPTIONS = (Option("device", int, 0, env="KVHAL_ROCM_DEVICE", check=non_negative, help="HIP device index"),)
+    OPTIONS = (
+        Option("device", int, 0, env="KVHAL_ROCM_DEVICE", check=non_negative, help="HIP device index"),
+        dataclasses.replace(CudaBackend.OPTIONS[1], env="KVHAL_ROCM_PREFILL"),
+    )

@@ -7,6 +7,7 @@ The constants below reach ``kernels/kvhal.cu`` as generated defines (``source.co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,6 +203,13 @@ def split_range(p: int, split_pages: int, block_size: int) -> tuple[int, int]:
     return p * split_pages * block_size, (p + 1) * split_pages * block_size
 
 
+def split_efficiency(n_ctas: int, n_splits: int, slots: int) -> float:
+    """The fraction of the last wave's CTA slots a grid of ``n_ctas * n_splits`` CTAs keeps busy over its waves:
+    ``waves / ceil(waves)`` with ``waves = n_ctas * n_splits / slots`` (FlashAttention-2's num_splits_heuristic)."""
+    waves = n_ctas * n_splits / slots
+    return waves / math.ceil(waves)
+
+
 def choose_splits(
     n_ctas: int,
     max_kv: int,
@@ -213,14 +221,28 @@ def choose_splits(
 ) -> tuple[int, int]:
     """(n_splits, split_pages): split KV across CTAs only when rows x heads alone leave the GPU idle.
 
-    Aim for CTAS_PER_SM CTAs per SM; each split keeps at least MIN_SPLIT_TOKENS tokens and the partials
-    (n_splits x rows x heads x (head_dim + 1) f32) stay under WORKSPACE_LIMIT.
+    Sized from the SM count as FlashAttention-2 / FlashInfer do: the slots are CTAS_PER_SM CTAs per SM; a grid
+    that fills 80% of them is not split; otherwise, of the split counts the bounds allow (each split at least
+    MIN_SPLIT_TOKENS tokens of whole pages, the partials n_splits x rows x heads x (head_dim + 1) f32 under
+    WORKSPACE_LIMIT, at most one wave of slots): the most when even they stay within one wave, else the fewest
+    whose wave efficiency (``split_efficiency``) is within 85% of the best, so no split pays for a second wave
+    left mostly idle.
     """
     max_pages = max(1, _ceil(max_kv, block_size))
-    want = _ceil(CTAS_PER_SM * n_sm, max(1, n_ctas))
+    slots = CTAS_PER_SM * n_sm
+    n_ctas = max(1, n_ctas)
+    if n_ctas >= 0.8 * slots:
+        return 1, max_pages
     by_len = max(1, max_kv // MIN_SPLIT_TOKENS)
     by_mem = max(1, WORKSPACE_LIMIT // max(1, 4 * n_rows * n_heads * (head_dim + 1)))
-    n = max(1, min(want, by_len, by_mem, max_pages, GRID_YZ_MAX))
+    most = max(1, min(_ceil(slots, n_ctas), by_len, by_mem, max_pages, GRID_YZ_MAX))
+    # split counts that differ in pages per split (more splits of the same size only add empty ones)
+    counts = sorted({_ceil(max_pages, _ceil(max_pages, n)) for n in range(1, most + 1)})
+    if n_ctas * counts[-1] <= slots:  # under one wave even at the most: every split adds parallelism
+        n = counts[-1]
+    else:
+        eff = {n: split_efficiency(n_ctas, n, slots) for n in counts}
+        n = next(n for n in counts if eff[n] >= 0.85 * max(eff.values()))
     split_pages = _ceil(max_pages, n)
     return _ceil(max_pages, split_pages), split_pages
 
@@ -419,6 +441,7 @@ __all__ = [
     "choose_cuda_binary",
     "choose_hip_binary",
     "choose_splits",
+    "split_efficiency",
     "decode_group",
     "decode_smem_bytes",
     "decode_stage_words",

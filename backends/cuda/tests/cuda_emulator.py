@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -156,10 +157,15 @@ class EmuRuntime:
 class EmulatedCudaBackend(CudaBackend):
     """CudaBackend with its kernels on the CPU emulator: the contract suite runs it as ``cuda-emu``.
 
-    ``n_sm`` (``KVHAL_CUDA_EMU_SMS``) is the SM count the split-KV heuristic plans for."""
+    ``n_sm`` (``KVHAL_CUDA_EMU_SMS``) is the SM count the split-KV heuristic plans for; ``prefill`` defaults to
+    "kernel" here (``KVHAL_CUDA_EMU_PREFILL``)."""
 
     name = "cuda-emu"
-    OPTIONS = (Option("n_sm", int, 4, env="KVHAL_CUDA_EMU_SMS", check=positive),)
+    OPTIONS = (
+        Option("n_sm", int, 4, env="KVHAL_CUDA_EMU_SMS", check=positive),
+        # the contract holds kvhal.cu's own prefill kernel to f32's tolerance here; test_cuda_sdpa runs the SDPA route
+        dataclasses.replace(CudaBackend.OPTIONS[1], default="kernel", env="KVHAL_CUDA_EMU_PREFILL"),
+    )
 
     @classmethod
     def probe(cls) -> kvhal.Probe:

@@ -70,7 +70,7 @@ def test_store_launch_of_k_pages_is_a_cta_per_page_and_head_a_thread_per_code_by
 def test_every_launched_kernel_is_in_the_source():
     launched = set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "__init__.py").read_text()))
     launched |= set(re.findall(r'"(kvhal_\w+)"', (source.KERNEL_DIR.parent / "plan.py").read_text()))
-    assert len(source.kernel_names()) == 11 and launched == set(source.kernel_names())
+    assert len(source.kernel_names()) == 12 and launched == set(source.kernel_names())
 
 
 @pytest.mark.parametrize("fmt", formats.names())
@@ -215,6 +215,30 @@ def test_split_heuristic():
     # the workspace cap binds for huge prefill batches
     n, _ = plan.choose_splits(1, 1 << 20, 16, 132, 64, 64, 256)
     assert 1 < n and n * 64 * 64 * 257 * 4 <= plan.WORKSPACE_LIMIT < (n + 1) * 64 * 64 * 257 * 4
+
+
+@pytest.mark.parametrize("n_sm", [4, 108, 132])
+@pytest.mark.parametrize("n_ctas", [1, 4, 7, 24, 100, 300])
+@pytest.mark.parametrize("max_kv", [300, 4096, 32768, 131072])
+def test_split_count_follows_the_wave_efficiency_rule(n_sm, n_ctas, max_kv):
+    """Against a brute force over every split count: no split once the CTAs fill 80% of the slots; within one wave,
+    the most the bounds allow; past it, no count with fewer splits is within 85% of the best wave efficiency."""
+    n, pages = plan.choose_splits(n_ctas, max_kv, 16, n_sm, 1, 32, 128)
+    slots, max_pages = plan.CTAS_PER_SM * n_sm, -(-max_kv // 16)
+    assert (n - 1) * pages < max_pages <= n * pages  # whole pages, no empty split
+    if n_ctas >= 0.8 * slots:
+        assert n == 1
+        return
+    allowed = [m for m in range(1, max_pages + 1)
+               if m <= -(-slots // n_ctas) and m <= max(1, max_kv // plan.MIN_SPLIT_TOKENS)
+               and -(-max_pages // -(-max_pages // m)) == m]  # fmt: skip
+    assert n in allowed
+    if n_ctas * max(allowed) <= slots:
+        assert n == max(allowed)
+    else:
+        best = max(plan.split_efficiency(n_ctas, m, slots) for m in allowed)
+        assert plan.split_efficiency(n_ctas, n, slots) >= 0.85 * best
+        assert all(plan.split_efficiency(n_ctas, m, slots) < 0.85 * best for m in allowed if m < n)
 
 
 def split_kv_emulation(q, ks, vs, p, bs, scale):

@@ -209,41 +209,103 @@ KV_EXPORT int kvc_store(const kv_args *a) {
     return KV_OK;
 }
 
+/* load_cvt.c: f32 -> f16/bf16 rows (dtype 1 f16, 2 bf16), and the output copy (non-temporal when stream) */
+void kv_cvt_row(int isa, int dtype, const float *src, uint16_t *dst, int n);
+void kv_out_copy(int isa, void *dst, const void *src, size_t n, int stream);
+void kv_out_fence(void);
+int kv_load_row(int isa, int fmt, const uint8_t *src, void *dst, int dtype, int d);
+
+/* outputs of at least this many bytes (K and V) are written with non-temporal stores: far larger than the caches,
+ * so a regular store's read-for-ownership of each line would add the output's size again to the traffic */
+#define KV_STREAM_OUT_BYTES (8 << 20)
+
 typedef struct {
     const kv_isa *isa;
     const kv_args *a;
-} load_ctx;
+    int64_t skip;
+    int dtype;      /* 0 f32, 1 f16, 2 bf16 */
+    int stream;     /* stage each token's rows, then copy them out with non-temporal stores */
+    float *scratch; /* per worker: scratch_floats f32 */
+    size_t scratch_floats;
+} load_to_ctx;
 
-/* one task: the tokens of page `task` (block_size of them, fewer in the last), K then V. Output rows of
- * those tokens are one contiguous run [t0 * H * D, (t0 + nt) * H * D), written front to back. */
-static void load_task(void *p, int64_t task, int worker) {
-    (void)worker;
-    const load_ctx *c = (const load_ctx *)p;
+/* kvc_load_to's task: page `task`'s tokens t >= skip (K then V) into output rows t - skip. Rows are dequantized
+ * into a scratch that stays in L1, narrowed there, and copied out a token (all heads: contiguous in the output)
+ * at a time; an f32 output that is not streamed is written directly. */
+static void load_to_task(void *p, int64_t task, int worker) {
+    const load_to_ctx *c = (const load_to_ctx *)p;
     const kv_args *a = c->a;
-    const int H = a->n_kv_heads, D = a->head_dim, bs = a->block_size;
-    const int64_t t0 = task * bs;
+    const int H = a->n_kv_heads, D = a->head_dim, bs = a->block_size, isa = a->isa;
+    const int direct = c->dtype == 0 && !c->stream;
+    const int64_t t0 = task * bs, HD = (int64_t)H * D;
     const int nt = a->n - t0 < bs ? (int)(a->n - t0) : bs;
+    const int u0 = c->skip > t0 ? (int)(c->skip - t0) : 0; /* first token of this page that is written */
+    const size_t esize = c->dtype ? 2 : 4, tok_bytes = (size_t)HD * esize;
+    /* f32 rows: [D], or a head's page [bs][D] of per-channel K; then the stage [H][D] of the output dtype */
+    float *f32 = c->scratch + (size_t)worker * c->scratch_floats;
+    uint8_t *stage = (uint8_t *)(void *)(f32 + (((size_t)(a->kpaged ? bs : 1) * D + 15) & ~(size_t)15));
     for (int w = 0; w < 2; w++) {
         const int fmt = w ? a->vfmt : a->kfmt;
         const int64_t row = w ? a->vrow : a->krow;
         const uint8_t *page = (w ? a->vpool : a->kpool) + a->blocks[task] * H * bs * row;
-        float *out = (w ? a->vout : a->kout) + t0 * H * D;
-        if (!w && a->kpaged) {
-            for (int h = 0; h < H; h++) c->isa->kpage_rows(fmt, page + (int64_t)h * bs * row, bs, D, 0, nt, out + (int64_t)h * D, (int64_t)H * D);
+        uint8_t *out = (uint8_t *)(w ? a->vout : a->kout) + (size_t)(t0 + u0 - c->skip) * tok_bytes;
+        const int paged = !w && a->kpaged;
+        if (direct) {
+            for (int h = 0; h < H; h++) {
+                float *o = (float *)(void *)out + (int64_t)h * D;
+                if (paged) c->isa->kpage_rows(fmt, page + (int64_t)h * bs * row, bs, D, u0, nt - u0, o, HD);
+                else
+                    for (int t = u0; t < nt; t++) c->isa->dequantize(fmt, page + ((int64_t)h * bs + t) * row, o + (t - u0) * HD, D);
+            }
             continue;
         }
-        for (int t = 0; t < nt; t++)
-            for (int h = 0; h < H; h++)
-                c->isa->dequantize(fmt, page + ((int64_t)h * bs + t) * row, out + ((int64_t)t * H + h) * D, D);
+        if (paged) { /* a head's rows come from its whole page: dequantized at once, then narrowed row by row */
+            const size_t row_out = (size_t)D * esize;
+            for (int h = 0; h < H; h++) {
+                c->isa->kpage_rows(fmt, page + (int64_t)h * bs * row, bs, D, u0, nt - u0, f32, D);
+                for (int t = 0; t < nt - u0; t++) {
+                    const float *src = f32 + (size_t)t * D;
+                    if (c->dtype) kv_cvt_row(isa, c->dtype, src, (uint16_t *)(void *)stage, D);
+                    kv_out_copy(isa, out + (size_t)t * tok_bytes + h * row_out, c->dtype ? (const void *)stage : src,
+                                row_out, c->stream);
+                }
+            }
+            continue;
+        }
+        for (int t = u0; t < nt; t++) {
+            for (int h = 0; h < H; h++) {
+                uint8_t *o = stage + (size_t)h * D * esize;
+                const uint8_t *src = page + ((int64_t)h * bs + t) * row;
+                if (kv_load_row(isa, fmt, src, o, c->dtype, D)) continue;
+                float *dst = c->dtype ? f32 : (float *)(void *)o;
+                c->isa->dequantize(fmt, src, dst, D);
+                if (c->dtype) kv_cvt_row(isa, c->dtype, dst, (uint16_t *)(void *)o, D);
+            }
+            kv_out_copy(isa, out + (size_t)(t - u0) * tok_bytes, stage, tok_bytes, c->stream);
+        }
     }
+    if (c->stream) kv_out_fence();
 }
 
-/* K and V of the first n tokens of the pages a->blocks */
-KV_EXPORT int kvc_load(const kv_args *a) {
+/* K and V of tokens [skip, n) of the pages a->blocks (skip < block_size) into a->kout / a->vout, rows
+ * [n - skip][n_kv_heads][head_dim] of dtype 0 f32, 1 f16, 2 bf16 (uint16 bits) */
+KV_EXPORT int kvc_load_to(const kv_args *a, int64_t skip, int32_t dtype) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    load_ctx c = {isa, a};
-    kv_pool_run(load_task, &c, (a->n + a->block_size - 1) / a->block_size, a->threads);
+    if (skip < 0 || skip > a->n || skip >= a->block_size || dtype < 0 || dtype > 2) return KV_EARG;
+    const int workers = a->threads > 1 ? a->threads : 1;
+    const int64_t HD = (int64_t)a->n_kv_heads * a->head_dim;
+    const int stream = 2 * (a->n - skip) * HD * (dtype ? 2 : 4) >= KV_STREAM_OUT_BYTES;
+    /* per worker: f32 rows (one, or a page of per-channel K) and an [H][D] stage, each a 64-byte multiple so every
+     * worker's stays aligned */
+    const size_t rows = (size_t)(a->kpaged ? a->block_size : 1) * (size_t)a->head_dim;
+    const size_t per = ((rows + 15) & ~(size_t)15) + (((size_t)HD + 15) & ~(size_t)15);
+    float *scratch = NULL;
+    if ((dtype || stream) && !(scratch = (float *)aligned_alloc(64, (size_t)workers * per * sizeof(float))))
+        return KV_ENOMEM;
+    load_to_ctx c = {isa, a, skip, dtype, stream, scratch, per};
+    kv_pool_run(load_to_task, &c, (a->n + a->block_size - 1) / a->block_size, workers);
+    free(scratch);
     return KV_OK;
 }
 

@@ -11,7 +11,7 @@
 
 int kvc_isa_supported(int isa);
 int kvc_store(const kv_args *a);
-int kvc_load(const kv_args *a);
+int kvc_load_to(const kv_args *a, int64_t skip, int32_t dtype);
 int kvc_attention(const kv_args *a);
 int kvc_format_table(int32_t *out, int cap);
 
@@ -72,12 +72,16 @@ int main(void) {
             a = layer, b = layer;
             b.isa = isa, b.threads = 2;
             a.blocks = b.blocks = blocks, a.n = b.n = N, a.kout = l0, a.vout = v0, b.kout = l1, b.vout = v1;
-            kvc_load(&a);
-            kvc_load(&b);
-            if (memcmp(l0, l1, sizeof l0) || memcmp(v0, v1, sizeof v0)) {
-                printf("isa %d fmt %d%s: loads differ\n", isa, fmt, paged ? " (K pages)" : "");
-                fails++;
-            }
+            for (int dtype = 0; dtype < 3; dtype++) /* f32, f16, bf16 outputs, from a row inside the first page */
+                for (int skip = 0; skip < 4; skip += 3) {
+                    kvc_load_to(&a, skip, dtype);
+                    kvc_load_to(&b, skip, dtype);
+                    if (memcmp(l0, l1, sizeof l0) || memcmp(v0, v1, sizeof v0)) {
+                        printf("isa %d fmt %d%s: loads differ (dtype %d, skip %d)\n", isa, fmt, paged ? " (K pages)" : "",
+                               dtype, skip);
+                        fails++;
+                    }
+                }
             /* attention on unit-scale K (the edge-case blocks above are for the quantizers only) */
             a = layer;
             a.k = k + 4 * 32, a.v = v, a.slots = slots, a.n = paged ? N - BS : N - 1; /* paged: whole pages */

@@ -529,6 +529,20 @@ extern "C" __global__ void kvhal_load(const u8* __restrict__ pool, const int* __
   out[i] = k_value(fmt, pool, block_ids, (int)(th / H), h, H, bs, row_bytes, D, e);  // V pools too (no KV_KPAGED)
 }
 
+// out [n, H, D] bf16 bits: kvhal_load rounded to nearest even (NaN stays a quiet NaN of its sign), what the
+// torch SDPA prefill route (sdpa.py) hands FlashAttention: the dequantization pass that route pays, half the
+// bytes of f32
+extern "C" __global__ void kvhal_load_bf16(const u8* __restrict__ pool, const int* __restrict__ block_ids,
+                                           u16* __restrict__ out, int n, int H, int D, int bs, int row_bytes, int fmt) {
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (i64)n * H * D) return;
+  const int e = (int)(i % D);
+  const i64 th = i / D;
+  const int h = (int)(th % H);
+  const unsigned int u = kv_f32_as_u32(k_value(fmt, pool, block_ids, (int)(th / H), h, H, bs, row_bytes, D, e));
+  out[i] = (u & 0x7fffffffu) > 0x7f800000u ? (u16)((u >> 16) | 0x40u) : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // copy_slots in two launches, so overlapping src/dst (a sequence shifting down) read before any write
 extern "C" __global__ void kvhal_copy_gather(const u8* __restrict__ pool, const i64* __restrict__ slots,
                                              u8* __restrict__ tmp, int n, int H, int bs, int row_bytes) {
@@ -985,8 +999,8 @@ __device__ __forceinline__ void v_accum(const u8* vpool, const i64* rv, const fl
   }
 }
 
-// copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (8 or 4 when the row size
-// allows, else 2 or 1), consecutive lanes on consecutive units of a run of consecutive rows, four loads in flight
+// copy the tile's nt K rows (offsets rk) to rows of S words at dst, unit bytes at a time (16, 8 or 4 when the row
+// size allows, else 2 or 1), consecutive lanes on consecutive units of a run of consecutive rows, four loads in flight
 // per lane; unit i of a run is unit i - j W of its row j = i / W (a multiply-high, div_w)
 template <int U>
 struct Unit;
@@ -1006,6 +1020,10 @@ template <>
 struct Unit<8> {
   typedef uint2 T;
 };
+template <>
+struct Unit<16> {
+  typedef uint4 T;
+};
 // i / W for 0 <= i <= 32 W, W <= 4 * KV_DEC_STAGE_MAX: the high word of i * ceil(2^32 / W), exact as i * (the
 // rounding error of M, < W) stays below 2^32
 __device__ __forceinline__ int div_w(int i, u32 M, int W) {
@@ -1020,6 +1038,13 @@ __device__ __forceinline__ void put_unit(u8* p, uint2 v) {
   kv_check_aligned(p, 4);
   reinterpret_cast<u32*>(p)[0] = v.x;
   reinterpret_cast<u32*>(p)[1] = v.y;
+}
+__device__ __forceinline__ void put_unit(u8* p, uint4 v) {  // 16-byte loads, stored as four words
+  kv_check_aligned(p, 4);
+  reinterpret_cast<u32*>(p)[0] = v.x;
+  reinterpret_cast<u32*>(p)[1] = v.y;
+  reinterpret_cast<u32*>(p)[2] = v.z;
+  reinterpret_cast<u32*>(p)[3] = v.w;
 }
 template <int U>
 __device__ __forceinline__ void stage_units(const u8* src0, u8* dst, int S, int W, int total, int lane) {
@@ -1124,7 +1149,9 @@ __device__ __noinline__ void decode_heads(const AttnArgs a, float* smem, int tst
     kv_syncwarp();
     const u8* krow;
     if (staged) {
-      if ((kb & 7) == 0)
+      if ((kb & 15) == 0)  // rows of 16-byte multiples (fp8, q4_1, f16/bf16 at head_dim 128): 16 bytes per lane load
+        stage_rows<16>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
+      else if ((kb & 7) == 0)
         stage_rows<8>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);
       else if ((kb & 3) == 0)
         stage_rows<4>(a.kpool, rk, ks, S, kb, nt, t0, bs, lane);

@@ -164,6 +164,9 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
   unsigned int x, y;
 };
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
 // built with -ffp-contract=off: plain IEEE single-precision operations
 static inline float kv_fmul_rn(float a, float b) { return a * b; }
 static inline float kv_fadd_rn(float a, float b) { return a + b; }
@@ -207,7 +210,7 @@ const std::map<std::string, Thunk>& table() {
       {"kvhal_copy_scatter", make(kvhal_copy_scatter)}, {"kvhal_attn_decode", make(kvhal_attn_decode)},
       {"kvhal_attn_prefill", make(kvhal_attn_prefill)}, {"kvhal_attn_merge", make(kvhal_attn_merge)},
       {"kvhal_blocks_gather", make(kvhal_blocks_gather)}, {"kvhal_blocks_scatter", make(kvhal_blocks_scatter)},
-      {"kvhal_store_kpage", make(kvhal_store_kpage)},
+      {"kvhal_store_kpage", make(kvhal_store_kpage)},   {"kvhal_load_bf16", make(kvhal_load_bf16)},
   };
   return t;
 }
