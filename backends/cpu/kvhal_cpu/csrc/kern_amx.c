@@ -16,7 +16,15 @@
  * each product as TDPBF16PS passes over pairs of pieces (i, j) with i + j below the larger piece count
  * (q and p are split the same way: 3 pieces where the call is held to 1e-5, else 2). Products of bf16
  * are exact in f32, so the error is that of the dropped pairs and f32 accumulation: ~1e-6 of the f64
- * result for the float formats, ~4e-5 for the ggml ones (their tolerance: 3e-4).
+ * result for the float formats, ~4e-5 for the ggml ones (their tolerance: 5e-4).
+ *
+ * Schedule of one tile: the K and V pieces are prepared, then for each block of 32 query rows the
+ * softmax's vector work runs with the tile unit's work of the neighbouring blocks issued between its
+ * ops (amx_step): the scores of block rb + 32 and the P.V of block rb - 32. What bounds it (q8_0, 512
+ * queries GQA 4 over 4k, one thread, CPU time, -DAMX_PROF and builds with parts removed): the
+ * softmax's vector work alone 32 ms, with the tile loads added (no TDPBF16PS) 62 ms, everything 84
+ * ms: the 1 KiB tile loads (8 per 12 TDPBF16PS, K and V pieces from L2) cost about as much as the
+ * products themselves; 6.3M TDPBF16PS at the 6 ns one takes with its operands in tiles is 38 ms.
  *
  * Why bf16 for the integer formats too (not AMX-INT8 on the codes): ggml blocks carry one fp16 scale per
  * 32 values and token, so an int8 dot product must be kept apart per 32-dim block (and per hi/lo half
@@ -53,7 +61,8 @@
 /* KV tokens per tile (a multiple of 32): each tile's C tiles of O^T are loaded and stored once per 32-row
  * block, and its softmax bookkeeping runs once. Interleaved single-thread runs, q8_0 / f16, 512 queries
  * over 4k (CPU ms): 64 tokens 151-162 / 177-179, 128 131-134 / 156-159, 256 121-123 / 142-146, 512
- * 123-139 / 146-148. */
+ * 123-139 / 146-148; with the P.V issued inside the softmax, q8_0: 64 tokens 126-132, 128 110-117, 256
+ * 110-119. */
 #ifndef AMX_T
 #define AMX_T 256
 #endif
@@ -601,7 +610,7 @@ void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float
      * count are kept. Calls held to the f32 paths' 1e-5 (no ggml format in K or V) take q and p in 3
      * pieces (exact), the rest 2 (2^-18): the 2-piece q measured 1.5e-5 against f64 (bf16 K, 70
      * queries over 300; 3 pieces: 1.8e-6), the 2-piece p 1.1e-5 (f16, a 33-token window), the
-     * quantized formats 4e-5 against their 3e-4. */
+     * quantized formats 4e-5 against their 5e-4. */
     const int precise = !kv_is_quant(c->kfmt) && !kv_is_quant(c->vfmt);
     L.nk = amx_exact(c->kfmt) ? 1 : c->kfmt == KV_F32 && precise ? 3 : 2; /* f32: 24 bits */
     L.nv = amx_exact(c->vfmt) ? 1 : c->vfmt == KV_F32 && precise ? 3 : 2;
