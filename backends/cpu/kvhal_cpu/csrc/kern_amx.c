@@ -198,7 +198,7 @@ static inline __m512 amx_exp2(__m512 x) {
 typedef struct {
     uint32_t *q[3];      /* Q^T pieces [RP/32][D/2][32]: dword (dp, r) = bf16 q[r][2dp], q[r][2dp+1] */
     uint16_t *k[3];      /* K pieces [AMX_T][D] bf16 */
-    float *xf;           /* [AMX_T][D] f32 rows of the tile (K, then V) */
+    float *xf;           /* [24][D]: two f32 rows of the tile, or amx_q's staging of 16 rows x 3 pieces */
     uint32_t *vx;        /* [3][AMX_T/2][D] token pairs of V's pieces before the transpose */
     uint32_t *v[3];      /* V^T pieces [D][AMX_T/2]: dword (d, tp) = bf16 v[2tp][d], v[2tp+1][d] */
     float *s;            /* S^T of two row blocks [2][AMX_T][32]: one scored while the other's softmax runs */
@@ -217,7 +217,7 @@ static size_t amx_layout(int D, int rows, uint8_t *base, amx_ws *L) {
 #define TAKE(field, type, count) KV_WS_TAKE(L, base, off, field, type, count)
     for (int i = 0; i < 3; i++) TAKE(q[i], uint32_t, d / 2 * RP);
     for (int i = 0; i < 3; i++) TAKE(k[i], uint16_t, T * d);
-    TAKE(xf, float, T * d);
+    TAKE(xf, float, 24 * d);
     TAKE(vx, uint32_t, 3 * T / 2 * d);
     for (int i = 0; i < 3; i++) TAKE(v[i], uint32_t, d * T / 2);
     TAKE(s, float, 2 * T * 32);
@@ -236,31 +236,40 @@ size_t kv_amx_extra_bytes(const kv_call *c, int rows) { return amx_layout(c->hea
 /* whether a format's values are bf16 exactly (one piece: its lo passes are skipped) */
 static int amx_exact(int fmt) { return fmt == KV_BF16 || fmt == KV_FP8_E4M3 || fmt == KV_FP8_E5M2; }
 
-/* rows[t] (t < nt) of the tile dequantized into xf; rows past nt are zero */
-static void amx_rows_f32(int fmt, const uint8_t *const *rows, int nt, int D, float *xf) {
-    for (int t = 0; t < nt; t++) kv_isa_avx512.dequantize(fmt, rows[t], xf + (size_t)t * D, D);
-    if (nt < AMX_T) memset(xf + (size_t)nt * D, 0, (size_t)(AMX_T - nt) * D * sizeof(float));
+/* row t of the tile (t < nt) dequantized into x [D] f32; rows past nt are zero */
+static inline void amx_row_f32(int fmt, const uint8_t *const *rows, int t, int nt, int D, float *x) {
+    if (t < nt)
+        kv_isa_avx512.dequantize(fmt, rows[t], x, D);
+    else
+        memset(x, 0, (size_t)D * sizeof(float));
 }
 
+/* K's pieces, a row at a time through a D-float buffer that stays in L1 */
 static void amx_k_tile(const amx_ws *L, int fmt, const uint8_t *const *rows, int nt, int D) {
-    amx_rows_f32(fmt, rows, nt, D, L->xf);
-    for (size_t i = 0; i < (size_t)AMX_T * D; i += 32) {
-        __m512 x0 = _mm512_loadu_ps(L->xf + i), x1 = _mm512_loadu_ps(L->xf + i + 16);
-        for (int k = 0; k < L->nk; k++) {
-            const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
-            _mm512_storeu_si512((void *)(L->k[k] + i), amx_pack(h0, h1));
-            x0 = amx_rest(x0, h0);
-            x1 = amx_rest(x1, h1);
+    for (int t = 0; t < AMX_T; t++) {
+        amx_row_f32(fmt, rows, t, nt, D, L->xf);
+        for (int j = 0; j < D; j += 32) {
+            __m512 x0 = _mm512_loadu_ps(L->xf + j), x1 = _mm512_loadu_ps(L->xf + j + 16);
+            const size_t i = (size_t)t * D + j;
+            for (int k = 0; k < L->nk; k++) {
+                const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
+                _mm512_storeu_si512((void *)(L->k[k] + i), amx_pack(h0, h1));
+                x0 = amx_rest(x0, h0);
+                x1 = amx_rest(x1, h1);
+            }
         }
     }
 }
 
+/* V's pieces: token pairs (two rows at a time through L1) interleaved, then transposed to V^T */
 static void amx_v_tile(const amx_ws *L, int fmt, const uint8_t *const *rows, int nt, int D) {
-    amx_rows_f32(fmt, rows, nt, D, L->xf);
     const size_t piece = (size_t)AMX_T / 2 * D;
-    for (int tp = 0; tp < AMX_T / 2; tp++)
+    float *x2 = L->xf + D;
+    for (int tp = 0; tp < AMX_T / 2; tp++) {
+        amx_row_f32(fmt, rows, 2 * tp, nt, D, L->xf);
+        amx_row_f32(fmt, rows, 2 * tp + 1, nt, D, x2);
         for (int j = 0; j < D; j += 16) {
-            __m512 x0 = _mm512_loadu_ps(L->xf + (size_t)(2 * tp) * D + j), x1 = _mm512_loadu_ps(L->xf + (size_t)(2 * tp + 1) * D + j);
+            __m512 x0 = _mm512_loadu_ps(L->xf + j), x1 = _mm512_loadu_ps(x2 + j);
             for (int k = 0; k < L->nv; k++) {
                 const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
                 _mm512_storeu_si512((void *)(L->vx + k * piece + (size_t)tp * D + j), amx_pair(h0, h1));
@@ -268,6 +277,7 @@ static void amx_v_tile(const amx_ws *L, int fmt, const uint8_t *const *rows, int
                 x1 = amx_rest(x1, h1);
             }
         }
+    }
     for (int k = 0; k < L->nv; k++)
         for (int tp = 0; tp < AMX_T / 2; tp += 16)
             for (int j = 0; j < D; j += 16)
