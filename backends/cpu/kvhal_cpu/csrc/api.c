@@ -442,10 +442,14 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     const int rows_target = amx ? KV_AMX_ROWS_TARGET : KV_ROWS_TARGET;
     int npc = rows_target / G > 0 ? rows_target / G : 1;
     int n_hg = (n_kv_heads + KV_HEAD_GROUP - 1) / KV_HEAD_GROUP, hg = (n_kv_heads + n_hg - 1) / n_hg;
-    if (amx) { /* one KV head per AMX item: kern_amx.c converts each head's K/V tiles on their own anyway,
-                * and more, smaller items keep every thread busy to the end of the call */
-        hg = 1;
-        n_hg = n_kv_heads;
+    if (amx) { /* AMX's longer chunks: fewer head groups per item where the chunks alone leave threads idle */
+        int64_t chunks = 0;
+        for (int s = 0; s < n_seqs; s++) chunks += (q_lens[s] + npc - 1) / npc;
+        while (chunks * n_hg < 2 * (int64_t)threads && n_hg < n_kv_heads) {
+            n_hg++;
+            hg = (n_kv_heads + n_hg - 1) / n_hg;
+        }
+        n_hg = (n_kv_heads + hg - 1) / hg;
     }
     int rows_max = 0, head_rows_max = 0;
     int64_t n_items = 0, n_parts = 0, n_groups = 0, kv_bytes = 0;
