@@ -667,7 +667,7 @@ void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float
             PROF(1);
             /* row block rb's softmax runs while the tile unit scores block rb + 32 and then runs block
              * rb - 32's P.V (amx_step): the S and P buffers alternate between even and odd blocks */
-            amx_next nx;
+            amx_next nx = {.pv = {.done = 1}};
             amx_sc_begin(&nx.sc, &L, D, 0, L.s);
             while (!nx.sc.done) amx_sc_step(&nx.sc);
             PROF(2);
