@@ -141,10 +141,13 @@ class CpuBackend(HostPoolsBackend):
     name = "cpu"
     # what its kernels implement; supports() also refuses any a built library lacks
     formats = frozenset(formats.names())
-    # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits) measure <= 1.65e-4 on the contract
-    # cases; the f32 paths (scalar, AVX2, NEON, and the float formats everywhere) stay near 1e-6.
+    # the integer kernels (AVX-512 VNNI: q and p*d_v at 16 bits): the int16 weights p*d_v share one scale
+    # per row, 32-value block and KV tile of T tokens, so an output value's error has a standard deviation
+    # of at most 2^-15 * sqrt(T/12) * rms(v) = 1.0e-4 for unit-scale V at T = 128 (docs/backends/cpu.md);
+    # the figure is 5 of those (the full contract sweep, 714 cases x 5 query seeds, measured 3.8e-4). The
+    # f32 paths (scalar, AVX2, NEON, and the float formats everywhere) stay near 1e-6.
     # An instance declares the figure of the kernels its ISA runs.
-    INT_TOLERANCE = 3e-4
+    INT_TOLERANCE = 5e-4
     F32_TOLERANCE = 1e-5
     attention_tolerance = INT_TOLERANCE
     fused = frozenset({"attention_lse"})

@@ -18,9 +18,12 @@
  * 1.06x, f16 4k 1.04x, q8_0 4k and q4_0 16k 1.00-1.01x; 256 was no faster. */
 #define KV_ROWS_TARGET 128
 /* AMX prefill (kern_amx.c): rows per KV head and item; each K/V tile is dequantized and split into bf16
- * once for all of them, which at 128 rows took a third of the item's time (q8_0, 4k) */
+ * once for all of them, which at 128 rows took a third of the item's time (q8_0, 4k). 1024 against 512
+ * (q8_0, 512 queries GQA 4, 1 thread, CPU time): the tile preparation 14 -> 8 ms at 4k, 4-5% of the
+ * call at 4k and 16k; 2048 halves it again but a tile's pass over the rows' Q^T and O^T (2 MB) then
+ * leaves L2 and the main loop slows by more (80 -> 90 ms at 4k). */
 #ifndef KV_AMX_ROWS_TARGET
-#define KV_AMX_ROWS_TARGET 512
+#define KV_AMX_ROWS_TARGET 1024
 #endif
 #define KV_HEAD_GROUP 8   /* KV heads per item: their rows lie back to back in a page */
 /* rows of a decode-sized item (positions x query heads of its KV heads): up to this many keep kv_split

@@ -16,7 +16,15 @@
  * each product as TDPBF16PS passes over pairs of pieces (i, j) with i + j below the larger piece count
  * (q and p are split the same way: 3 pieces where the call is held to 1e-5, else 2). Products of bf16
  * are exact in f32, so the error is that of the dropped pairs and f32 accumulation: ~1e-6 of the f64
- * result for the float formats, ~4e-5 for the ggml ones (their tolerance: 3e-4).
+ * result for the float formats, ~4e-5 for the ggml ones (their tolerance: 5e-4).
+ *
+ * Schedule of one tile: the K and V pieces are prepared, then for each block of 32 query rows the
+ * softmax's vector work runs with the tile unit's work of the neighbouring blocks issued between its
+ * ops (amx_step): the scores of block rb + 32 and the P.V of block rb - 32. What bounds it (q8_0, 512
+ * queries GQA 4 over 4k, one thread, CPU time, -DAMX_PROF and builds with parts removed): the
+ * softmax's vector work alone 32 ms, with the tile loads added (no TDPBF16PS) 62 ms, everything 84
+ * ms: the 1 KiB tile loads (8 per 12 TDPBF16PS, K and V pieces from L2) cost about as much as the
+ * products themselves; 6.3M TDPBF16PS at the 6 ns one takes with its operands in tiles is 38 ms.
  *
  * Why bf16 for the integer formats too (not AMX-INT8 on the codes): ggml blocks carry one fp16 scale per
  * 32 values and token, so an int8 dot product must be kept apart per 32-dim block (and per hi/lo half
@@ -53,7 +61,8 @@
 /* KV tokens per tile (a multiple of 32): each tile's C tiles of O^T are loaded and stored once per 32-row
  * block, and its softmax bookkeeping runs once. Interleaved single-thread runs, q8_0 / f16, 512 queries
  * over 4k (CPU ms): 64 tokens 151-162 / 177-179, 128 131-134 / 156-159, 256 121-123 / 142-146, 512
- * 123-139 / 146-148. */
+ * 123-139 / 146-148; with the P.V issued inside the softmax, q8_0: 64 tokens 126-132, 128 110-117, 256
+ * 110-119. */
 #ifndef AMX_T
 #define AMX_T 256
 #endif
@@ -189,11 +198,12 @@ static inline __m512 amx_exp2(__m512 x) {
 typedef struct {
     uint32_t *q[3];      /* Q^T pieces [RP/32][D/2][32]: dword (dp, r) = bf16 q[r][2dp], q[r][2dp+1] */
     uint16_t *k[3];      /* K pieces [AMX_T][D] bf16 */
-    float *xf;           /* [AMX_T][D] f32 rows of the tile (K, then V) */
+    float *xf;           /* [24][D]: two f32 rows of the tile, or amx_q's staging of 16 rows x 3 pieces */
     uint32_t *vx;        /* [3][AMX_T/2][D] token pairs of V's pieces before the transpose */
     uint32_t *v[3];      /* V^T pieces [D][AMX_T/2]: dword (d, tp) = bf16 v[2tp][d], v[2tp+1][d] */
     float *s;            /* S^T of two row blocks [2][AMX_T][32]: one scored while the other's softmax runs */
-    uint32_t *p[3];      /* P^T pieces of one row block [AMX_T/2][32]: dword (tp, r) = bf16 p[2tp][r], p[2tp+1][r] */
+    uint32_t *p[2][3];   /* P^T pieces of two row blocks [AMX_T/2][32]: dword (tp, r) = bf16 p[2tp][r], p[2tp+1][r];
+                          * one written by the softmax while the tile unit reads the other (P.V) */
     float *o;            /* O^T [RP/32][D][32] */
     float *m, *l;        /* [RP] */
     int32_t *lo, *hi;    /* [RP] visible KV positions of each row, within the item's range */
@@ -207,11 +217,11 @@ static size_t amx_layout(int D, int rows, uint8_t *base, amx_ws *L) {
 #define TAKE(field, type, count) KV_WS_TAKE(L, base, off, field, type, count)
     for (int i = 0; i < 3; i++) TAKE(q[i], uint32_t, d / 2 * RP);
     for (int i = 0; i < 3; i++) TAKE(k[i], uint16_t, T * d);
-    TAKE(xf, float, T * d);
+    TAKE(xf, float, 24 * d);
     TAKE(vx, uint32_t, 3 * T / 2 * d);
     for (int i = 0; i < 3; i++) TAKE(v[i], uint32_t, d * T / 2);
     TAKE(s, float, 2 * T * 32);
-    for (int i = 0; i < 3; i++) TAKE(p[i], uint32_t, T / 2 * 32);
+    for (int i = 0; i < 6; i++) TAKE(p[i / 3][i % 3], uint32_t, T / 2 * 32);
     TAKE(o, float, d * RP);
     TAKE(m, float, RP);
     TAKE(l, float, RP);
@@ -226,31 +236,40 @@ size_t kv_amx_extra_bytes(const kv_call *c, int rows) { return amx_layout(c->hea
 /* whether a format's values are bf16 exactly (one piece: its lo passes are skipped) */
 static int amx_exact(int fmt) { return fmt == KV_BF16 || fmt == KV_FP8_E4M3 || fmt == KV_FP8_E5M2; }
 
-/* rows[t] (t < nt) of the tile dequantized into xf; rows past nt are zero */
-static void amx_rows_f32(int fmt, const uint8_t *const *rows, int nt, int D, float *xf) {
-    for (int t = 0; t < nt; t++) kv_isa_avx512.dequantize(fmt, rows[t], xf + (size_t)t * D, D);
-    if (nt < AMX_T) memset(xf + (size_t)nt * D, 0, (size_t)(AMX_T - nt) * D * sizeof(float));
+/* row t of the tile (t < nt) dequantized into x [D] f32; rows past nt are zero */
+static inline void amx_row_f32(int fmt, const uint8_t *const *rows, int t, int nt, int D, float *x) {
+    if (t < nt)
+        kv_isa_avx512.dequantize(fmt, rows[t], x, D);
+    else
+        memset(x, 0, (size_t)D * sizeof(float));
 }
 
+/* K's pieces, a row at a time through a D-float buffer that stays in L1 */
 static void amx_k_tile(const amx_ws *L, int fmt, const uint8_t *const *rows, int nt, int D) {
-    amx_rows_f32(fmt, rows, nt, D, L->xf);
-    for (size_t i = 0; i < (size_t)AMX_T * D; i += 32) {
-        __m512 x0 = _mm512_loadu_ps(L->xf + i), x1 = _mm512_loadu_ps(L->xf + i + 16);
-        for (int k = 0; k < L->nk; k++) {
-            const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
-            _mm512_storeu_si512((void *)(L->k[k] + i), amx_pack(h0, h1));
-            x0 = amx_rest(x0, h0);
-            x1 = amx_rest(x1, h1);
+    for (int t = 0; t < AMX_T; t++) {
+        amx_row_f32(fmt, rows, t, nt, D, L->xf);
+        for (int j = 0; j < D; j += 32) {
+            __m512 x0 = _mm512_loadu_ps(L->xf + j), x1 = _mm512_loadu_ps(L->xf + j + 16);
+            const size_t i = (size_t)t * D + j;
+            for (int k = 0; k < L->nk; k++) {
+                const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
+                _mm512_storeu_si512((void *)(L->k[k] + i), amx_pack(h0, h1));
+                x0 = amx_rest(x0, h0);
+                x1 = amx_rest(x1, h1);
+            }
         }
     }
 }
 
+/* V's pieces: token pairs (two rows at a time through L1) interleaved, then transposed to V^T */
 static void amx_v_tile(const amx_ws *L, int fmt, const uint8_t *const *rows, int nt, int D) {
-    amx_rows_f32(fmt, rows, nt, D, L->xf);
     const size_t piece = (size_t)AMX_T / 2 * D;
-    for (int tp = 0; tp < AMX_T / 2; tp++)
+    float *x2 = L->xf + D;
+    for (int tp = 0; tp < AMX_T / 2; tp++) {
+        amx_row_f32(fmt, rows, 2 * tp, nt, D, L->xf);
+        amx_row_f32(fmt, rows, 2 * tp + 1, nt, D, x2);
         for (int j = 0; j < D; j += 16) {
-            __m512 x0 = _mm512_loadu_ps(L->xf + (size_t)(2 * tp) * D + j), x1 = _mm512_loadu_ps(L->xf + (size_t)(2 * tp + 1) * D + j);
+            __m512 x0 = _mm512_loadu_ps(L->xf + j), x1 = _mm512_loadu_ps(x2 + j);
             for (int k = 0; k < L->nv; k++) {
                 const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
                 _mm512_storeu_si512((void *)(L->vx + k * piece + (size_t)tp * D + j), amx_pair(h0, h1));
@@ -258,6 +277,7 @@ static void amx_v_tile(const amx_ws *L, int fmt, const uint8_t *const *rows, int
                 x1 = amx_rest(x1, h1);
             }
         }
+    }
     for (int k = 0; k < L->nv; k++)
         for (int tp = 0; tp < AMX_T / 2; tp += 16)
             for (int j = 0; j < D; j += 16)
@@ -376,42 +396,104 @@ static inline int amx_sc_steps(const amx_ws *L, int D) { /* steps of one row blo
 }
 
 /* O^T += V^T . P^T for row block rb, over the pieces (V piece i with P piece j, i + j < the larger
- * count, as amx_scores): C tiles 0-3 =
- * 32 dims x 32 rows (loaded from O^T and stored back), A (V^T) in 4-5, B (P^T) in 6-7 */
-static void amx_pv(const amx_ws *L, int D, int rb) {
-    const long va = AMX_T * 2;
-    float *ob = L->o + (size_t)(rb / 32) * D * 32;
-    for (int db = 0; db < D; db += 32) {
-        float *o = ob + (size_t)db * 32;
-        TLOAD(0, o, 128);
-        TLOAD(1, o + 16, 128);
-        TLOAD(2, o + 16 * 32, 128);
-        TLOAD(3, o + 16 * 32 + 16, 128);
-        for (int kt = 0; kt < AMX_T / 2; kt += 16)
-            for (int i = 0, lastb = -1; i < L->nv; i++) {
-                const uint32_t *v0 = L->v[i] + (size_t)db * (AMX_T / 2) + kt;
-                TLOAD(4, v0, va);
-                TLOAD(5, v0 + (size_t)16 * (AMX_T / 2), va);
-                const int nj = L->np < L->npv - i ? L->np : L->npv - i;
-                for (int jj = 0; jj < nj; jj++) {
-                    const int j = i & 1 ? jj : nj - 1 - jj; /* as amx_scores: B reused across V pieces */
-                    const uint32_t *p = L->p[j] + (size_t)kt * 32;
-                    if (j != lastb) {
-                        TLOAD(6, p, 128);
-                        TLOAD(7, p + 16, 128);
-                        lastb = j;
-                    }
-                    TDP(0, 4, 6);
-                    TDP(1, 4, 7);
-                    TDP(2, 5, 6);
-                    TDP(3, 5, 7);
-                }
-            }
-        TSTORE(0, o, 128);
-        TSTORE(1, o + 16, 128);
-        TSTORE(2, o + 16 * 32, 128);
-        TSTORE(3, o + 16 * 32 + 16, 128);
+ * count, as the scores), as steps of 4 TDPBF16PS like amx_sc: units of 32 dims, whose C tiles 0-3 (32
+ * dims x 32 rows) are loaded from O^T at the unit's first step and stored back after its last, A (V^T)
+ * in 4-5, B (P^T) in 6-7. amx_softmax issues these steps of the previous row block between its vector
+ * work too, so that the tile unit's P.V no longer runs alone (see amx_step). */
+typedef struct {
+    const amx_ws *L;
+    uint32_t *const *p; /* the row block's P^T pieces */
+    float *ob;          /* the row block's O^T */
+    int D, db, kt, i, jj, nj, lastb;
+    int started, done;
+} amx_pvs;
+
+static inline int amx_pv_nj(const amx_ws *L, int i) { return L->np < L->npv - i ? L->np : L->npv - i; }
+
+static inline void amx_pv_load_a(const amx_pvs *st) {
+    const uint32_t *v0 = st->L->v[st->i] + (size_t)st->db * (AMX_T / 2) + st->kt;
+    TLOAD(4, v0, AMX_T * 2);
+    TLOAD(5, v0 + (size_t)16 * (AMX_T / 2), AMX_T * 2);
+}
+
+static inline void amx_pv_load_c(const amx_pvs *st) {
+    const float *o = st->ob + (size_t)st->db * 32;
+    TLOAD(0, o, 128);
+    TLOAD(1, o + 16, 128);
+    TLOAD(2, o + 16 * 32, 128);
+    TLOAD(3, o + 16 * 32 + 16, 128);
+}
+
+/* the steps of row block rb's P.V, none issued yet (the tiles may still hold another unit's work) */
+static void amx_pv_begin(amx_pvs *st, const amx_ws *L, int D, int rb, uint32_t *const *p) {
+    *st = (amx_pvs){L, p, L->o + (size_t)(rb / 32) * D * 32, D, 0, 0, 0, 0, amx_pv_nj(L, 0), -1, 0, 0};
+}
+
+static inline void amx_pv_step(amx_pvs *st) {
+    if (st->done) return;
+    const amx_ws *L = st->L;
+    if (!st->started) {
+        st->started = 1;
+        amx_pv_load_c(st);
+        amx_pv_load_a(st);
     }
+    const int j = st->i & 1 ? st->jj : st->nj - 1 - st->jj; /* as amx_sc_step: B reused across V pieces */
+    if (j != st->lastb) {
+        const uint32_t *p = st->p[j] + (size_t)st->kt * 32;
+        TLOAD(6, p, 128);
+        TLOAD(7, p + 16, 128);
+        st->lastb = j;
+    }
+    TDP(0, 4, 6);
+    TDP(1, 4, 7);
+    TDP(2, 5, 6);
+    TDP(3, 5, 7);
+    if (++st->jj < st->nj) return;
+    st->jj = 0;
+    if (++st->i < L->nv) {
+        st->nj = amx_pv_nj(L, st->i);
+        amx_pv_load_a(st);
+        return;
+    }
+    st->i = 0;
+    st->nj = amx_pv_nj(L, 0);
+    st->lastb = -1;
+    if ((st->kt += 16) < AMX_T / 2) {
+        amx_pv_load_a(st);
+        return;
+    }
+    st->kt = 0;
+    float *o = st->ob + (size_t)st->db * 32;
+    TSTORE(0, o, 128);
+    TSTORE(1, o + 16, 128);
+    TSTORE(2, o + 16 * 32, 128);
+    TSTORE(3, o + 16 * 32 + 16, 128);
+    if ((st->db += 32) < st->D) {
+        amx_pv_load_c(st);
+        amx_pv_load_a(st);
+        return;
+    }
+    st->done = 1;
+}
+
+static inline int amx_pv_steps(const amx_ws *L, int D) { /* steps of one row block's P.V */
+    int n = 0;
+    for (int i = 0; i < L->nv; i++) n += amx_pv_nj(L, i);
+    return n * (D / 32) * (AMX_T / 32);
+}
+
+/* The tile unit's work that one row block's softmax hides: the next block's scores, then the previous
+ * block's P.V (each a sequence of 4-TDP steps on all 8 tiles; the P.V starts once the scores are done) */
+typedef struct {
+    amx_sc sc;
+    amx_pvs pv;
+} amx_next;
+
+static inline void amx_step(amx_next *n) {
+    if (!n->sc.done)
+        amx_sc_step(&n->sc);
+    else
+        amx_pv_step(&n->pv);
 }
 
 /* A row's reference max m moves only when a tile's max exceeds it by more than AMX_SLACK (log2 units): p =
@@ -420,18 +502,30 @@ static void amx_pv(const amx_ws *L, int D, int rb) {
  * the row's largest p is no longer exactly 1: with 2-piece p that cost 6.8e-6 against 1.8e-6 on bf16) */
 #define AMX_SLACK 8.0f
 
+/* p of tokens 2tp, 2tp + 1 (16 rows each) into the P^T pieces at dword off = tp * 32 + the rows' column */
+static inline void amx_p_pieces(const amx_ws *L, uint32_t *const *pw, size_t off, __m512 x0, __m512 x1) {
+    for (int k = 0;; k++) {
+        const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
+        _mm512_storeu_si512((void *)(pw[k] + off), amx_pair(h0, h1));
+        if (k + 1 == L->np) break;
+        x0 = amx_rest(x0, h0);
+        x1 = amx_rest(x1, h1);
+    }
+}
+
 /* the online softmax of row block rb over the tile [t0, t0 + AMX_T), 16 rows per vector: S -> P^T pieces,
  * with (m, l) and O^T rescaled where a row's max moved */
-static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbuf, amx_sc *next) {
+static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbuf, uint32_t *const *pw, amx_next *next) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    /* one step of the next block's scores every `every` iterations of the loops below (2 AMX_T per block) */
-    const int every = next->done ? 1 << 30 : (2 * AMX_T) / (amx_sc_steps(L, D) + 1) > 0 ? (2 * AMX_T) / (amx_sc_steps(L, D) + 1) : 1;
+    /* one step of the tile unit's work every `every` iterations of the loops below (2 AMX_T per block) */
+    const int steps = (next->sc.done ? 0 : amx_sc_steps(L, D)) + (next->pv.done ? 0 : amx_pv_steps(L, D));
+    const int every = steps == 0 ? 1 << 30 : (2 * AMX_T) / (steps + 1) > 0 ? (2 * AMX_T) / (steps + 1) : 1;
     int tick = 0;
 #define AMX_TICK()                                  \
     do {                                            \
         if (++tick >= every) {                      \
             tick = 0;                               \
-            amx_sc_step(next);                      \
+            amx_step(next);                         \
         }                                           \
     } while (0)
     for (int g = 0; g < 32; g += 16) {
@@ -440,8 +534,29 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
         /* the tile lies inside every row's visible range: no masks */
         const int inside = _mm512_reduce_max_epi32(lo) <= t0 && _mm512_reduce_min_epi32(hi) >= t0 + AMX_T - 1;
         const __m512 m0 = _mm512_loadu_ps(L->m + r);
-        __m512 mx0 = ninf, mx1 = ninf;
         float *s = (float *)sbuf + g;
+        /* a tile inside the visible range of rows whose max is set: max and p in one pass over S, p taken
+         * against the current max; where some row's max moves past AMX_SLACK (the first tile of each row,
+         * rarely later) the pass is done again below, with the max taken first */
+        if (inside && !_mm512_cmp_ps_mask(m0, ninf, _CMP_EQ_OQ)) {
+            __m512 mx0 = ninf, mx1 = ninf, sum0 = _mm512_setzero_ps(), sum1 = sum0;
+            for (int tp = 0; tp < AMX_T / 2; tp++) {
+                AMX_TICK(); /* twice: the ticks of the max pass this one saves */
+                AMX_TICK();
+                const __m512 s0 = _mm512_loadu_ps(s + (2 * tp) * 32), s1 = _mm512_loadu_ps(s + (2 * tp + 1) * 32);
+                mx0 = _mm512_max_ps(s0, mx0);
+                mx1 = _mm512_max_ps(s1, mx1);
+                const __m512 p0 = amx_exp2(_mm512_sub_ps(s0, m0)), p1 = amx_exp2(_mm512_sub_ps(s1, m0));
+                sum0 = _mm512_add_ps(sum0, p0);
+                sum1 = _mm512_add_ps(sum1, p1);
+                amx_p_pieces(L, pw, (size_t)tp * 32 + g, p0, p1);
+            }
+            if (!_mm512_cmp_ps_mask(_mm512_max_ps(mx0, mx1), _mm512_add_ps(m0, _mm512_set1_ps(AMX_SLACK)), _CMP_GT_OQ)) {
+                _mm512_storeu_ps(L->l + r, _mm512_add_ps(_mm512_loadu_ps(L->l + r), _mm512_add_ps(sum0, sum1)));
+                continue;
+            }
+        }
+        __m512 mx0 = ninf, mx1 = ninf;
         if (inside)
             for (int t = 0; t < AMX_T; t += 2) { /* NaN scores are skipped: max_ps returns its second operand */
                 mx0 = _mm512_max_ps(_mm512_loadu_ps(s + t * 32), mx0);
@@ -477,14 +592,7 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
             const __m512 p1 = amx_exp2(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * tp + 1) * 32), mu));
             sum0 = _mm512_add_ps(sum0, p0);
             sum1 = _mm512_add_ps(sum1, p1);
-            __m512 x0 = p0, x1 = p1;
-            for (int k = 0;; k++) {
-                const __m512i h0 = amx_round(x0), h1 = amx_round(x1);
-                _mm512_storeu_si512((void *)(L->p[k] + tp * 32 + g), amx_pair(h0, h1));
-                if (k + 1 == L->np) break;
-                x0 = amx_rest(x0, h0);
-                x1 = amx_rest(x1, h1);
-            }
+            amx_p_pieces(L, pw, (size_t)tp * 32 + g, p0, p1);
         }
         _mm512_storeu_ps(L->l + r, _mm512_add_ps(l, _mm512_add_ps(sum0, sum1)));
     }
@@ -512,7 +620,7 @@ void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float
      * count are kept. Calls held to the f32 paths' 1e-5 (no ggml format in K or V) take q and p in 3
      * pieces (exact), the rest 2 (2^-18): the 2-piece q measured 1.5e-5 against f64 (bf16 K, 70
      * queries over 300; 3 pieces: 1.8e-6), the 2-piece p 1.1e-5 (f16, a 33-token window), the
-     * quantized formats 4e-5 against their 3e-4. */
+     * quantized formats 4e-5 against their 5e-4. */
     const int precise = !kv_is_quant(c->kfmt) && !kv_is_quant(c->vfmt);
     L.nk = amx_exact(c->kfmt) ? 1 : c->kfmt == KV_F32 && precise ? 3 : 2; /* f32: 24 bits */
     L.nv = amx_exact(c->vfmt) ? 1 : c->vfmt == KV_F32 && precise ? 3 : 2;
@@ -557,20 +665,29 @@ void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float
             amx_k_tile(&L, c->kfmt, krows, nt, D);
             amx_v_tile(&L, c->vfmt, vrows, nt, D);
             PROF(1);
-            /* row block rb's softmax runs while the tile unit scores block rb + 32 (amx_sc_step) */
-            amx_sc sc;
-            amx_sc_begin(&sc, &L, D, 0, L.s);
-            while (!sc.done) amx_sc_step(&sc);
+            /* row block rb's softmax runs while the tile unit scores block rb + 32 and then runs block
+             * rb - 32's P.V (amx_step): the S and P buffers alternate between even and odd blocks */
+            amx_next nx = {.pv = {.done = 1}};
+            amx_sc_begin(&nx.sc, &L, D, 0, L.s);
+            while (!nx.sc.done) amx_sc_step(&nx.sc);
             PROF(2);
             for (int rb = 0; rb < RP; rb += 32) {
-                float *cur = L.s + (size_t)((rb / 32) & 1) * AMX_T * 32;
-                if (rb + 32 < RP) amx_sc_begin(&sc, &L, D, rb + 32, L.s + (size_t)(((rb / 32) + 1) & 1) * AMX_T * 32);
-                amx_softmax(&L, D, rb, t0, cur, &sc);
-                while (!sc.done) amx_sc_step(&sc);
+                const int b = (rb / 32) & 1;
+                if (rb + 32 < RP)
+                    amx_sc_begin(&nx.sc, &L, D, rb + 32, L.s + (size_t)(b ^ 1) * AMX_T * 32);
+                else
+                    nx.sc.done = 1;
+                if (rb > 0)
+                    amx_pv_begin(&nx.pv, &L, D, rb - 32, L.p[b ^ 1]);
+                else
+                    nx.pv.done = 1;
+                amx_softmax(&L, D, rb, t0, L.s + (size_t)b * AMX_T * 32, L.p[b], &nx);
+                while (!nx.sc.done || !nx.pv.done) amx_step(&nx);
                 PROF(3);
-                amx_pv(&L, D, rb);
-                PROF(5);
             }
+            amx_pv_begin(&nx.pv, &L, D, RP - 32, L.p[((RP / 32) - 1) & 1]);
+            while (!nx.pv.done) amx_pv_step(&nx.pv);
+            PROF(5);
         }
         /* rows of this head: item rows hh * R + r, O^T column r */
         for (int r = 0; r < R; r++) {

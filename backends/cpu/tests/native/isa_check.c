@@ -102,7 +102,7 @@ int main(void) {
                     /* avx512 (and amx, whose decode-sized items are avx512's): integer kernels (kivi4 V rows are
                      * q4_1 bytes and take its kernels) */
                     const int int_isa = isa == KV_ISA_AVX512 || isa == KV_ISA_AMX;
-                    if (!(err <= (int_isa && (kv_is_quant(fmt) || fmt == KV_KIVI4) ? 3e-4f : 1e-5f))) {
+                    if (!(err <= (int_isa && (kv_is_quant(fmt) || fmt == KV_KIVI4) ? 5e-4f : 1e-5f))) {
                         printf("isa %d fmt %d%s causal %d tile %d: attention differs by %g\n", isa, fmt,
                                paged ? " (K pages)" : "", causal, tile, err);
                         fails++;
