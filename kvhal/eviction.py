@@ -49,6 +49,8 @@ class Scores:
     observed: bool
     # per observed layer, the same two per KV head: float64 ``[n_kv_heads, n]`` each (per-head policies)
     heads: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # the L2 norm of every stored key, float64 ``[n_layers, n_kv_heads, n]``, read when called (``Knorm``)
+    key_norms: Callable[[], np.ndarray] | None = None
 
 
 class Policy(ABC):
@@ -60,10 +62,10 @@ class Policy(ABC):
     def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
         """Ascending positions (< n, at most ``keep`` of them) to keep."""
 
-    def head_scores(self, n: int, keep: int, mass: np.ndarray, window_mass: np.ndarray, window: int) -> np.ndarray:
-        """Per KV head of one layer, each position's score ``[n_kv_heads, n]`` (+inf: always kept), comparable across
-        heads; from that layer's observed ``mass``/``window_mass`` ``[n_kv_heads, n]``. What ``AdaKV`` ranks."""
-        raise SpecError(f"{type(self).__name__} has no per-head scores; AdaKV takes SnapKV or H2O")
+    def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
+        """Per KV head of ``layer``, each position's score ``[n_kv_heads, n]`` (+inf: always kept), comparable across
+        heads. What ``AdaKV`` ranks."""
+        raise SpecError(f"{type(self).__name__} has no per-head scores; AdaKV takes SnapKV, H2O or Knorm")
 
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
         """Per layer, per KV head, ascending positions to keep (``per_head`` policies)."""
@@ -108,8 +110,8 @@ class H2O(Policy):
         top = np.argsort(-older, kind="stable")[:heavy]  # ties: the earlier position
         return np.sort(np.r_[top, np.arange(n - recent, n)]).astype(np.int64)
 
-    def head_scores(self, n: int, keep: int, mass: np.ndarray, window_mass: np.ndarray, window: int) -> np.ndarray:
-        out = mass.astype(np.float64, copy=True)  # every query row's weights sum to 1 in every head: comparable
+    def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
+        out = _observed(scores, layer)[0].copy()  # every query row's weights sum to 1 in every head: comparable
         out[:, n - min(self.recent, keep, n) :] = np.inf
         return out
 
@@ -143,16 +145,45 @@ class SnapKV(Policy):
         top = np.argsort(-pooled, kind="stable")[: max(0, min(keep - win, n - win))]
         return np.sort(np.r_[top, np.arange(n - win, n)]).astype(np.int64)
 
-    def head_scores(self, n: int, keep: int, mass: np.ndarray, window_mass: np.ndarray, window: int) -> np.ndarray:
-        if window != self.window:
+    def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
+        window_mass = _observed(scores, layer)[1]
+        if scores.window != self.window:
             raise SpecError(
-                f"SnapKV(window={self.window}) needs observe_window={self.window}; this cache observes {window}"
+                f"SnapKV(window={self.window}) needs observe_window={self.window}; this cache observes {scores.window}"
             )
         win = min(self.window, keep, n)
         out = np.full((window_mass.shape[0], n), np.inf)  # the observation window: kept by every head
         for h, m in enumerate(window_mass):  # the window's mean weights per head: comparable across heads
             out[h, : n - win] = pool1d(m[: n - win], self.kernel, self.pool)
         return out
+
+
+@dataclass(frozen=True)
+class Knorm(Policy):
+    """kvpress's ``KnormPress``: keep the keys of lowest L2 norm (low-norm keys draw the most attention,
+    Devoto et al. 2024). Reads the stored keys, no attention scores; the norms summed over layers and KV heads
+    choose one set of positions (per head through ``AdaKV(Knorm())``)."""
+
+    name: str = field(default="knorm", init=False)
+    needs_scores: ClassVar[bool] = False
+
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        assert scores.key_norms is not None
+        total = scores.key_norms().sum(axis=(0, 1))
+        return np.sort(np.argsort(total, kind="stable")[: min(keep, n)]).astype(np.int64)
+
+    def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
+        assert scores.key_norms is not None
+        return -scores.key_norms()[layer]
+
+
+def _observed(scores: Scores, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    if layer not in scores.heads:
+        raise SpecError(
+            f"per-head budgets over attention scores need every layer's; layer {layer} was not observed: call "
+            "attention(..., observe=True) on the prefill at every layer"
+        )
+    return scores.heads[layer]
 
 
 @dataclass(frozen=True)
@@ -170,9 +201,13 @@ class AdaKV(Policy):
     name: str = field(default="adakv", init=False)
     per_head: ClassVar[bool] = True
 
+    @property
+    def needs_scores(self) -> bool:  # type: ignore[override]  # as its press: AdaKV(Knorm()) reads only keys
+        return self.press.needs_scores
+
     def __post_init__(self) -> None:
-        if not isinstance(self.press, (SnapKV, H2O)):
-            raise SpecError(f"AdaKV.press must be a per-head scorer (SnapKV or H2O), got {self.press!r}")
+        if not isinstance(self.press, (SnapKV, H2O, Knorm)):
+            raise SpecError(f"AdaKV.press must be a per-head scorer (SnapKV, H2O or Knorm), got {self.press!r}")
         for what, x, lo in (("ceiling", self.ceiling, 1.0), ("safeguard", self.safeguard, 0.0)):
             ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
             if not ok or not math.isfinite(x) or x < lo or (what == "safeguard" and x > 1):
@@ -188,12 +223,7 @@ class AdaKV(Policy):
         n_safe = min(keep, int(self.safeguard * keep))
         out = []
         for layer in range(n_layers):
-            if layer not in scores.heads:
-                raise SpecError(
-                    f"AdaKV needs every layer's attention scores; layer {layer} was not observed: call "
-                    "attention(..., observe=True) on the prefill at every layer"
-                )
-            sc = self.press.head_scores(n, keep, *scores.heads[layer], scores.window)
+            sc = self.press.head_scores(n, keep, scores, layer)
             n_heads = sc.shape[0]
             if n_safe:  # each head's own best are kept whatever the other heads score
                 best = np.argsort(-sc, axis=1, kind="stable")[:, :n_safe]
@@ -385,7 +415,17 @@ class Evictor:
         heads = {layer: (fit(m), fit(s.window_mass[layer])) for layer, m in s.mass.items()}
         total = sum((m.sum(axis=0) for m, _ in heads.values()), np.zeros(n))
         window = sum((w.sum(axis=0) for _, w in heads.values()), np.zeros(n))
-        return Scores(total, window, self.observe_window, bool(s.mass), heads)
+        memo: dict[str, np.ndarray] = {}
+
+        def key_norms() -> np.ndarray:  # every layer's keys as stored (dequantized by the backend), read once
+            if "norms" not in memo:
+                table = np.asarray(s.blocks, np.int64)
+                ks = [self.backend.load(self.pools, layer, table, n)[0] for layer in range(len(s.lens))]
+                norms = [np.linalg.norm(np.asarray(self.backend.to_numpy(k), np.float64), axis=-1).T for k in ks]
+                memo["norms"] = np.stack(norms)
+            return memo["norms"]
+
+        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms)
 
     def _compact(self, sid: int, s: Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
         n = max(s.lens, default=0)

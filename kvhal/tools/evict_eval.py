@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KVHalError, SpecError
-from ..eviction import H2O, AdaKV, Policy, SinkWindow, SnapKV
+from ..eviction import H2O, AdaKV, Knorm, Policy, SinkWindow, SnapKV
 
 QUESTION = "\n\nQuestion: Who was the first keeper of the lighthouse at Carrow Point, and when did he arrive?\nAnswer:"
 DEFAULT_TOKENS = 1628
@@ -49,6 +49,7 @@ def policies(n: int, keep: float) -> dict[str, Policy]:
         "SinkWindow(sinks=4)": SinkWindow(sinks=4),
         "SnapKV(window=64, kernel=5)": SnapKV(window=64, kernel=5),
         f"H2O({k // 2}, {k - k // 2})": H2O(heavy=k // 2, recent=k - k // 2),
+        "Knorm": Knorm(),
         "AdaKV(SnapKV(64, 5))": AdaKV(SnapKV(window=64, kernel=5)),
     }
 

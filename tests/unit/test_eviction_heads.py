@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvhal
-from kvhal.eviction import H2O, AdaKV, EvictOnFull, SinkWindow, SnapKV
+from kvhal.eviction import H2O, AdaKV, EvictOnFull, Knorm, SinkWindow, SnapKV
 from tests.oracle import attention_f64
 
 SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="f32", v_format="f32", block_size=4)
@@ -127,7 +127,7 @@ def test_adakv_prefill_chunks_split_around_holes_on_cpu():
 
 
 def test_adakv_argument_checks():
-    with pytest.raises(kvhal.SpecError, match="SnapKV or H2O"):
+    with pytest.raises(kvhal.SpecError, match="per-head scorer"):
         AdaKV(SinkWindow())
     with pytest.raises(kvhal.SpecError, match="ceiling"):
         AdaKV(SnapKV(), ceiling=0.9)
@@ -139,3 +139,28 @@ def test_adakv_argument_checks():
     with pytest.raises(kvhal.SpecError, match="observe_window=32"):
         c.evict(s, AdaKV(SnapKV(window=32)), keep_tokens=24)
     assert c.seq_len(s) == N and not c.seq_table.get(s).holes  # a refused call changes nothing
+
+
+def test_knorm_keeps_the_lowest_norm_keys_uniformly_or_per_head():
+    """kvpress's KnormPress: the keys of lowest L2 norm; no attention scores needed (nothing observed here)."""
+    c = kvhal.KVCache(SPEC, 256, backend="reference")
+    k = np.random.default_rng(4).standard_normal((2, N, 2, 32), dtype=np.float32)
+    k *= np.random.default_rng(5).uniform(0.5, 2, (2, N, 2, 1)).astype(np.float32)
+    s = c.new_seq()
+    for layer in (0, 1):
+        c.store(s, layer, k[layer], k[layer])
+    norms = np.sqrt((k.astype(np.float64) ** 2).sum(-1))  # [layers, N, heads]
+    total = norms.sum(axis=(0, 2))
+    assert c.evict(s, Knorm(), keep_tokens=20).kept.tolist() == sorted(sorted(range(N), key=lambda j: total[j])[:20])
+    c2 = kvhal.KVCache(SPEC, 256, backend="reference")
+    s2 = c2.new_seq()
+    for layer in (0, 1):
+        c2.store(s2, layer, k[layer], k[layer])
+    res = c2.evict(s2, AdaKV(Knorm(), ceiling=1.5, safeguard=0.0), keep_tokens=20)
+    for layer in (0, 1):  # the 40 lowest norms of the layer's two heads, at most 30 in one head
+        pairs = sorted((norms[layer, j, h], h, j) for h in range(2) for j in range(N))
+        taken: list[list[int]] = [[], []]
+        for _, h, j in pairs:
+            if sum(map(len, taken)) < 40 and len(taken[h]) < 30:
+                taken[h].append(j)
+        assert [x.tolist() for x in res.heads[layer]] == [sorted(t) for t in taken]
