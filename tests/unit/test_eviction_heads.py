@@ -107,7 +107,8 @@ def test_adakv_keeps_each_heads_own_positions_and_masks_the_rest(backend):
 
 
 def test_adakv_prefill_chunks_split_around_holes_on_cpu():
-    """A long prefill after a per-head eviction: the cpu kernel splits each head's range around its hole."""
+    """A long prefill and a decode step after a per-head eviction: the cpu kernel cuts each head's range around its
+    hole (q8_0: the integer kernels), against the reference backend's float64 masked attention."""
     if "cpu" not in MASKING:
         pytest.skip("the cpu backend is not available here")
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=3, head_dim=64, k_format="q8_0", v_format="q8_0", block_size=16)
@@ -123,7 +124,9 @@ def test_adakv_prefill_chunks_split_around_holes_on_cpu():
         c.evict(s, AdaKV(H2O(heavy=200, recent=50), ceiling=1.5), keep_tokens=250)
         c.store(s, 0, k[:300], k[:300])
         outs.append(np.asarray(c.attention(0, q[:300], [s], [300])))
-    np.testing.assert_allclose(outs[1], outs[0], atol=2e-3)
+        outs.append(np.asarray(c.attention(0, q[:1], [s], [1])))  # a decode step (the split-KV decode kernels)
+    np.testing.assert_allclose(outs[2], outs[0], atol=2e-3)
+    np.testing.assert_allclose(outs[3], outs[1], atol=2e-3)
 
 
 def test_adakv_argument_checks():
