@@ -415,10 +415,11 @@ class Evictor:
 
         def key_norms() -> np.ndarray:  # every layer's keys as stored (dequantized by the backend), read once
             if "norms" not in memo:
-                table = np.asarray(s.blocks, np.int64)
-                ks = [self.backend.load(self.pools, layer, table, n)[0] for layer in range(len(s.lens))]
-                norms = [np.linalg.norm(np.asarray(self.backend.to_numpy(k), np.float64), axis=-1).T for k in ks]
-                memo["norms"] = np.stack(norms)
+                table, norms = np.asarray(s.blocks, np.int64), np.zeros((len(s.lens), self.spec.n_kv_heads, n))
+                for layer, length in enumerate(s.lens):  # a layer not stored that far adds nothing past its end
+                    k = self.backend.to_numpy(self.backend.load(self.pools, layer, table, min(n, length))[0])
+                    norms[layer, :, : len(k)] = np.linalg.norm(np.asarray(k, np.float64), axis=-1).T
+                memo["norms"] = norms
             return memo["norms"]
 
         return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms)
