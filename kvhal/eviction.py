@@ -286,9 +286,12 @@ class EvictOnFull:
 OnEvict = Callable[[EvictionResult], None]
 
 
-def check_press(press: Any, keep: Any, observe_window: int, uses_tail: bool) -> tuple[Policy | None, float | None]:
+def check_press(
+    press: Any, keep: Any, observe_window: int, uses_tail: bool, backend: Backend
+) -> tuple[Policy | None, float | None]:
     """A prefill press (a policy run after the prefill) and the fraction ``keep`` of each row it keeps, checked
-    against the cache they will run on (its ``observe_window``, whether it has an f16 tail): both or neither."""
+    against the cache they will run on (its ``observe_window``, whether it has an f16 tail, whether its backend
+    masks per-head holes): both or neither."""
     if press is None and keep is None:
         return None, None
     if press is None or keep is None:
@@ -310,6 +313,8 @@ def check_press(press: Any, keep: Any, observe_window: int, uses_tail: bool) -> 
             f"press={press!r} needs the mass of the last {scorer.window} queries but the cache observes "
             f"{observe_window}: pass observe_window={scorer.window} (from_model's default for a SnapKV press)"
         )
+    if press.per_head and not backend.masks_heads:
+        raise UnsupportedError(no_head_masks(press, backend))
     if press.needs_scores and uses_tail:
         raise UnsupportedError(
             f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
@@ -317,6 +322,14 @@ def check_press(press: Any, keep: Any, observe_window: int, uses_tail: bool) -> 
             "per-token K format"
         )
     return press, float(keep)
+
+
+def no_head_masks(policy: Policy, backend: Backend) -> str:
+    return (
+        f"{policy.name} keeps different positions per KV head, and backend {backend.name!r} cannot mask a head's "
+        "dropped rows in attention; use a policy that keeps the same positions in every head (SnapKV, H2O, "
+        "SinkWindow) or the cpu or reference backend"
+    )
 
 
 class Evictor:
@@ -378,11 +391,7 @@ class Evictor:
 
     def _evict_heads(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
         if not self.backend.masks_heads:
-            raise UnsupportedError(
-                f"{policy.name} keeps different positions per KV head, and backend {self.backend.name!r} cannot mask "
-                "a head's dropped rows in attention; use a policy that keeps the same positions in every head "
-                "(SnapKV, H2O, SinkWindow) or the cpu or reference backend"
-            )
+            raise UnsupportedError(no_head_masks(policy, self.backend))
         n = max(s.lens)
         if min(s.lens) != n:
             raise SequenceError(
