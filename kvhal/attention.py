@@ -34,7 +34,8 @@ def visible_range(
 class AttentionBatch:
     """One attention call's geometry, what every backend's ``attention``/``attention_lse``/``attention_mass``
     takes: host int32 ``block_table [n_seqs, max_blocks]`` (padded with -1), ``seq_lens [n_seqs]`` (KV tokens
-    per sequence), ``q_lens [n_seqs]``, and the call's ``scale``, ``causal`` and ``window``. A new attention
+    per sequence), ``q_lens [n_seqs]``, the call's ``scale``, ``causal`` and ``window``, and the per-head ``holes``
+    a per-head eviction left. A new attention
     parameter (soft-capping, sink tokens) is a new field here, not a new argument in every backend.
 
     Query ``i`` of a sequence of ``n`` tokens sits at ``n - q_len + i`` and sees KV position ``j`` iff
@@ -46,6 +47,10 @@ class AttentionBatch:
     scale: float
     causal: bool = True
     window: int | None = None
+    # per-head eviction (``AdaKV``): int32 ``[n_seqs, n_kv_heads, 2]``, KV head ``h`` of sequence ``s`` does not
+    # attend keys ``[holes[s, h, 0], holes[s, h, 1])`` (rows it dropped; empty when lo >= hi). None: no holes.
+    # Only a backend whose ``masks_heads`` is True gets a batch with holes.
+    holes: np.ndarray | None = None
 
     @property
     def n_seqs(self) -> int:
@@ -55,6 +60,13 @@ class AttentionBatch:
     def visible(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per query row: its sequence index, position and visible KV interval ``[lo, hi)`` (int64), once."""
         return visible_range(self.seq_lens, self.q_lens, self.causal, self.window)
+
+    def hidden(self, s: int, n_kv: int) -> np.ndarray | None:
+        """Bool ``[n_kv_heads, n_kv]``: the keys of sequence ``s`` each KV head does not attend (None: none)."""
+        if self.holes is None:
+            return None
+        j = np.arange(n_kv)[None, :]
+        return (j >= self.holes[s, :, :1]) & (j < self.holes[s, :, 1:])
 
     def with_(self, **changes: Any) -> AttentionBatch:
         """A copy with some fields replaced (the visible range is computed afresh)."""

@@ -80,6 +80,9 @@ class Backend(ABC):
     fused: ClassVar[frozenset[FusedOp]] = frozenset()
     # True where supports() refuses some AttentionShapes: the cache then asks it on every attention call
     shape_limits: ClassVar[bool] = False
+    # True where attention honours ``AttentionBatch.holes`` (per-head eviction); the cache refuses a per-head
+    # eviction on a backend without it (it would attend over the dropped rows)
+    masks_heads: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -183,7 +183,10 @@ def _scores_f64(
         v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
         scores = np.einsum("qhd,khd->hqk", qh[rows], k) * batch.scale
         j = np.arange(n_kv)[None, :]
-        yield rows, np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf), v
+        seen = ((j >= lo[rows, None]) & (j < hi[rows, None]))[None]  # [1, n_q, n_kv]
+        if (hidden := batch.hidden(s, n_kv)) is not None:  # per-head holes: [Hq, 1, n_kv]
+            seen = seen & ~np.repeat(hidden, group, axis=0)[:, None, :]
+        yield rows, np.where(seen, scores, -np.inf), v
 
 
 def softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -299,6 +302,8 @@ def attention_mass_lse(
                     np.putmask(e[:, c0:c1], hidden, -np.inf)
                 np.exp(e, out=e)
                 col = e.sum(axis=0)
+                if batch.holes is not None:  # the keys this head does not attend received nothing
+                    col[max(0, batch.holes[s, h, 0] - k0) : max(0, batch.holes[s, h, 1] - k0)] = 0.0
                 total[h, k0:k1] += col
                 if a >= split:
                     window[h, k0:k1] += col

@@ -509,7 +509,13 @@ class KVCache:
         bs = spec.block_size
         n_pages = [0 if spec.uses_tail else -(-n // bs) for n in lens]  # the tail path builds its own tables
         table = self.seq_table.batch_table(seq_objs, n_pages)
-        batch = AttentionBatch(table, np.array(lens, np.int32), np.array(qls, np.int32), scale, causal, window)
+        holes = None
+        if any(s.holes for s in seq_objs):  # a per-head eviction's masked rows (only masks_heads backends have them)
+            holes = np.zeros((len(seq_objs), spec.n_kv_heads, 2), np.int32)
+            for i, s in enumerate(seq_objs):
+                if s.holes:
+                    holes[i] = s.holes[layer]
+        batch = AttentionBatch(table, np.array(lens, np.int32), np.array(qls, np.int32), scale, causal, window, holes)
         check_shape(self.backend, spec, batch, int(q.shape[1]))  # a backend's per-call limits, where it has any
         if spec.transformed:
             q = self.codec.query(self.backend, layer, q)
@@ -534,6 +540,8 @@ class KVCache:
         (``stream_arena_tokens``; in place where the pools are host memory) and merges the pieces by
         log-sum-exp. Other calls on it raise."""
         s = self.seq_table.get(seq)
+        if s.holes:
+            self.seq_table.resident(seq, "offload")  # says why
         return self.streamer.offload(s, validate.count(keep_tokens, "keep_tokens", error=PositionError))
 
     # -- eviction ------------------------------------------------------------------------------------
@@ -544,7 +552,7 @@ class KVCache:
         blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
         s = self.seq_table.resident(seq, "evict")
         if not isinstance(policy, Policy):
-            raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV), got {policy!r}")
+            raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV, AdaKV), got {policy!r}")
         keep_tokens = validate.count(keep_tokens, "keep_tokens", error=PositionError)
         return self.evictor.evict(int(seq), s, policy, keep_tokens)
 

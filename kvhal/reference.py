@@ -6,7 +6,7 @@ import numpy as np
 
 from . import formats
 from .backend import AttentionBatch, HostPoolsBackend, Pools, Probe
-from .backend_util import whole_pages
+from .backend_util import softmax, whole_pages
 from .formats import Format
 
 
@@ -14,6 +14,7 @@ class ReferenceBackend(HostPoolsBackend):
     name = "reference"
     formats = frozenset(formats.names())
     attention_tolerance = 1e-6
+    masks_heads = True
 
     @classmethod
     def probe(cls) -> Probe:
@@ -65,11 +66,11 @@ class ReferenceBackend(HostPoolsBackend):
             rows = slice(q_start, q_start + n_q)
             scores = np.einsum("qhd,khd->hqk", q[rows].astype(np.float64), k) * batch.scale
             j = np.arange(n_kv)[None, :]
-            visible = (j >= lo[rows, None]) & (j < hi[rows, None])
-            scores = np.where(visible[None], scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
+            visible = ((j >= lo[rows, None]) & (j < hi[rows, None]))[None]
+            if (hidden := batch.hidden(s, n_kv)) is not None:  # per-head holes (AdaKV)
+                visible = visible & ~np.repeat(hidden, group, axis=0)[:, None, :]
+            scores = np.where(visible, scores, -np.inf)
+            p, _ = softmax(scores)
             out[rows] = np.einsum("hqk,khd->qhd", p, v)
             q_start += n_q
         return out

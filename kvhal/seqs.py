@@ -52,6 +52,9 @@ class Seq:
     # spec.sinks: per layer, the f16 rows of the first spec.sink_tokens positions (stored form), as stored
     sink_k: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     sink_v: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # per-head eviction: per layer, int64 ``[n_kv_heads, 2]``: KV head ``h`` does not attend ``[lo, hi)`` (the rows
+    # it dropped, past its kept ones; the kernels mask them). Empty: every head attends every row.
+    holes: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _table: np.ndarray | None = field(default=None, repr=False)
 
     def pages(self) -> list[int]:
@@ -63,6 +66,16 @@ class Seq:
         for d in (self.mass, self.window_mass):
             for layer, m in d.items():
                 d[layer] = m[:, columns[columns < m.shape[1]]]
+
+    def keep_mass_heads(self, kept: list[list[np.ndarray]], length: int) -> None:
+        """A per-head compaction: each head's mass follows its own kept keys (zeros in the holes)."""
+        for d in (self.mass, self.window_mass):
+            for layer, m in d.items():
+                new = np.zeros((m.shape[0], length))
+                for h, cols in enumerate(kept[layer]):
+                    cols = cols[cols < m.shape[1]]
+                    new[h, : len(cols)] = m[h, cols]
+                d[layer] = new
 
     def slice_mass(self, lo: int, hi: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
         """Copies of the observed mass of positions ``[lo, hi)`` (a fork's own)."""
@@ -122,6 +135,11 @@ class SeqTable:
             raise UnsupportedError(
                 f"{what} on sequence {seq}, whose first {s.base} tokens are offloaded to host memory: offloaded "
                 "sequences take store, append_tokens, attention, seq_len and free_seq"
+            )
+        if s.holes:
+            raise UnsupportedError(
+                f"{what} on sequence {seq}, which a per-head eviction (AdaKV) compacted: its heads hold different "
+                "positions, so it takes store, append_tokens, attention(observe too), seq_len and free_seq"
             )
         return s
 
@@ -357,6 +375,51 @@ class SeqTable:
         if moved.size:
             s.sealable = min(s.sealable if s.sealable is not None else first // bs, first // bs)
         s.keep_mass(kept)
+        return self.allocator.n_free - free_before
+
+    def keep_heads(self, s: Seq, kept: list[list[np.ndarray]]) -> int:
+        """Per-head compaction: KV head ``h`` of layer ``l`` keeps positions ``kept[l][h]`` (ascending), moved byte
+        for byte to its positions 0.. inside the sequence's shared pages (through raw block I/O, every backend
+        has it). Every layer's length becomes the longest kept set, ``K``; a head that kept fewer leaves a hole
+        ``[len(kept[l][h]), K)`` that attention masks (``Seq.holes``). Pages past ``K`` are freed, pages before the
+        first moved row stay shared. Every layer must hold the same rows (a whole prefill). Returns blocks freed."""
+        bs, H = self.spec.block_size, self.spec.n_kv_heads
+        n = max(s.lens, default=0)
+        length = max(len(k) for heads in kept for k in heads)
+        moved = [np.flatnonzero(k != np.arange(len(k))) for heads in kept for k in heads]
+        first = min((int(m[0]) for m in moved if m.size), default=length)  # rows before this stay where they are
+        n_keep = math.ceil(length / bs)
+        touched = list(range(first // bs, n_keep))
+        self.reserve(self.shared(s, touched))
+        free_before = self.allocator.n_free
+        self.own(s, touched)
+        if touched:
+            ids = np.asarray(s.blocks[first // bs : math.ceil(n / bs)], np.int64)
+            old = self.backend.read_blocks(self.pools, ids)
+            new = np.array(old[: len(touched)], np.uint8, copy=True)
+            from .backend_util import blocks_to_pages
+
+            off = (first // bs) * bs
+            for (ko, vo), (kn, vn), heads in zip(
+                blocks_to_pages(self.spec, old), blocks_to_pages(self.spec, new), kept
+            ):
+                for src, dst in ((ko, kn), (vo, vn)):
+                    rows = src.transpose(1, 0, 2, 3).reshape(H, -1, src.shape[-1])  # [H, positions from off, row]
+                    out = dst.transpose(1, 0, 2, 3).reshape(H, -1, dst.shape[-1]).copy()
+                    for h, k in enumerate(heads):  # new position i (>= off) takes old position k[i]
+                        if len(k) > off:
+                            out[h, : len(k) - off] = rows[h, k[off:] - off]
+                    dst[...] = out.reshape(H, len(touched), bs, -1).transpose(1, 0, 2, 3)
+            self.backend.write_blocks(self.pools, ids[: len(touched)], new)
+        self.release(s.blocks[n_keep:][::-1])
+        del s.blocks[n_keep:]
+        s.changed()
+        s.lens = [length] * len(s.lens)
+        s.holes = {layer: np.array([[len(k), length] for k in heads], np.int64) for layer, heads in enumerate(kept)}
+        s.tokens = s.tokens[n:]  # the heads hold different positions: no one token id per position any more
+        s.hashes.clear()
+        s.sealable = 0
+        s.keep_mass_heads(kept, length)
         return self.allocator.n_free - free_before
 
     def batch_table(self, seqs: list[Seq], n_pages: list[int]) -> np.ndarray:

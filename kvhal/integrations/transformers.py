@@ -137,7 +137,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         at each update; without it the cache serves ``attn_implementation="kvhal"`` only."""
         if not isinstance(kv, KVCache):
             raise SpecError(f"kv must be a kvhal.KVCache, got {type(kv).__name__}; or use KVHalCache.from_model")
-        press, keep = check_press(press, keep, kv.observe_window, kv.spec.uses_tail)
+        press, keep = check_press(press, keep, kv.observe_window, kv.spec.uses_tail, kv.backend)
         n_layers = kv.spec.n_layers
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n_layers:
             raise SpecError(f"windows must list one sliding window (int) or None per layer, {n_layers} in all")
@@ -189,7 +189,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         the model for the prefix cache (default: its class, name and config; pass one with the weights' digest
         before sharing blocks through tiers or snapshots).
 
-        Eviction: ``press`` (``SinkWindow``, ``H2O``, ``SnapKV``) with ``keep`` (the fraction of each row's
+        Eviction: ``press`` (``SinkWindow``, ``H2O``, ``SnapKV``, ``AdaKV``) with ``keep`` (the fraction of each row's
         prefill kept, in (0, 1]) compresses the prefill (see the class). ``observe_window`` (default: the
         ``SnapKV`` press's window, else 32), ``on_full`` and ``on_evict`` go to ``KVCache``.
         """
@@ -206,7 +206,8 @@ class KVHalCache(Cache):  # type: ignore[misc]
                 f"on_full, on_evict and CacheSpec's {sorted(spec_fields)}"
             )
         if observe_window is None:
-            snap = [p for p in (press, getattr(on_full, "policy", None)) if isinstance(p, SnapKV)]
+            scorers = (getattr(press, "press", press), getattr(on_full, "policy", None))  # AdaKV wraps its scorer
+            snap = [p for p in scorers if isinstance(p, SnapKV)]
             observe_window = snap[0].window if snap else 32
         config = model.config.get_text_config(decoder=True)
         _check_implementation(getattr(config, "_attn_implementation", None))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KVHalError, SpecError
-from ..eviction import H2O, Policy, SinkWindow, SnapKV
+from ..eviction import H2O, AdaKV, Knorm, Policy, SinkWindow, SnapKV
 
 QUESTION = "\n\nQuestion: Who was the first keeper of the lighthouse at Carrow Point, and when did he arrive?\nAnswer:"
 DEFAULT_TOKENS = 1628
@@ -49,6 +49,8 @@ def policies(n: int, keep: float) -> dict[str, Policy]:
         "SinkWindow(sinks=4)": SinkWindow(sinks=4),
         "SnapKV(window=64, kernel=5)": SnapKV(window=64, kernel=5),
         f"H2O({k // 2}, {k - k // 2})": H2O(heavy=k // 2, recent=k - k // 2),
+        "Knorm": Knorm(),
+        "AdaKV(SnapKV(64, 5))": AdaKV(SnapKV(window=64, kernel=5)),
     }
 
 
@@ -155,7 +157,7 @@ def _row(
     st = cache.kv.stats()
     p = np.exp(ref)
     kl = float(np.sum(p * (ref - got)))
-    kept = cache.evictions[0].kept.size if cache.evictions else n
+    kept = cache.evictions[0].length if cache.evictions else n  # per-head (AdaKV): the longest head's
     # the question's tokens were stored after the press: count the context's pages only
     after = math.ceil(kept / cache.kv.spec.block_size)
     return EvictRow(label, kl, bool(ref.argmax() == got.argmax()), int(kept), before, after, 1 - after / before,

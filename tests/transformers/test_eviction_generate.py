@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvhal  # noqa: E402
-from kvhal.eviction import H2O, EvictOnFull, SinkWindow, SnapKV  # noqa: E402
+from kvhal.eviction import H2O, AdaKV, EvictOnFull, SinkWindow, SnapKV  # noqa: E402
 from kvhal.integrations.transformers import KVHalCache  # noqa: E402
+from tests.unit.test_eviction_heads import adakv_transcription  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -135,6 +136,82 @@ def test_press_keeps_the_policys_tokens_and_decodes_as_a_cut_cache(model, backen
     assert cache.get_seq_length() == LEN + NEW - 1  # columns, as transformers counts them
 
 
+SPEC_1 = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="f32", v_format="f32")
+HELD: dict[int, list[int]] = {}  # layer -> each KV head's kept length, for the oracle attention below
+
+
+def held_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """float64 attention of one decode step in which KV head ``h`` of each layer attends its first ``HELD[layer][h]``
+    rows (its kept prefill) and the rows past the longest head's (the decoded tokens), nothing in between."""
+    assert query.shape[2] == 1
+    group = query.shape[1] // key.shape[1]
+    k, v = (x.double().repeat_interleave(group, 1) for x in (key, value))
+    scores = query.double() @ k.transpose(-1, -2) * scaling  # [1, Hq, 1, n]
+    held = HELD[module.layer_idx]
+    hidden = torch.zeros(query.shape[1], key.shape[2], dtype=torch.bool)
+    for h, n_h in enumerate(held):
+        hidden[h * group : (h + 1) * group, n_h : max(held)] = True
+    p = torch.softmax(scores.masked_fill(hidden[None, :, None], float("-inf")), -1)
+    return (p @ v).transpose(1, 2).to(query.dtype), None
+
+
+transformers.AttentionInterface.register("held_f64", held_attention)
+
+
+def oracle_decode_heads(model, row_ids, heads, new=NEW):
+    """Greedy decode from a DynamicCache in which each layer's KV head ``h`` holds only ``heads[layer][h]`` of the
+    row's prefill (at its original RoPE positions), packed to its front, and the new tokens after the longest."""
+    model.set_attn_implementation("sdpa")
+    n = row_ids.shape[0]
+    with torch.inference_mode():
+        cache = transformers.DynamicCache(config=model.config)
+        out = model(row_ids[None], cache=cache)
+        for i, layer in enumerate(cache.layers):
+            longest = max(len(k) for k in heads[i])
+            keys, values = (torch.zeros(1, x.shape[1], longest, x.shape[3]) for x in (layer.keys, layer.values))
+            for h, kept in enumerate(heads[i]):
+                keys[0, h, : len(kept)] = layer.keys[0, h, torch.tensor(kept)]
+                values[0, h, : len(kept)] = layer.values[0, h, torch.tensor(kept)]
+            layer.keys, layer.values = keys, values
+            HELD[i] = [len(k) for k in heads[i]]
+        model.set_attn_implementation("held_f64")
+        tokens, logits = [int(out.logits[0, -1].argmax())], [out.logits[0, -1]]
+        for t in range(new - 1):
+            step = model(torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[n + t]]), cache=cache)
+            logits.append(step.logits[0, -1])
+            tokens.append(int(step.logits[0, -1].argmax()))
+    return tokens, logits
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_adakv_press_keeps_each_heads_tokens_and_decodes_as_a_per_head_cut(model, backend_info, batch):
+    """Per-head budgets from generate: each (layer, KV head) keeps the transcribed AdaKV set, and greedy decoding
+    equals a cache holding only each head's kept tokens; on backends that cannot mask a head's dropped rows the
+    press is refused with a typed error."""
+    press = AdaKV(SnapKV(window=8, kernel=5), ceiling=1.25, safeguard=0.2)
+    ids, mask = prompts(batch)
+    if not kvhal.KVCache(SPEC_1, 8, backend=backend_info.name).backend.masks_heads:
+        with pytest.raises(kvhal.UnsupportedError, match="cannot mask"):
+            pressed_cache(model, backend_info.name, press)  # refused before any prefill
+        return
+    cache = pressed_cache(model, backend_info.name, press)
+    out = generate(model, cache, ids, mask)
+    for b in range(batch):
+        row = ids[b][mask[b].bool()]
+        n = row.shape[0]
+        probs = eager_probs(model, row)  # [Hq, n, n] per layer
+        got = cache.evictions[b]
+        for layer, p in enumerate(probs):
+            wm = p[:, n - 8 :].sum(dim=1).reshape(2, 2, n).sum(dim=1).numpy()  # window mass per KV head
+            want = adakv_transcription(wm, n, int(n * 0.5), 8, 5, 1.25, 0.2)
+            assert [k.tolist() for k in got.heads[layer]] == want, (b, layer)
+        longest = got.length
+        assert cache.kv.seq_len(cache.seqs[b]) == longest + NEW - 1
+        tokens, logits = oracle_decode_heads(model, row, [[k.tolist() for k in layer] for layer in got.heads])
+        assert out.sequences[b, LEN:].tolist() == tokens, b
+        assert max(float((out.logits[t][b] - logits[t]).abs().max()) for t in range(NEW)) < 1e-4
+
+
 def test_press_frees_pages_and_reset_starts_over(model, backend_info):
     ids, mask = prompts(1)
     plain = pressed_cache(model, backend_info.name, None, None)
@@ -241,11 +318,14 @@ def test_eval_evict_on_the_packaged_model(capsys):
     assert main(["eval", "--evict", "--tokens", "192", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     rows = {r["policy"].split("(")[0]: r for r in res["rows"]}
-    assert list(rows) == ["none", "SinkWindow", "SnapKV", "H2O"] and res["context_tokens"] == 192
+    assert list(rows) == ["none", "SinkWindow", "SnapKV", "H2O", "Knorm", "AdaKV"] and res["context_tokens"] == 192
     assert rows["none"]["kl"] < 1e-4 and rows["none"]["pages_freed"] == 0  # f16 pages vs a float32 DynamicCache
-    for name in ("SinkWindow", "SnapKV", "H2O"):
+    for name in ("SinkWindow", "SnapKV", "H2O", "Knorm", "AdaKV"):
         r = rows[name]
-        assert r["kept_tokens"] == 96 and (r["blocks_before"], r["blocks_after"]) == (12, 6)
         assert r["kl"] > rows["none"]["kl"] and r["bytes_held"] < rows["none"]["bytes_held"]
+        if name != "AdaKV":
+            assert r["kept_tokens"] == 96 and (r["blocks_before"], r["blocks_after"]) == (12, 6)
+    ada = rows["AdaKV"]  # the longest head holds at most 1.1 x 96 rows: the pages of 105 tokens at most
+    assert 96 <= ada["kept_tokens"] <= 105 and ada["blocks_after"] == -(-ada["kept_tokens"] // 16) <= 7
     assert main(["eval", "--evict", "--keep", "1.5"]) == 2
     assert "--keep takes a fraction in (0, 1]" in capsys.readouterr().err

@@ -151,6 +151,7 @@ class CpuBackend(HostPoolsBackend):
     F32_TOLERANCE = 1e-5
     attention_tolerance = INT_TOLERANCE
     fused = frozenset({"attention_lse"})
+    masks_heads = True  # attention cuts each KV head's range around its hole (AttentionBatch.holes)
 
     @classmethod
     def probe(cls) -> Probe:
@@ -260,6 +261,9 @@ class CpuBackend(HostPoolsBackend):
         ql = np.ascontiguousarray(batch.q_lens, dtype=np.int32)
         a = Args.from_buffer_copy(pools.state[layer])
         a.q, a.out, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(out), _ptr(bt), _ptr(sl), _ptr(ql)
+        if batch.holes is not None:  # per-head eviction: each KV head's masked rows
+            holes = np.ascontiguousarray(batch.holes, dtype=np.int32)
+            a.holes = _ptr(holes)
         lse = np.empty(q.shape[:2], np.float64) if with_lse else None
         if lse is not None and lse.size:
             a.lse = _ptr(lse)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvhal.backend_util import format_table
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 ISAS = ("scalar", "avx2", "avx512", "neon", "amx")  # enum order of csrc/kvcpu.h
 ERRORS = {-1: "the requested ISA is not supported by this CPU", -2: "out of memory", -3: "invalid arguments"}
 
@@ -31,7 +31,7 @@ class Args(ctypes.Structure):
         ("n", _i64),
         ("raw", _p),
         ("raw_stride", _i64),
-        *((name, _p) for name in ("q", "out", "lse", "block_table", "seq_lens", "q_lens")),
+        *((name, _p) for name in ("q", "out", "lse", "block_table", "seq_lens", "q_lens", "holes")),
         *((name, _i32) for name in ("n_seqs", "max_blocks", "causal", "window")),
         ("scale", _f32),
     ]

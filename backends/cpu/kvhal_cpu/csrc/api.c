@@ -41,7 +41,7 @@ static int kv_has_f16c(void) {
 }
 #endif
 
-KV_EXPORT int kvc_abi_version(void) { return 5; }
+KV_EXPORT int kvc_abi_version(void) { return 6; }
 
 /* kv_args as this build lays it out: "kv_args <size>" then "<name> <offset> <size> <kind>" per field in
  * declaration order (kind: i int32, q int64, f float, p pointer), ';'-separated. Python compares it
@@ -61,7 +61,7 @@ KV_EXPORT int kvc_args_layout(char *out, int cap) {
                   KV_FIELD(slots),      KV_FIELD(dst_slots),   KV_FIELD(blocks),    KV_FIELD(kout),
                   KV_FIELD(vout),       KV_FIELD(n),           KV_FIELD(raw),       KV_FIELD(raw_stride),
                   KV_FIELD(q),          KV_FIELD(out),         KV_FIELD(lse),       KV_FIELD(block_table),
-                  KV_FIELD(seq_lens),   KV_FIELD(q_lens),      KV_FIELD(n_seqs),
+                  KV_FIELD(seq_lens),   KV_FIELD(q_lens),      KV_FIELD(holes),     KV_FIELD(n_seqs),
                   KV_FIELD(max_blocks), KV_FIELD(causal),      KV_FIELD(window),    KV_FIELD(scale)};
     int n = snprintf(out, (size_t)cap, "kv_args %zu", sizeof(kv_args));
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
@@ -479,6 +479,32 @@ static int chunk_split(int split, int64_t rows) {
     return (int)s;
 }
 
+/* Per-head eviction: whether some KV head of sequence s has a hole (a->holes) inside KV positions [lo, hi]. */
+static int chunk_holed(const kv_args *a, int s, int lo, int hi) {
+    if (!a->holes) return 0;
+    for (int h = 0; h < a->n_kv_heads; h++) {
+        const int32_t *x = a->holes + ((int64_t)s * a->n_kv_heads + h) * 2;
+        if (x[0] < x[1] && x[0] <= hi && x[1] > lo) return 1;
+    }
+    return 0;
+}
+
+/* [lo, hi] minus KV head h's hole: at most two ranges into seg; returns how many */
+static int hole_cut(const kv_args *a, int s, int h, int lo, int hi, int seg[4]) {
+    const int32_t *x = a->holes + ((int64_t)s * a->n_kv_heads + h) * 2;
+    int n = 0;
+    if (x[0] >= x[1] || x[0] > hi || x[1] <= lo) {
+        seg[0] = lo, seg[1] = hi;
+        return 1;
+    }
+    if (x[0] - 1 >= lo) seg[2 * n] = lo, seg[2 * n + 1] = x[0] - 1, n++;
+    if (x[1] <= hi) seg[2 * n] = x[1], seg[2 * n + 1] = hi, n++;
+    return n;
+}
+
+/* the pieces a KV range [x, y] splits into with slices of sp tokens (0: no split) */
+static int range_pieces(int x, int y, int sp) { return y < x ? 0 : sp > 0 && y - x + 1 > sp ? y / sp - x / sp + 1 : 1; }
+
 KV_EXPORT int kvc_attention(const kv_args *a) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
@@ -527,6 +553,15 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
             if (np * G > head_rows_max) head_rows_max = np * G;
             if (hi >= lo) kv_bytes += (int64_t)(hi - lo + 1) * n_kv_heads * (c.krow + c.vrow); /* what the items read */
             const int sp = chunk_split(split, (int64_t)np * G * hg);
+            if (chunk_holed(a, s, lo, hi)) { /* one KV head per item, its range cut around its hole */
+                for (int h = 0; h < n_kv_heads; h++) {
+                    int seg[4], ns = hole_cut(a, s, h, lo, hi, seg), pieces = 0;
+                    for (int k = 0; k < ns; k++) pieces += range_pieces(seg[2 * k], seg[2 * k + 1], sp);
+                    n_items += pieces;
+                    if (pieces > 1) n_parts += pieces, n_groups++;
+                }
+                continue;
+            }
             int pieces = 1;
             if (sp > 0 && hi - lo + 1 > sp) pieces = hi / sp - lo / sp + 1;
             n_items += (int64_t)pieces * n_hg;
@@ -579,6 +614,33 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
                 kv_visible(&c, n_kv, n_kv - n_q + p0 + np - 1, &lo2, &hi2);
                 hi = hi2;
                 const int sp = chunk_split(split, (int64_t)np * G * hg);
+                if (chunk_holed(a, s, lo, hi)) {
+                    for (int h = 0; h < n_kv_heads; h++) {
+                        int seg[4], ns = hole_cut(a, s, h, lo, hi, seg), pieces = 0;
+                        for (int k = 0; k < ns; k++) pieces += range_pieces(seg[2 * k], seg[2 * k + 1], sp);
+                        if (pieces == 0) { /* this head sees no key from these rows: 0, lse -inf */
+                            for (int r = 0; r < np * G; r++) {
+                                const int64_t qrow = q_start[s] + p0 + r / G;
+                                memset(c.out + (qrow * a->n_heads + h * G + r % G) * D, 0, sizeof(float) * (size_t)D);
+                                if (c.lse) c.lse[qrow * a->n_heads + h * G + r % G] = -INFINITY;
+                            }
+                            continue;
+                        }
+                        if (pieces > 1) groups[ng++] = (kv_group){(int)npart, pieces, s, h, 1, p0, np};
+                        for (int k = 0; k < ns; k++) {
+                            const int x = seg[2 * k], y = seg[2 * k + 1], nk = range_pieces(x, y, sp);
+                            for (int j = 0; j < nk; j++) {
+                                int lo1 = x, hi1 = y;
+                                if (nk > 1) {
+                                    lo1 = (x / sp + j) * sp, hi1 = lo1 + sp - 1;
+                                    lo1 = lo1 > x ? lo1 : x, hi1 = hi1 < y ? hi1 : y;
+                                }
+                                items[ni++] = (kv_item){s, h, 1, p0, np, lo1, hi1, pieces > 1 ? (int)npart++ : -1};
+                            }
+                        }
+                    }
+                    continue;
+                }
                 int pieces = 1;
                 if (sp > 0 && hi - lo + 1 > sp) pieces = hi / sp - lo / sp + 1;
                 for (int h0 = 0; h0 < n_kv_heads; h0 += hg) {

@@ -69,11 +69,12 @@ typedef struct {
     int64_t raw_stride;
     /* attention of q [sum q_lens][n_heads][head_dim] into out over block_table [n_seqs][max_blocks];
      * lse (NULL: not wanted) gets each row's natural log-sum-exp of its scaled scores [sum q_lens][n_heads],
-     * -inf for a row that sees no key (its out row is 0) */
+     * -inf for a row that sees no key (its out row is 0). holes (NULL: none) [n_seqs][n_kv_heads][2]: KV head h of
+     * sequence s does not attend positions [lo, hi) (a per-head eviction's dropped rows; empty when lo >= hi) */
     const float *q;
     float *out;
     double *lse;
-    const int32_t *block_table, *seq_lens, *q_lens;
+    const int32_t *block_table, *seq_lens, *q_lens, *holes;
     int32_t n_seqs, max_blocks, causal, window; /* window <= 0: none */
     float scale;
 } kv_args;

@@ -1,0 +1,159 @@
+"""Per-head eviction (AdaKV): each (layer, KV head) keeps its own positions inside the sequence's shared pages.
+
+The kept sets are checked against an independent transcription of AdaKV's rule (a greedy pick over all heads
+with per-head floors and a ceiling), attention after the eviction against float64 attention over only each
+head's kept rows, and the pages against the longest head."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal.eviction import H2O, AdaKV, EvictOnFull, Knorm, SinkWindow, SnapKV
+from tests.oracle import attention_f64
+
+SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="f32", v_format="f32", block_size=4)
+N, WIN, GROUP = 64, 8, 2
+# the backends that mask per-head holes in their kernels (the rest refuse AdaKV)
+MASKING = [i.name for i in kvhal.backends() if i.name in ("reference", "cpu") and i.available]
+
+
+def prefilled(backend: str, seed: int = 0) -> tuple[kvhal.KVCache, int, np.ndarray, np.ndarray, np.ndarray]:
+    c = kvhal.KVCache(SPEC, 256, backend=backend, observe_window=WIN)
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((2, N, 2, 32), dtype=np.float32)
+    v = rng.standard_normal((2, N, 2, 32), dtype=np.float32)
+    k[:, :, 1] *= 6  # sharper attention in head 1: the heads' budgets differ
+    q = rng.standard_normal((N, 4, 32), dtype=np.float32)
+    s = c.new_seq()
+    for layer in (0, 1):
+        c.store(s, layer, k[layer], v[layer])
+        c.attention(layer, q, [s], [N], observe=True)
+    return c, s, k, v, q
+
+
+def window_mass(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """[KV heads, N]: the softmax weights the last WIN queries give each key, summed over each KV head's query
+    heads (float64, straight from the definition)."""
+    out = np.zeros((2, N))
+    for i in range(N - WIN, N):
+        for h in range(4):
+            s = q[i, h].astype(np.float64) @ k[: i + 1, h // GROUP].astype(np.float64).T / math.sqrt(32)
+            p = np.exp(s - s.max())
+            out[h // GROUP, : i + 1] += p / p.sum()
+    return out
+
+
+def adakv_transcription(wm: np.ndarray, n: int, keep: int, window: int, kernel: int, ceil: float, safe: float) -> list:
+    """AdaKV over SnapKV (kvpress's AdaKVPress, plus the ceiling), as a greedy loop over float64 window mass
+    ``wm [KV heads, n]``: the observation window scores as every head's best; each head first takes its
+    int(safe * keep) best; then the best remaining (score, head, position) whose head holds fewer than
+    int(ceil * keep) is taken, until the layer holds heads * keep positions."""
+    torch = pytest.importorskip("torch")
+    heads, win = wm.shape[0], min(window, keep, n)
+    pooled = torch.nn.functional.avg_pool1d(
+        torch.tensor(wm[:, : n - win])[:, None], kernel, 1, kernel // 2, count_include_pad=True
+    )[:, 0].numpy()
+    cap, n_safe = min(n, int(ceil * keep)), int(safe * keep)
+    taken = [set(range(n - win, n)) for _ in range(heads)]
+    for h in range(heads):
+        taken[h] |= set(sorted(range(n - win), key=lambda j: (-pooled[h, j], j))[: max(0, n_safe - win)])
+    rest = sorted((-pooled[h, j], h, j) for h in range(heads) for j in range(n - win) if j not in taken[h])
+    for _, h, j in rest:
+        if sum(map(len, taken)) == heads * keep:
+            break
+        if len(taken[h]) < cap:
+            taken[h].add(j)
+    return [sorted(t) for t in taken]
+
+
+@pytest.mark.parametrize("backend", MASKING)
+def test_adakv_keeps_each_heads_own_positions_and_masks_the_rest(backend):
+    c, s, k, v, q = prefilled(backend)
+    blocks = c.stats().blocks_used
+    policy = AdaKV(SnapKV(window=WIN, kernel=3), ceiling=1.25, safeguard=0.75)
+    res = c.evict(s, policy, keep_tokens=24)
+    assert res.heads is not None
+    for layer in (0, 1):
+        want = adakv_transcription(window_mass(q, k[layer]), N, 24, WIN, 3, 1.25, 0.75)
+        assert [h.tolist() for h in res.heads[layer]] == want
+    lens = [len(h) for layer in res.heads for h in layer]
+    assert len(set(lens)) > 1 and max(lens) <= 30  # budgets differ per head, none above the ceiling
+    assert c.seq_len(s) == res.length == max(lens)
+    assert c.stats().blocks_used == math.ceil(max(lens) / 4) == blocks - res.blocks_freed
+    # new tokens go after the longest head; each head attends its kept rows and the new ones, nothing else
+    rng = np.random.default_rng(1)
+    k2, v2 = (rng.standard_normal((2, 3, 2, 32), dtype=np.float32) for _ in range(2))
+    q2 = rng.standard_normal((3, 4, 32), dtype=np.float32)
+    for layer in (0, 1):
+        c.store(s, layer, k2[layer], v2[layer])
+        for observe in (False, True):
+            out = np.asarray(c.attention(layer, q2, [s], [3], observe=observe))
+            for h, kept in enumerate(res.heads[layer]):
+                kh = np.concatenate([k[layer][kept, h], k2[layer][:, h]])[:, None]
+                vh = np.concatenate([v[layer][kept, h], v2[layer][:, h]])[:, None]
+                want = attention_f64(q2[:, GROUP * h : GROUP * h + GROUP], [kh], [vh], [3])
+                np.testing.assert_allclose(out[:, GROUP * h : GROUP * h + GROUP], want, atol=1e-5)
+        hole = c.seq_table.get(s).mass[layer][:, :]  # observed mass: none for a head's dropped rows
+        for h, kept in enumerate(res.heads[layer]):
+            assert not hole[h, len(kept) : max(lens)].any()
+    with pytest.raises(kvhal.UnsupportedError, match="per-head"):
+        c.evict(s, SinkWindow(), keep_tokens=8)
+    with pytest.raises(kvhal.UnsupportedError, match="per-head"):
+        c.seq_rm(s, 0, 1)
+
+
+def test_adakv_prefill_chunks_split_around_holes_on_cpu():
+    """A long prefill and a decode step after a per-head eviction: the cpu kernel cuts each head's range around its
+    hole (q8_0: the integer kernels), against the reference backend's float64 masked attention."""
+    if "cpu" not in MASKING:
+        pytest.skip("the cpu backend is not available here")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=3, head_dim=64, k_format="q8_0", v_format="q8_0", block_size=16)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((700, 3, 64), dtype=np.float32)
+    q = rng.standard_normal((700, 9, 64), dtype=np.float32)
+    outs = []
+    for backend in ("reference", "cpu"):
+        c = kvhal.KVCache(spec, 4096, backend=backend, observe_window=16)
+        s = c.new_seq()
+        c.store(s, 0, k, k[::-1].copy())
+        c.attention(0, q, [s], [700], observe=True)
+        c.evict(s, AdaKV(H2O(heavy=200, recent=50), ceiling=1.5), keep_tokens=250)
+        c.store(s, 0, k[:300], k[:300])
+        outs.append(np.asarray(c.attention(0, q[:300], [s], [300])))
+        outs.append(np.asarray(c.attention(0, q[:1], [s], [1])))  # a decode step (the split-KV decode kernels)
+    np.testing.assert_allclose(outs[2], outs[0], atol=2e-3)
+    np.testing.assert_allclose(outs[3], outs[1], atol=2e-3)
+
+
+def test_adakv_argument_checks():
+    with pytest.raises(kvhal.SpecError, match="compare across heads"):
+        AdaKV(SinkWindow())
+    with pytest.raises(kvhal.SpecError, match="ceiling"):
+        AdaKV(SnapKV(), ceiling=0.9)
+    with pytest.raises(kvhal.SpecError, match="safeguard"):
+        AdaKV(SnapKV(), safeguard=1.5)
+    with pytest.raises(kvhal.UnsupportedError, match="same positions"):
+        EvictOnFull(AdaKV(SnapKV()), 8)
+    c, s, *_ = prefilled("reference")
+    with pytest.raises(kvhal.SpecError, match="observe_window=32"):
+        c.evict(s, AdaKV(SnapKV(window=32)), keep_tokens=24)
+    assert c.seq_len(s) == N and not c.seq_table.get(s).holes  # a refused call changes nothing
+
+
+def test_knorm_keeps_the_lowest_norm_keys():
+    """kvpress's KnormPress: the keys of lowest L2 norm; no attention scores needed (nothing observed here)."""
+    c = kvhal.KVCache(SPEC, 256, backend="reference")
+    k = np.random.default_rng(4).standard_normal((2, N, 2, 32), dtype=np.float32)
+    k *= np.random.default_rng(5).uniform(0.5, 2, (2, N, 2, 1)).astype(np.float32)
+    s = c.new_seq()
+    for layer in (0, 1):
+        c.store(s, layer, k[layer], k[layer])
+    norms = np.sqrt((k.astype(np.float64) ** 2).sum(-1))  # [layers, N, heads]
+    total = norms.sum(axis=(0, 2))
+    assert c.evict(s, Knorm(), keep_tokens=20).kept.tolist() == sorted(sorted(range(N), key=lambda j: total[j])[:20])
+    with pytest.raises(kvhal.SpecError, match="compare across heads"):
+        AdaKV(Knorm())  # each head's norms have their own scale
