@@ -44,6 +44,7 @@ from .snapshot_file import (
     inspect,
     remove_dead_temps,
     safetensors_module,
+    side_tensors,
     text_crc,
     threads,
     validate,
@@ -109,6 +110,7 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
         for layer, (k, v) in enumerate(blocks_to_pages(spec, raw)):
             tensors[f"blocks.l{layer}.k"][c0 : c0 + len(raw)] = k
             tensors[f"blocks.l{layer}.v"][c0 : c0 + len(raw)] = v
+    tensors.update(side_tensors(cache.resolved_spec))
     seq_meta = []
     for i, s in enumerate(objs):
         tensors[f"seq{i}.blocks"] = np.array([order[b] for b in s.blocks], np.int32)

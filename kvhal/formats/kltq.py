@@ -542,8 +542,8 @@ def from_arrays(a: dict[str, np.ndarray], where: str) -> Side:
     if missing:
         raise SpecError(f"kltq side data in {where} lacks {sorted(missing)}; write it with kvhal eval --calibrate")
     return Side(
-        float(a["bits"]),
-        bool(a["weighted"]),
+        float(np.asarray(a["bits"]).reshape(-1)[0]),  # 0-d in an .npz, [1] or 0-d in a snapshot
+        bool(np.asarray(a["weighted"]).reshape(-1)[0]),
         a["mean"].astype(np.float32),
         a["analysis"].astype(np.float32),
         a["synthesis"].astype(np.float32),

@@ -33,6 +33,7 @@ from kvhal.backend_util import (
 from kvhal.errors import BackendUnavailableError, KVHalError
 from kvhal.spec import CacheSpec
 
+from . import kltq
 from ._abi import ERRORS, ISAS, Args, library_path, open_library
 
 __all__ = ["OPTIONS", "CpuBackend", "ISAS", "available_isas", "best_isa"]
@@ -161,6 +162,8 @@ class CpuBackend(HostPoolsBackend):
     def __init__(self, **options: Any) -> None:
         opts = parse_options(self.name, options, OPTIONS)
         self._lib, self._runs = _library()
+        if kltq.declare(self._lib):  # the kltq K formats (side data), csrc/kltq.c
+            self._runs = self._runs | {f for f in formats.names() if formats.get(f).side_data}
         self.isa = ISAS[_pick_isa(self._lib, opts["isa"])]
         self.threads: int = opts["threads"] or os.cpu_count() or 1
         self.kv_split: int = opts["kv_split"]
@@ -209,6 +212,9 @@ class CpuBackend(HostPoolsBackend):
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if pools.spec.k_codec:  # K's records and V's rows in csrc/kltq.c
+            kltq.store(self._lib, pools, layer, ISAS.index(self.isa), self.threads, k, v, slots)
+            return
         if pools.spec.k_paged:
             whole_pages(slots, pools.spec.block_size)  # says why the library would refuse them
         a = Args.from_buffer_copy(pools.state[layer])
@@ -218,6 +224,8 @@ class CpuBackend(HostPoolsBackend):
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         spec = pools.spec
         ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+        if spec.k_codec:
+            return kltq.load(self._lib, pools, layer, ISAS.index(self.isa), self.threads, ids, n)
         k = np.empty((n, spec.n_kv_heads, spec.head_dim), np.float32)
         v = np.empty_like(k)
         a = Args.from_buffer_copy(pools.state[layer])
@@ -237,6 +245,8 @@ class CpuBackend(HostPoolsBackend):
     def _attention(
         self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, with_lse: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
+        if pools.spec.k_codec:
+            return kltq.attention(self._lib, pools, layer, ISAS.index(self.isa), self.threads, q, batch, with_lse)
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)
