@@ -47,10 +47,31 @@ KV_INLINE uint32_t kltq_code(const uint8_t *row, int64_t nbytes, int32_t start, 
     return (w >> (start & 7)) & ((1u << width) - 1u);
 }
 
-static void kltq_coeffs(const kltq_layer *L, int h, const uint8_t *row, float *c) {
+static void kltq_coeffs(const kltq_layer *L, int h, const uint8_t *restrict row, float *restrict c) {
     const int D = L->D;
-    const int32_t *st = L->start + h * D, *wd = L->width + h * D, *of = L->off + h * D;
-    for (int i = 0; i < D; i++) c[i] = L->levels[of[i] + kltq_code(row, L->krow, st[i], wd[i])];
+    const int64_t krow = L->krow;
+    const int32_t *restrict st = L->start + h * D, *restrict wd = L->width + h * D, *restrict of = L->off + h * D;
+    const float *restrict lv = L->levels;
+    int i = 0;
+    /* coefficients whose 4-byte window lies inside the record: branch-free (starts ascend with i) */
+    for (; i < D && (st[i] >> 3) + 4 <= krow; i++) {
+        uint32_t w;
+        memcpy(&w, row + (st[i] >> 3), 4);
+        c[i] = lv[of[i] + ((w >> (st[i] & 7)) & ((1u << wd[i]) - 1u))];
+    }
+    for (; i < D; i++) c[i] = lv[of[i] + kltq_code(row, krow, st[i], wd[i])];
+}
+
+/* q . c with 16 independent partial sums (vectorizes without reassociating a single sum) */
+static inline float kltq_dot(const float *restrict q, const float *restrict c, int D) {
+    float acc[16] = {0};
+    int d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int e = 0; e < 16; e++) acc[e] += q[d + e] * c[d + e];
+    float sum = 0.0f;
+    for (; d < D; d++) sum += q[d] * c[d];
+    for (int e = 0; e < 16; e++) sum += acc[e];
+    return sum;
 }
 
 /* -- store ------------------------------------------------------------------------------------------ */
@@ -203,10 +224,9 @@ static void kattn_task(void *ctx, int64_t t, int worker) {
             for (int g = 0; g < G; g++) {
                 const int r = i * G + g;
                 const float *qr = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
-                float sc = 0.0f;
-                for (int d = 0; d < D; d++) sc += qr[d] * c[d];
-                sc *= a->scale;
-                float *orow = o + (size_t)r * D;
+                const float sc = kltq_dot(qr, c, D) * a->scale;
+                float *restrict orow = o + (size_t)r * D;
+                const float *restrict vr = v;
                 if (sc > m[r]) {
                     const float f = expf(m[r] - sc);
                     l[r] *= f;
@@ -215,7 +235,7 @@ static void kattn_task(void *ctx, int64_t t, int worker) {
                 }
                 const float p = expf(sc - m[r]);
                 l[r] += p;
-                for (int d = 0; d < D; d++) orow[d] += p * v[d];
+                for (int d = 0; d < D; d++) orow[d] += p * vr[d];
             }
         }
     }
