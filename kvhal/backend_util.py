@@ -192,7 +192,7 @@ def _scores_f64(
         yield rows, np.where(((j >= lo[rows, None]) & (j < hi[rows, None]))[None], scores, -np.inf), v
 
 
-def scored_keys(pools: Pools, layer: int, k: np.ndarray) -> np.ndarray:
+def scored_keys(pools: Any, layer: int, k: np.ndarray) -> np.ndarray:
     """Loaded keys as attention scores them: for a kltq K format, whose queries come in coefficient space, the
     coefficients ``T (x' - mu)`` of the loaded ``x' = mu + S c'`` (``T S = I``: the decoded ``c'``); else ``k``."""
     if not pools.spec.k_codec:

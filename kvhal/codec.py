@@ -64,7 +64,7 @@ class Codec:
         """True while a "calibrate" scale (or kltq side data) is fixed for some layers but not yet for all."""
         return any(
             any(sc is None for sc in per_layer) and any(sc is not None for sc in per_layer)
-            for per_layer in [*self._scales.values(), self.sides]
+            for per_layer in [*self._scales.values(), list[Any](self.sides)]
         )
 
     def uncalibrated(self, which: str) -> bool:

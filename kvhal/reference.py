@@ -6,8 +6,8 @@ import numpy as np
 
 from . import formats
 from .backend import AttentionBatch, HostPoolsBackend, Pools, Probe
-from .errors import UnsupportedError
 from .backend_util import whole_pages
+from .errors import UnsupportedError
 from .formats import Format, kltq
 
 
