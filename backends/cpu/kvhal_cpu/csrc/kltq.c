@@ -11,18 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvcpu.h"
+#include "kltq.h"
 
 int kvc_isa_supported(int isa); /* api.c */
-
-typedef struct {
-    int32_t H, D, bs, vfmt, isa, threads;
-    int64_t krow, vrow;
-    const int32_t *start, *width, *off; /* [H][D] bit start, bits, offset of the scaled levels */
-    const float *levels;                /* sigma_i * codebook[width_i][...] per coefficient */
-    const float *mean, *analysis, *synthesis, *sigma, *books; /* side data of the layer ([H][D], [H][D][D], books [13][4096]) */
-    const uint8_t *alloc;
-} kltq_layer;
 
 static const kv_isa *kltq_isa(int isa) {
     if (!kvc_isa_supported(isa)) return &kv_isa_scalar;
@@ -172,18 +163,6 @@ KV_EXPORT int kvc_kltq_load(const kltq_layer *L, const int64_t *blocks, int64_t 
 
 /* -- attention -------------------------------------------------------------------------------------- */
 
-typedef struct {
-    const kltq_layer *L;
-    const float *q; /* [sum q_lens][Hq][D], coefficient space */
-    float *out;
-    double *lse;
-    const uint8_t *kpool, *vpool;
-    const int32_t *block_table, *seq_lens, *q_lens;
-    const int64_t *q_start;
-    int32_t Hq, max_blocks, causal, window, failed;
-    float scale;
-} kattn_ctx;
-
 static void kattn_task(void *ctx, int64_t t, int worker) {
     (void)worker;
     kattn_ctx *a = (kattn_ctx *)ctx;
@@ -262,7 +241,11 @@ KV_EXPORT int kvc_kltq_attention(const kltq_layer *L, const float *q, float *out
     for (int s = 0; s < n_seqs; s++) q_start[s + 1] = q_start[s] + q_lens[s];
     kattn_ctx c = {L, q, out, lse, kpool, vpool, block_table, seq_lens, q_lens, q_start, n_heads, max_blocks,
                    causal, window, 0, scale};
-    kv_pool_run(kattn_task, &c, (int64_t)n_seqs * L->H, L->threads);
+    kv_task_fn task = kattn_task;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kltq_isa(L->isa) == &kv_isa_avx512 && L->D % 16 == 0) task = kv_kltq_attn_task_avx512;
+#endif
+    kv_pool_run(task, &c, (int64_t)n_seqs * L->H, L->threads);
     free(q_start);
     return c.failed ? -2 : 0;
 }
