@@ -38,11 +38,11 @@ static inline __m512 vexp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
-    (void)worker;
-    kattn_ctx *a = (kattn_ctx *)ctx;
+/* the task for nv = head_dim / 16 vectors; inlined with nv a constant for the usual head_dims (unrolled loops,
+ * q and the output row in registers) */
+static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_t t, const int nv) {
     const kltq_layer *L = a->L;
-    const int H = L->H, D = L->D, G = a->Hq / H, nv = D / 16;
+    const int H = L->H, D = L->D, G = a->Hq / H;
     const int s = (int)(t / H), h = (int)(t % H);
     const int n_kv = a->seq_lens[s], n_q = a->q_lens[s];
     const int64_t q0 = a->q_start[s];
@@ -154,21 +154,24 @@ void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
             for (int g = 0; g < G; g++) {
                 const int r = i * G + g;
                 const float *qr = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
+                __m512 qv[KLTQ_DMAX / 16], ov[KLTQ_DMAX / 16];
+                for (int e = 0; e < nv; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
                 float sc[16] __attribute__((aligned(64)));
                 for (int u = 0; u < nt; u++) {
                     const float *c = ct + (size_t)u * D;
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int e = 0; e < nv; e++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * e), _mm512_load_ps(c + 16 * e), acc);
-                    sc[u] = hsum(acc) * a->scale;
+                    __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(c));
+                    for (int e = 1; e < nv; e++) acc = _mm512_fmadd_ps(qv[e], _mm512_load_ps(c + 16 * e), acc);
+                    sc[u] = hsum(acc);
                 }
-                const __m512 sv = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), vis, sc);
+                const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_load_ps(sc), _mm512_set1_ps(a->scale));
                 const float mt = _mm512_mask_reduce_max_ps(vis, sv);
                 float *orow = o + (size_t)r * D;
+                for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
                 if (mt > m[r]) {
                     const float f = expf(m[r] - mt); /* 0 from -inf */
                     l[r] *= f;
                     const __m512 fv = _mm512_set1_ps(f);
-                    for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * e), fv));
+                    for (int e = 0; e < nv; e++) ov[e] = _mm512_mul_ps(ov[e], fv);
                     m[r] = mt;
                 }
                 const __m512 pv = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(m[r]))));
@@ -176,12 +179,11 @@ void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
                 float pa[16] __attribute__((aligned(64)));
                 _mm512_store_ps(pa, pv);
                 for (int u = 0; u < nt; u++) {
-                    if (pa[u] == 0.0f) continue;
                     const __m512 pu = _mm512_set1_ps(pa[u]);
                     const float *v = vt + (size_t)u * D;
-                    for (int e = 0; e < nv; e++)
-                        _mm512_storeu_ps(orow + 16 * e, _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), _mm512_loadu_ps(orow + 16 * e)));
+                    for (int e = 0; e < nv; e++) ov[e] = _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), ov[e]);
                 }
+                for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
             }
         }
     }
@@ -195,6 +197,17 @@ void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
             if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
         }
     free(buf);
+}
+
+void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    kattn_ctx *a = (kattn_ctx *)ctx;
+    switch (a->L->D) {
+    case 64: attn_task(a, t, 4); break;
+    case 128: attn_task(a, t, 8); break;
+    case 256: attn_task(a, t, 16); break;
+    default: attn_task(a, t, a->L->D / 16);
+    }
 }
 
 #if defined(__clang__)
