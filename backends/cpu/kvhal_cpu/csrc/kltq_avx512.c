@@ -19,7 +19,20 @@
 #define KLTQ_DMAX 512
 #define KLTQ_T 16 /* keys per tile */
 
-static inline float hsum(__m512 x) { return _mm512_reduce_add_ps(x); }
+/* the 16 horizontal sums of a[0..15] as one vector (lane u: the sum of a[u]), by halving and interleaving */
+static inline __m512 sums16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[k], a[k + 8], 0x44), _mm512_shuffle_f32x4(a[k], a[k + 8], 0xEE));
+    for (int k = 0; k < 4; k++)
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
+    for (int k = 0; k < 2; k++)
+        d[k] = _mm512_add_ps(_mm512_unpacklo_ps(c[k], c[k + 2]), _mm512_unpackhi_ps(c[k], c[k + 2]));
+    const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))));
+    /* f holds the sums of keys 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15 (an involution: the same index sorts it) */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0), f);
+}
 
 /* e^x for x <= 0 (x = -inf: 0): 2^(x log2 e) as 2^n 2^f, |f| <= 1/2, 2^f by its degree-7 Taylor series
  * (relative error under 2e-8, below f32's) */
@@ -140,8 +153,23 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                 }
                 _mm512_store_ps(cu + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(sg + 16 * e)));
             }
-            isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
+            if (L->vfmt == KV_Q8_0) { /* ggml's q8_0 inline: {f16 d; int8 q[32]} -> d * q */
+                const uint8_t *vb = a->vpool + row * L->vrow;
+                float *vu = vt + (size_t)u * D;
+                for (int blk = 0; blk < nv / 2; blk++) {
+                    uint16_t dh;
+                    memcpy(&dh, vb + 34 * blk, 2);
+                    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+                    for (int half = 0; half < 2; half++) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(vb + 34 * blk + 2 + 16 * half));
+                        _mm512_store_ps(vu + 32 * blk + 16 * half, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+                    }
+                }
+            } else {
+                isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
+            }
         }
+        if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
         /* per query row and head: the tile's scores in one vector, one rescale, one vector exp */
         const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
         const __mmask16 in_tile = (__mmask16)((1u << nt) - 1u);
@@ -156,14 +184,13 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                 const float *qr = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
                 __m512 qv[KLTQ_DMAX / 16], ov[KLTQ_DMAX / 16];
                 for (int e = 0; e < nv; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
-                float sc[16] __attribute__((aligned(64)));
-                for (int u = 0; u < nt; u++) {
-                    const float *c = ct + (size_t)u * D;
-                    __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(c));
-                    for (int e = 1; e < nv; e++) acc = _mm512_fmadd_ps(qv[e], _mm512_load_ps(c + 16 * e), acc);
-                    sc[u] = hsum(acc);
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) {
+                    const float *c = ct + (size_t)u * D; /* rows past nt hold zeros */
+                    acc[u] = _mm512_mul_ps(qv[0], _mm512_load_ps(c));
+                    for (int e = 1; e < nv; e++) acc[u] = _mm512_fmadd_ps(qv[e], _mm512_load_ps(c + 16 * e), acc[u]);
                 }
-                const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_load_ps(sc), _mm512_set1_ps(a->scale));
+                const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, sums16(acc), _mm512_set1_ps(a->scale));
                 const float mt = _mm512_mask_reduce_max_ps(vis, sv);
                 float *orow = o + (size_t)r * D;
                 for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
