@@ -89,12 +89,23 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
     const float *mu = L->mean + h * D, *T = L->analysis + (int64_t)h * D * D, *sg = L->sigma + h * D;
     const uint8_t *al = L->alloc + h * D;
     const int32_t *st = L->start + h * D;
+    double y[512], cs[512];
+    for (int j = 0; j < D; j++) y[j] = (double)x[j] - (double)mu[j];
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kltq_isa(L->isa) == &kv_isa_avx512 && D % 16 == 0)
+        kv_kltq_analysis_avx512(T, y, al, D, cs);
+    else
+#endif
+        for (int i = 0; i < D; i++) {
+            double c = 0.0;
+            if (al[i])
+                for (int j = 0; j < D; j++) c += (double)T[i * D + j] * y[j];
+            cs[i] = c;
+        }
     for (int i = 0; i < D; i++) {
         const int b = al[i];
         if (!b) continue;
-        double c = 0.0;
-        for (int j = 0; j < D; j++) c += (double)T[i * D + j] * ((double)x[j] - (double)mu[j]);
-        const double z = c / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
+        const double z = cs[i] / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
         const float *lv = L->books + b * 4096;
         int lo = 0, hi = (1 << b) - 1; /* the number of midpoints below z */
         while (lo < hi) {
@@ -114,6 +125,7 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
 
 KV_EXPORT int kvc_kltq_store(const kltq_layer *L, const float *x, const float *v, const int64_t *slots, int64_t n,
                              uint8_t *kpool, uint8_t *vpool) {
+    if (L->D > 512) return -3;
     kstore_ctx c = {L, x, v, slots, kpool, vpool};
     kv_pool_run(kstore_task, &c, n * L->H, L->threads);
     return 0;

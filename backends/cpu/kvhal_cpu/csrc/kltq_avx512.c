@@ -226,6 +226,22 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
     free(buf);
 }
 
+void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c) {
+    for (int i = 0; i < D; i++) {
+        if (!al[i]) {
+            c[i] = 0.0;
+            continue;
+        }
+        const float *ti = T + (int64_t)i * D;
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (int j = 0; j < D; j += 16) {
+            a0 = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ti + j)), _mm512_loadu_pd(y + j), a0);
+            a1 = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ti + j + 8)), _mm512_loadu_pd(y + j + 8), a1);
+        }
+        c[i] = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    }
+}
+
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
     (void)worker;
     kattn_ctx *a = (kattn_ctx *)ctx;
