@@ -39,6 +39,7 @@ class Codec:
         }
         # a kltq K format's side data, one single-layer kltq.Side per layer (None until its first store); the
         # cache hands this list to its pools (``Pools.side``), so a backend reads ``side[layer]``
+        self._query_side: dict[int, tuple[kltq.Side, np.ndarray, np.ndarray]] = {}
         self.sides: list[kltq.Side | None] = (
             [kltq.layer_side(spec.k_side, i) for i in range(spec.n_layers)]
             if spec.k_side is not None
@@ -209,11 +210,15 @@ class Codec:
         the coefficients leave out, the same for every key (it matters only where scores are merged across
         parts by log-sum-exp)."""
         side = self.side(layer)
-        qh = np.asarray(backend.to_numpy(q), np.float32)
-        group = qh.shape[1] // self.spec.n_kv_heads
-        mu = np.repeat(side.mean[0].astype(np.float64), group, axis=0)  # [Hq, D]
-        offset = np.einsum("nhd,hd->nh", qh.astype(np.float64), mu)
-        return backend.asarray(kltq.query(side, 0, qh), "q"), offset
+        if self._query_side.get(layer, (None,))[0] is not side:  # float64 S and mu, once per layer's side data
+            self._query_side[layer] = (side, side.synthesis[0].astype(np.float64), side.mean[0].astype(np.float64))
+        _, synthesis, mean = self._query_side[layer]
+        qh = np.asarray(backend.to_numpy(q), np.float64)
+        n, n_heads, d = qh.shape
+        grouped = qh.reshape(n, self.spec.n_kv_heads, n_heads // self.spec.n_kv_heads, d)  # [n, H, G, D]
+        offset = (grouped * mean[None, :, None, :]).sum(-1).reshape(n, n_heads)
+        q_c = (grouped @ synthesis[None]).reshape(n, n_heads, d)  # S^T q per head: kltq.query, as one matmul
+        return backend.asarray(q_c.astype(np.float32), "q"), offset
 
     def output(self, backend: Backend, layer: int, out: Any) -> Any:
         """Attention over stored V ``R (v / s)`` back to values: ``s * R^T out`` per KV head (exact)."""
