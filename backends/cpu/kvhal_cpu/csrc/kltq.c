@@ -155,11 +155,20 @@ static void kload_task(void *ctx, int64_t t, int worker) {
             kltq_coeffs(L, h, s->kpool + r * L->krow, c);
             const float *S = L->synthesis + (int64_t)h * D * D, *mu = L->mean + h * D;
             float *out = s->kout + (j * H + h) * D;
-            for (int i = 0; i < D; i++) {
-                double acc = 0.0;
-                for (int k = 0; k < D; k++) acc += (double)S[i * D + k] * (double)c[k];
-                out[i] = (float)(acc + (double)mu[i]);
-            }
+            double cd[512];
+            for (int k = 0; k < D; k++) cd[k] = (double)c[k];
+            double xs[512];
+#if defined(__x86_64__) || defined(_M_X64)
+            if (kltq_isa(L->isa) == &kv_isa_avx512 && D % 16 == 0)
+                kv_kltq_analysis_avx512(S, cd, NULL, D, xs); /* the same product: S c' */
+            else
+#endif
+                for (int i = 0; i < D; i++) {
+                    double acc = 0.0;
+                    for (int k = 0; k < D; k++) acc += (double)S[i * D + k] * cd[k];
+                    xs[i] = acc;
+                }
+            for (int i = 0; i < D; i++) out[i] = (float)(xs[i] + (double)mu[i]);
             isa->dequantize(L->vfmt, s->vpool + r * L->vrow, s->vout + (j * H + h) * D, D);
         }
     }

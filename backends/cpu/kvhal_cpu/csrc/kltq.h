@@ -27,7 +27,7 @@ typedef struct {
 
 /* one (sequence, KV head) item of attention with the AVX-512 kernels (kltq_avx512.c; x86-64 only) */
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker);
-/* c[i] = T[i] . y (double) for every coefficient with bits (al[i] > 0), D a multiple of 16 */
+/* c[i] = T[i] . y (double) for every coefficient with bits (al[i] > 0; al NULL: every one), D a multiple of 16 */
 void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c);
 
 #endif

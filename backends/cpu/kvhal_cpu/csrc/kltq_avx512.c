@@ -228,7 +228,7 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
 
 void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c) {
     for (int i = 0; i < D; i++) {
-        if (!al[i]) {
+        if (al && !al[i]) {
             c[i] = 0.0;
             continue;
         }
