@@ -252,6 +252,11 @@ class KVCache:
         self.codec.adopt(per_layer)
         self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
+    def adopt_side(self, side: kltq.Side) -> None:
+        """Take every layer's kltq side data (a snapshot's, before this cache stored anything)."""
+        self.codec.adopt_side(side)
+        self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
+
     # -- data ----------------------------------------------------------------------------------------
 
     def store(self, seq: int, layer: int, k: Any, v: Any) -> None:
