@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvhal
 from kvhal import CacheSpec, KVCache, formats
@@ -115,3 +117,27 @@ def test_a_backend_without_kltq_refuses_naming_those_that_run_it():
 
     with pytest.raises(UnsupportedError, match="reference"):
         KVCache(spec(), 64, backend=Plain())
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    name=st.sampled_from(kltq.names()),
+    heads=st.integers(1, 3),
+    dim=st.sampled_from([16, 32, 48]),
+    n=st.integers(3, 40),
+    seed=st.integers(0, 2**16),
+    backend=st.sampled_from([b.name for b in kvhal.backends() if b.available and "kltq:4.5" in b.formats]),
+)
+def test_any_budget_and_shape_stores_the_numpy_spec(name, heads, dim, n, seed, backend):
+    """Property: on every backend that runs kltq, a cache's records are the numpy spec's (kltq.quantize with
+    the side data kltq.calibrate gives for the same first store) and load is their synthesis."""
+    rng = np.random.default_rng(seed)
+    k = (rng.standard_normal((n, heads, dim)) * np.exp(-np.arange(dim) / 6)).astype(np.float32)
+    c = KVCache(CacheSpec(1, heads, dim, k_format=name, v_format="f16"), 64, backend=backend)
+    s = c.new_seq()
+    c.store(s, 0, k, k)
+    side = c.resolved_spec.k_side
+    assert side.digest() == kltq.calibrate([k], kltq.parse_name(name)).digest()
+    rows, _ = c.load_rows(s, 0)
+    np.testing.assert_array_equal(rows, kltq.quantize(side, 0, k))
+    np.testing.assert_allclose(kvhal.to_numpy(c.load(s, 0)[0]), kltq.dequantize(side, 0, rows), atol=1e-5)

@@ -173,6 +173,8 @@ class CpuBackend(HostPoolsBackend):
 
     def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
         why = super().supports(spec, op, shape)
+        if why is None and spec.k_codec and spec.head_dim > 512:
+            why = f"its kltq kernels take head_dim up to 512, not {spec.head_dim}"
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"
