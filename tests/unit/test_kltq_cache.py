@@ -58,8 +58,8 @@ def test_first_store_calibrates_each_layer_as_the_spec_does():
 def test_side_data_given_in_the_spec_or_a_file_is_used_as_is(tmp_path):
     side = kltq.calibrate(keys(2), 4.5)
     side.save(tmp_path / "side.npz")
-    for given in (side, str(tmp_path / "side.npz")):
-        c = KVCache(spec(k_side=given), 64, backend="reference")
+    for side_arg in (side, str(tmp_path / "side.npz")):
+        c = KVCache(spec(k_side=side_arg), 64, backend="reference")
         s = c.new_seq()
         k = keys(3)[0]
         c.store(s, 0, k[:1], k[:1])  # one token: nothing to calibrate
