@@ -38,9 +38,3 @@ for _bits in BUDGETS:
         )
     )  # fmt: skip
 
-
-def bits_of(name: str) -> float:
-    """The budget of a registered kltq format name."""
-    from .kltq import parse_name
-
-    return parse_name(name)
