@@ -68,6 +68,9 @@ class Pools:
     v: list[Any]
     nbytes: int  # bytes really allocated for every k and v pool
     state: Any = field(default=None, repr=False)
+    # a kltq K format's side data per layer (one-layer ``kltq.Side``, None before the layer's first store): the
+    # cache's list, set by the cache; what a backend's store/load/attention of such a format reads
+    side: list[Any] = field(default_factory=list, repr=False)
 
 
 class Backend(ABC):

@@ -28,7 +28,12 @@ def format_id(name: str) -> int:
 def format_table() -> list[tuple[str, int, int, int]]:
     """``(name, id, block_len, block_bytes)`` of every format, in id order: the one table kernels are
     generated from (a C header, a WGSL constant, a define list)."""
-    return [(f.name, i, f.block_len, f.block_bytes) for i, f in enumerate(map(formats.get, formats.names()))]
+    plain = set(formats.plain_names())  # side-data formats (kltq) run no block kernel: not in the table
+    return [
+        (f.name, i, f.block_len, f.block_bytes)
+        for i, f in enumerate(map(formats.get, formats.names()))
+        if f.name in plain
+    ]
 
 
 def whole_pages(slots: np.ndarray, block_size: int) -> np.ndarray:
@@ -179,7 +184,8 @@ def _scores_f64(
         rows = slice(start, start + n_q)
         start += n_q
         k, v = backend.load(pools, layer, batch.block_table[s, : -(-n_kv // spec.block_size)], n_kv)
-        k = np.repeat(np.asarray(backend.to_numpy(k), np.float64), group, axis=1)  # [n_kv, Hq, D]
+        k = scored_keys(pools, layer, np.asarray(backend.to_numpy(k), np.float64))
+        k = np.repeat(k, group, axis=1)  # [n_kv, Hq, D]
         v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
         scores = np.einsum("qhd,khd->hqk", qh[rows], k) * batch.scale
         j = np.arange(n_kv)[None, :]
@@ -187,6 +193,16 @@ def _scores_f64(
         if (hidden := batch.hidden(s, n_kv)) is not None:  # per-head holes: [Hq, 1, n_kv]
             seen = seen & ~np.repeat(hidden, group, axis=0)[:, None, :]
         yield rows, np.where(seen, scores, -np.inf), v
+
+
+def scored_keys(pools: Any, layer: int, k: np.ndarray) -> np.ndarray:
+    """Loaded keys as attention scores them: for a kltq K format, whose queries come in coefficient space, the
+    coefficients ``T (x' - mu)`` of the loaded ``x' = mu + S c'`` (``T S = I``: the decoded ``c'``); else ``k``."""
+    if not pools.spec.k_codec:
+        return k
+    from .formats import kltq
+
+    return kltq.coefficients(pools.side[layer], 0, k)
 
 
 def softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -267,6 +283,7 @@ def attention_mass_lse(
         rows = slice(start, start + n_q)
         start += n_q
         k, _ = backend.load(pools, layer, batch.block_table[s, : -(-n_kv // spec.block_size)], n_kv)
+        k = scored_keys(pools, layer, np.asarray(backend.to_numpy(k), np.float64))
         d = qf.shape[-1]
         # [q * scale, -lse] . [k, 1] = q.k * scale - lse: one matmul per tile and head gives the exponent
         kf = np.ones((n_kv_heads, d + 1, n_kv), np.float32)

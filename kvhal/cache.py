@@ -31,6 +31,7 @@ from .codec import Codec, Pending
 from .errors import CapacityError, NonFiniteError, PositionError, ShapeError, SpecError, UnsupportedError
 from .eviction import EvictionResult, EvictOnFull, Evictor, OnEvict, Policy
 from .fingerprint import Fingerprint, extra_digest
+from .formats import kltq
 from .prefix import PrefixIndex
 from .seqs import Seq, SeqTable
 from .spec import CacheSpec
@@ -103,6 +104,7 @@ class KVCache:
         self.pools = self.backend.allocate(spec, self.n_blocks)
         allocator = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
         self.codec = Codec(spec)
+        self.pools.side = self.codec.sides  # a kltq K format's side data, per layer, as the backend reads it
         self.seq_table = SeqTable(spec, self.backend, self.pools, allocator)
         self.prefix = PrefixIndex(
             spec, self.backend, self.pools, allocator, self.fingerprint.digest(spec), tier_list, write_through
@@ -251,6 +253,11 @@ class KVCache:
         self.codec.adopt(per_layer)
         self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
+    def adopt_side(self, side: kltq.Side) -> None:
+        """Take every layer's kltq side data (a snapshot's, before this cache stored anything)."""
+        self.codec.adopt_side(side)
+        self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
+
     # -- data ----------------------------------------------------------------------------------------
 
     def store(self, seq: int, layer: int, k: Any, v: Any) -> None:
@@ -261,10 +268,15 @@ class KVCache:
         if validate.kv_rows(k, v, self.spec.n_kv_heads, self.spec.head_dim) == 0:
             return
         spec, pending = self.spec, Pending()
-        if spec.transformed or spec.uses_tail:
+        if spec.transformed or spec.uses_tail or spec.k_codec:
             k, v, pending = self.codec.encode(self.backend, layer, k, v)
             if spec.uses_tail:
-                self.tail.store(s, layer, k, v)
+                staged = self.codec.staged(pending)  # side data a backend's store reads
+                try:
+                    self.tail.store(s, layer, k, v)
+                except BaseException:
+                    self.codec.unstage(staged)
+                    raise
                 self._committed(pending)
                 self.prefix.seal(s)
                 return
@@ -272,7 +284,12 @@ class KVCache:
         self.backend.check_values(spec.k_fmt, k)
         self.backend.check_values(spec.v_fmt, v)
         make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
-        p1 = self.seq_table.write(s, layer, k, v, s.lens[layer] - s.base, make_room)
+        staged = self.codec.staged(pending)
+        try:
+            p1 = self.seq_table.write(s, layer, k, v, s.lens[layer] - s.base, make_room)
+        except BaseException:
+            self.codec.unstage(staged)
+            raise
         self._committed(pending)
         s.lens[layer] = p1 + s.base
         if len(s.tokens) > len(s.hashes) * spec.block_size:
@@ -297,15 +314,18 @@ class KVCache:
             self.codec.uncalibrated(w) or self.codec.calibrating()
             for w in "kv"
             if getattr(spec, f"{w}_scale") == "calibrate"
-        ):
+        ) or (spec.k_codec and any(x is None for x in self.codec.sides)):
             raise UnsupportedError(
-                'store_rows on a "calibrate" cache before every layer\'s scale is fixed: the rows would have no scale '
-                "to mean; create the cache with the scales the rows were stored with"
+                'store_rows on a "calibrate" (or kltq) cache before every layer\'s scale (side data) is fixed: the '
+                "rows would have nothing to mean; create the cache with the scales (k_side) the rows were stored with"
             )
         if len(k) == 0:
             return
         for fmt, rows, what in ((spec.k_fmt, k, "k_rows"), (spec.v_fmt, v, "v_rows")):
-            values = fmt.dequantize(rows)
+            if fmt.side_data:
+                values = kltq.dequantize(self.codec.side(layer), 0, rows)
+            else:
+                values = fmt.dequantize(rows)
             if not np.isfinite(values).all():
                 raise NonFiniteError(
                     f"{what} decode to non-finite values in format {fmt.name}: the bytes are not rows of this "
@@ -519,6 +539,12 @@ class KVCache:
         check_shape(self.backend, spec, batch, int(q.shape[1]))  # a backend's per-call limits, where it has any
         if spec.transformed:
             q = self.codec.query(self.backend, layer, q)
+        if spec.k_codec:  # pages score q in coefficient space; an f16 tail scores q itself
+            q_pages, offset = self.codec.coefficient_query(self.backend, layer, q)
+            if spec.uses_tail:
+                out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window, (q_pages, offset))
+                return self.backend.asarray(out, "out")
+            q = q_pages
         if spec.uses_tail:
             out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
         elif offloaded:

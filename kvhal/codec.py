@@ -16,6 +16,8 @@ import numpy as np
 
 from . import formats, transforms
 from .backend import Backend
+from .errors import ShapeError, UnsupportedError
+from .formats import kltq
 from .spec import CacheSpec
 
 # a "calibrate" scale of a per-value format (fp8) is searched over this many fractions of a power of two,
@@ -23,7 +25,9 @@ from .spec import CacheSpec
 CALIBRATION_STEPS = 16
 CALIBRATION_VALUES = 16384
 
-Pending = dict[tuple[str, int], np.ndarray]  # scales a store calibrated, kept only if the store succeeds
+# what a store calibrated, kept only if the store succeeds: scales ("k"/"v", layer) -> per-head scales, and
+# ("side", layer) -> a kltq K format's one-layer side data
+Pending = dict[tuple[str, int], Any]
 
 
 class Codec:
@@ -33,6 +37,14 @@ class Codec:
         self._scales: dict[str, list[np.ndarray | None]] = {
             w: resolve_scale(getattr(spec, f"{w}_scale"), spec) for w in "kv"
         }
+        # a kltq K format's side data, one single-layer kltq.Side per layer (None until its first store); the
+        # cache hands this list to its pools (``Pools.side``), so a backend reads ``side[layer]``
+        self._query_side: dict[int, tuple[kltq.Side, np.ndarray, np.ndarray]] = {}
+        self.sides: list[kltq.Side | None] = (
+            [kltq.layer_side(spec.k_side, i) for i in range(spec.n_layers)]
+            if spec.k_side is not None
+            else [None] * spec.n_layers
+        )
 
     # -- scales --------------------------------------------------------------------------------------
 
@@ -45,13 +57,15 @@ class Codec:
             per_layer = self._scales[w]
             if getattr(spec, f"{w}_scale") == "calibrate" and all(sc is not None for sc in per_layer):
                 out[f"{w}_scale"] = tuple(tuple(float(x) for x in sc) for sc in per_layer if sc is not None)
+        if spec.k_codec and spec.k_side is None and all(x is not None for x in self.sides):
+            out["k_side"] = kltq.join_layers([x for x in self.sides if x is not None])
         return dataclasses.replace(spec, **out) if out else spec
 
     def calibrating(self) -> bool:
-        """True while a "calibrate" scale is fixed for some layers but not yet for all of them."""
+        """True while a "calibrate" scale (or kltq side data) is fixed for some layers but not yet for all."""
         return any(
             any(sc is None for sc in per_layer) and any(sc is not None for sc in per_layer)
-            for per_layer in self._scales.values()
+            for per_layer in [*self._scales.values(), list[Any](self.sides)]
         )
 
     def uncalibrated(self, which: str) -> bool:
@@ -73,8 +87,27 @@ class Codec:
         """Keep the scales a successful store calibrated; True when any changed (the cache's root hash then
         changes too)."""
         for (w, layer), sc in pending.items():
-            self._scales[w][layer] = sc
+            if w == "side":
+                self.sides[layer] = sc
+            else:
+                self._scales[w][layer] = sc
         return bool(pending)
+
+    def staged(self, pending: Pending) -> list[int]:
+        """Put the side data a store calibrated in place before its rows are written (a backend's store reads
+        it); returns the layers to reset should the store fail."""
+        layers = [layer for (w, layer) in pending if w == "side"]
+        for layer in layers:
+            self.sides[layer] = pending[("side", layer)]
+        return layers
+
+    def unstage(self, layers: list[int]) -> None:
+        for layer in layers:
+            self.sides[layer] = None
+
+    def adopt_side(self, side: kltq.Side) -> None:
+        """Take every layer's kltq side data at once (a restore into a cache that had not stored yet)."""
+        self.sides[:] = [kltq.layer_side(side, i) for i in range(self.spec.n_layers)]
 
     def adopt(self, per_layer: dict[str, list[np.ndarray | None]]) -> None:
         """Take every layer's scales at once (a restore into a "calibrate" cache that had not stored yet)."""
@@ -127,7 +160,21 @@ class Codec:
             if sc is None:
                 sc = pending[(w, layer)] = self.calibrate(w, x)
             out.append(self.forward(w, x, sc) if self.spec.transformed else x)
+        if self.spec.k_codec and self.sides[layer] is None:
+            pending[("side", layer)] = self.calibrate_side(out[0])
         return out[0], out[1], pending
+
+    def calibrate_side(self, k: np.ndarray) -> kltq.Side:
+        """A kltq K format's side data for one layer from its first store ``k [n, H, D]`` (plain KLT; the
+        spec's sink tokens skipped, as they are attended in f16)."""
+        skip = self.spec.sink_tokens
+        if len(k) - skip < 2:
+            raise ShapeError(
+                f"{self.spec.k_format} calibrates each layer on its first store, which needs at least {skip + 2} "
+                f"tokens ({skip} sink tokens + 2); this one has {len(k)}: store the prefill first, or give the "
+                "side data (CacheSpec(k_side=...), written by kvhal eval --calibrate)"
+            )
+        return kltq.calibrate([k], kltq.parse_name(self.spec.k_format), skip=skip)
 
     def forward(self, which: str, x: np.ndarray, sc: np.ndarray) -> np.ndarray:
         """What is stored for values ``x [n, H, D]``: ``R (x / scale)``, f32."""
@@ -146,6 +193,32 @@ class Codec:
     def query(self, backend: Backend, layer: int, q: Any) -> Any:
         """Queries against stored K ``R (k / s)``: ``s * R q`` per KV head, so scores are unchanged."""
         return self._heads(backend, layer, "k", q)
+
+    def side(self, layer: int) -> kltq.Side:
+        """Layer ``layer``'s kltq side data; UnsupportedError before its first store fixed it."""
+        side = self.sides[layer]
+        if side is None:
+            raise UnsupportedError(
+                f"layer {layer} of this {self.spec.k_format} cache has no side data yet (it calibrates on its first "
+                "store): store to it first"
+            )
+        return side
+
+    def coefficient_query(self, backend: Backend, layer: int, q: Any) -> tuple[Any, np.ndarray]:
+        """Queries in a kltq K format's coefficient space, ``S^T q`` per KV head (what a backend scores against
+        the decoded coefficients), and ``q . mu`` per query row and head (float64 ``[n, Hq]``): the score term
+        the coefficients leave out, the same for every key (it matters only where scores are merged across
+        parts by log-sum-exp)."""
+        side = self.side(layer)
+        if self._query_side.get(layer, (None,))[0] is not side:  # float64 S and mu, once per layer's side data
+            self._query_side[layer] = (side, side.synthesis[0].astype(np.float64), side.mean[0].astype(np.float64))
+        _, synthesis, mean = self._query_side[layer]
+        qh = np.asarray(backend.to_numpy(q), np.float64)
+        n, n_heads, d = qh.shape
+        grouped = qh.reshape(n, self.spec.n_kv_heads, n_heads // self.spec.n_kv_heads, d)  # [n, H, G, D]
+        offset = (grouped * mean[None, :, None, :]).sum(-1).reshape(n, n_heads)
+        q_c = (grouped @ synthesis[None]).reshape(n, n_heads, d)  # S^T q per head: kltq.query, as one matmul
+        return backend.asarray(q_c.astype(np.float32), "q"), offset
 
     def output(self, backend: Backend, layer: int, out: Any) -> Any:
         """Attention over stored V ``R (v / s)`` back to values: ``s * R^T out`` per KV head (exact)."""

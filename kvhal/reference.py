@@ -7,7 +7,19 @@ import numpy as np
 from . import formats
 from .backend import AttentionBatch, HostPoolsBackend, Pools, Probe
 from .backend_util import softmax, whole_pages
-from .formats import Format
+from .errors import UnsupportedError
+from .formats import Format, kltq
+
+
+def side(pools: Pools, layer: int) -> kltq.Side:
+    """Layer ``layer``'s kltq side data from the pools (the cache puts it there before a store writes rows)."""
+    if len(pools.side) <= layer or pools.side[layer] is None:
+        raise UnsupportedError(
+            f"{pools.spec.k_format} pools without side data at layer {layer}: a kltq cache sets it (Pools.side) on the "
+            "layer's first store; run the format through a KVCache"
+        )
+    s: kltq.Side = pools.side[layer]
+    return s
 
 
 class ReferenceBackend(HostPoolsBackend):
@@ -24,7 +36,9 @@ class ReferenceBackend(HostPoolsBackend):
         spec = pools.spec
         blk, off = slots // spec.block_size, slots % spec.block_size
         qv = spec.v_fmt.quantize(v)  # everything quantized before either pool is written
-        if spec.k_fmt.k_page is not None:
+        if spec.k_codec:
+            pools.k[layer][blk, :, off, :] = kltq.quantize(side(pools, layer), 0, k)
+        elif spec.k_fmt.k_page is not None:
             pages = whole_pages(slots, spec.block_size)
             x = k.reshape(len(pages), spec.block_size, spec.n_kv_heads, spec.head_dim).transpose(0, 2, 1, 3)
             spec.k_fmt.check_values(x)
@@ -47,10 +61,23 @@ class ReferenceBackend(HostPoolsBackend):
 
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         spec = pools.spec
-        return (
-            self._gather(pools.k[layer], spec.k_fmt, block_ids, n, spec.k_paged),
-            self._gather(pools.v[layer], spec.v_fmt, block_ids, n),
-        )
+        if spec.k_codec:
+            k = kltq.dequantize(side(pools, layer), 0, self._rows(pools.k[layer], block_ids, n))
+        else:
+            k = self._gather(pools.k[layer], spec.k_fmt, block_ids, n, spec.k_paged)
+        return k, self._gather(pools.v[layer], spec.v_fmt, block_ids, n)
+
+    @staticmethod
+    def _rows(pool: np.ndarray, block_ids: np.ndarray, n: int) -> np.ndarray:
+        pages = pool[block_ids]  # [nb, H, bs, rb]
+        return pages.transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])[:n]
+
+    def _keys(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """K as attention scores it (a kltq K format: the decoded coefficients, q being in their space) and V."""
+        if not pools.spec.k_codec:
+            return self.load(pools, layer, block_ids, n)
+        c = kltq.decode_coefficients(side(pools, layer), 0, self._rows(pools.k[layer], block_ids, n))
+        return c, self._gather(pools.v[layer], pools.spec.v_fmt, block_ids, n)
 
     def attention(self, q: np.ndarray, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         spec = pools.spec
@@ -60,7 +87,7 @@ class ReferenceBackend(HostPoolsBackend):
         q_start = 0
         for s, (n_kv, n_q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
             blocks = batch.block_table[s, : -(-n_kv // spec.block_size)]
-            k, v = self.load(pools, layer, blocks, n_kv)
+            k, v = self._keys(pools, layer, blocks, n_kv)
             k = np.repeat(k.astype(np.float64), group, axis=1)  # [n_kv, Hq, D]
             v = np.repeat(v.astype(np.float64), group, axis=1)
             rows = slice(q_start, q_start + n_q)

@@ -44,6 +44,8 @@ from .snapshot_file import (
     inspect,
     remove_dead_temps,
     safetensors_module,
+    side_tensors,
+    spec_of,
     text_crc,
     threads,
     validate,
@@ -77,6 +79,8 @@ class SnapshotCache(Protocol):
 
     def adopt_scales(self, per_layer: dict[str, list[np.ndarray | None]]) -> None: ...
 
+    def adopt_side(self, side: Any) -> None: ...
+
 
 def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None:
     target = file_path(path)
@@ -109,6 +113,7 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
         for layer, (k, v) in enumerate(blocks_to_pages(spec, raw)):
             tensors[f"blocks.l{layer}.k"][c0 : c0 + len(raw)] = k
             tensors[f"blocks.l{layer}.v"][c0 : c0 + len(raw)] = v
+    tensors.update(side_tensors(cache.resolved_spec))
     seq_meta = []
     for i, s in enumerate(objs):
         tensors[f"seq{i}.blocks"] = np.array([order[b] for b in s.blocks], np.int32)
@@ -172,7 +177,10 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
     fp = meta.get("fingerprint", {})
     mine = cache.fingerprint.as_dict(cache.resolved_spec)["spec"]
     adopt, root = _adopt_scales(cache, meta.get("spec"))
-    if meta.get("spec") != mine and not adopt:
+    side, side_root = _adopt_side(cache, r, meta.get("spec"))
+    if side is not None:
+        root = side_root
+    if meta.get("spec") != mine and not adopt and side is None:
         raise FingerprintMismatchError(
             f"{str(r.path)!r} holds a cache of spec {meta.get('spec')}, this cache is {mine}; "
             "restore it into a cache created with the same spec (and, with calibrated scales, the same scales)"
@@ -267,6 +275,8 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
             allocator.release([b])
     if adopt:  # a "calibrate" cache that had not stored yet takes the snapshot's scales
         cache.adopt_scales(adopt)
+    if side is not None:  # a kltq cache that had not stored yet takes the snapshot's side data
+        cache.adopt_side(side)
     out = []
     for s in staged:
         s.blocks = [ids[j] for j in s.blocks]
@@ -274,6 +284,23 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
             allocator.register(b, h)
         out.append(cache.seq_table.add(s))
     return out
+
+
+def _adopt_side(cache: SnapshotCache, r: SnapshotReader, saved: Any) -> tuple[Any, bytes]:
+    """The kltq side data a cache that has not calibrated any layer yet (nor was given any) would take from a
+    snapshot (with the root hash it gives), when that makes the specs equal; else None and the cache's root."""
+    import dataclasses
+
+    spec = cache.spec
+    if not (spec.k_codec and spec.k_side is None and isinstance(saved, dict) and "k_side" in saved):
+        return None, cache.root_hash
+    if any(x is not None for x in cache.codec.sides):
+        return None, cache.root_hash
+    side = spec_of(r, saved).k_side
+    cand = dataclasses.replace(cache.resolved_spec, k_side=side)
+    if cache.fingerprint.as_dict(cand)["spec"] != saved:
+        return None, cache.root_hash
+    return side, cache.fingerprint.digest(cand)
 
 
 def _adopt_scales(cache: SnapshotCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:

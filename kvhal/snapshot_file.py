@@ -280,6 +280,35 @@ def tupled(value: Any) -> Any:
     return tuple(tupled(x) for x in value) if isinstance(value, list) else value
 
 
+SIDE_PREFIX = "kltq."  # the tensors of a kltq K format's side data: kltq.<name> for each of Side.arrays()
+
+
+def side_tensors(spec: CacheSpec) -> dict[str, np.ndarray]:
+    """The tensors a snapshot of ``spec`` (resolved) carries for its kltq side data (none without one)."""
+    if spec.k_side is None:
+        return {}
+    return {SIDE_PREFIX + k: np.ascontiguousarray(v) for k, v in spec.k_side.arrays().items()}
+
+
+def spec_of(r: SnapshotReader, spec_d: dict[str, Any]) -> CacheSpec:
+    """The spec a snapshot's metadata names, with its kltq side data read back from its tensors (the metadata
+    holds the side data's digest; tensors of another digest are SnapshotCorruptError)."""
+    from .formats import kltq
+
+    fields = {k: tupled(v) for k, v in spec_d.items()}
+    digest = fields.pop("k_side", None)
+    if digest is not None:
+        arrays = {n[len(SIDE_PREFIX) :]: r.verified(n) for n in r.names if n.startswith(SIDE_PREFIX)}
+        side = kltq.from_arrays(arrays, f"snapshot {str(r.path)!r}")
+        if side.digest() != digest:
+            raise SnapshotCorruptError(
+                f"{str(r.path)!r}: its kltq side data is not the side data its spec names (digest {digest}); the file "
+                "is corrupt or edited: restore an intact copy"
+            )
+        fields["k_side"] = side
+    return CacheSpec(**fields)
+
+
 def validate(r: SnapshotReader) -> None:
     """Every check on the file that needs no cache: SnapshotCorruptError (or SnapshotVersionError) on the first
     failure. ``restore`` runs it before reading the header for the cache; ``inspect`` reports its verdict."""
@@ -314,7 +343,7 @@ def validate(r: SnapshotReader) -> None:
     ):
         raise bad('checksum is not "crc32" with a CRC-32 (int) per tensor')
     try:
-        spec = CacheSpec(**{k: tupled(v) for k, v in spec_d.items()})
+        spec = spec_of(r, spec_d)
         finger = Fingerprint(fp["model"], fp["extra"])
         canonical = finger.as_dict(spec)["spec"]
     except (KVHalError, TypeError, ValueError) as e:
@@ -328,7 +357,7 @@ def validate(r: SnapshotReader) -> None:
             "(a digest of another model under a stale name, or an edit)"
         )
     bs, tail = spec.block_size, spec.uses_tail
-    want = {f"blocks.l{layer}.{w}" for layer in range(spec.n_layers) for w in "kv"}
+    want = {f"blocks.l{layer}.{w}" for layer in range(spec.n_layers) for w in "kv"} | set(side_tensors(spec))
     for i in range(len(seqs)):
         want |= {f"seq{i}.blocks", f"seq{i}.tokens"}
         if tail:
@@ -460,7 +489,7 @@ def header(path: Any) -> tuple[CacheSpec, Fingerprint, int]:
     try:
         validate(r)
         m = r.meta
-        spec = CacheSpec(**{k: tupled(v) for k, v in m["spec"].items()})
+        spec = spec_of(r, m["spec"])
         return spec, Fingerprint(m["fingerprint"]["model"], m["fingerprint"]["extra"]), int(m["n_blocks"])
     finally:
         r.close()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +67,10 @@ class CacheSpec:
     ``sinks``: each sequence's first ``sinks`` tokens (rounded up to whole pages: ``sink_tokens``) are also
     kept in f16 and attended in f16 instead of their quantized pages (the attention sink; with ``tail``, both
     ends of the sequence).
+    ``k_side``: the side data of a ``kltq:B`` K format (``kvhal.formats.kltq``): a ``kltq.Side`` of this spec's
+    shape and budget, the path of one (``kvhal eval --calibrate`` writes them), or None: each layer calibrates
+    on its first store (plain KLT, the sink tokens skipped), then keeps it. kltq takes no k_scale/k_rotation
+    (its basis is its transform) and is a K format only.
     """
 
     n_layers: int
@@ -79,6 +85,7 @@ class CacheSpec:
     k_rotation: str | None = None
     v_rotation: str | None = None
     sinks: int = 0
+    k_side: Any = None  # kltq.Side | str | os.PathLike | None (typed loosely: the spec stays importable light)
 
     def __post_init__(self) -> None:
         from .transforms import ROTATIONS, check_dim
@@ -122,6 +129,47 @@ class CacheSpec:
                     fmt.k_page.row_bytes(self.head_dim, self.block_size)
             except FormatError as e:
                 raise SpecError(f"CacheSpec.{name}={fmt.name!r}: {e}") from None
+        self._check_side()
+
+    def _check_side(self) -> None:
+        from .formats import kltq
+
+        if self.v_fmt.side_data:
+            raise SpecError(
+                f"CacheSpec.v_format={self.v_format!r}: kltq is a K format (scores against decoded coefficients); "
+                "give V a registry format such as q8_0 or q4_0"
+            )
+        if not self.k_fmt.side_data:
+            if self.k_side is not None:
+                raise SpecError(
+                    f"CacheSpec.k_side is side data of a kltq K format; k_format={self.k_format!r} takes none "
+                    "(pass k_side=None, or a kltq:B k_format)"
+                )
+            return
+        if self.k_scale is not None or self.k_rotation is not None:
+            raise SpecError(
+                f"CacheSpec.k_format={self.k_format!r} takes no k_scale/k_rotation: its calibrated basis is its "
+                "transform (pass k_scale=None, k_rotation=None)"
+            )
+        side = self.k_side
+        if side is None:
+            return
+        if isinstance(side, (str, os.PathLike)):
+            side = kltq.Side.load(side)
+            object.__setattr__(self, "k_side", side)
+        if not isinstance(side, kltq.Side):
+            raise SpecError(
+                f"CacheSpec.k_side must be a kvhal.formats.kltq.Side, the path of one (.npz) or None, got "
+                f"{type(side).__name__}"
+            )
+        bits = kltq.parse_name(self.k_format)
+        want = (self.n_layers, self.n_kv_heads, self.head_dim)
+        if side.shape != want or side.bits != bits:
+            raise SpecError(
+                f"CacheSpec.k_side is kltq:{side.bits:g} side data of shape (layers, heads, head_dim) {side.shape}; "
+                f"this spec needs {self.k_format} of shape {want}: calibrate for this model and budget "
+                "(kvhal eval --calibrate), or pass k_side=None to calibrate on each layer's first store"
+            )
 
     @property
     def k_fmt(self) -> formats.Format:
@@ -130,6 +178,11 @@ class CacheSpec:
     @property
     def v_fmt(self) -> formats.Format:
         return formats.get(self.v_format)
+
+    @property
+    def k_codec(self) -> bool:
+        """K is a transform codec with side data (kltq): rows mean something only with the layer's side data."""
+        return self.k_fmt.side_data
 
     @property
     def k_paged(self) -> bool:

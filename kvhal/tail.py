@@ -102,9 +102,20 @@ class TailStore:
         return s.tail_k[layer][lo:hi].astype(np.float32), s.tail_v[layer][lo:hi].astype(np.float32)
 
     def attention(
-        self, layer: int, q: Any, seqs: list[Seq], q_lens: list[int], scale: float, causal: bool, window: int | None
+        self,
+        layer: int,
+        q: Any,
+        seqs: list[Seq],
+        q_lens: list[int],
+        scale: float,
+        causal: bool,
+        window: int | None,
+        pages_q: tuple[Any, np.ndarray] | None = None,
     ) -> np.ndarray:
-        """Attention over the quantized pages (the backend's kernel) merged with float64 attention over the tail."""
+        """Attention over the quantized pages (the backend's kernel) merged with float64 attention over the tail.
+
+        ``pages_q``: for a K format scored in its own coefficient space (kltq), the queries the pages take and
+        the score term they leave out per query row and head (``q . mu``), added back to their log-sum-exp."""
         bs, pools = self.spec.block_size, self.pools
         sink = self.spec.sink_tokens
         if sink and window is not None:
@@ -113,11 +124,13 @@ class TailStore:
                 "window=None or sinks=0"
             )
         qh = np.asarray(self.backend.to_numpy(q), np.float32)
+        qp, offset = (qh, None) if pages_q is None else (np.asarray(self.backend.to_numpy(pages_q[0]), np.float32),
+                                                          pages_q[1] * scale)  # fmt: skip
         group = qh.shape[1] // self.spec.n_kv_heads
         out = np.empty(qh.shape, np.float32)
         start = 0
         for s, n_q in zip(seqs, q_lens):
-            rows = qh[start : start + n_q]
+            rows, prow = qh[start : start + n_q], qp[start : start + n_q]
             L, P = s.lens[layer], s.pages()[layer]
             pos = np.arange(L - n_q, L)
             S = min(sink, P)  # page positions [0, S) are attended in f16 from the sink rows instead
@@ -149,15 +162,17 @@ class TailStore:
                 if not causal:  # every query sees every page key
                     b, a = 0, 0
                 if a:  # the last `a` positions of the pages: the kernel's own masking
-                    o[b : b + a], lse[b : b + a] = run(rows[b : b + a], causal, window)
+                    o[b : b + a], lse[b : b + a] = run(prow[b : b + a], causal, window)
                 if b + a < n_q and window is None:  # every page key precedes these queries
-                    o[b + a :], lse[b + a :] = run(rows[b + a :], False, None)
+                    o[b + a :], lse[b + a :] = run(prow[b + a :], False, None)
                 elif b + a < n_q:  # window: as the last query of the pages with a window shortened to match
                     assert window is not None
                     for i in range(b + a, n_q):
                         w = P - int(pos[i]) + window - 1
                         if w >= 1:
-                            o[i : i + 1], lse[i : i + 1] = run(rows[i : i + 1], False, w)
+                            o[i : i + 1], lse[i : i + 1] = run(prow[i : i + 1], False, w)
+                if offset is not None:
+                    lse = lse + offset[start : start + n_q]
                 parts.append((o, lse))
             if L > P:
                 kt = np.repeat(s.tail_k[layer].astype(np.float64), group, axis=1)  # [T, Hq, D]

@@ -62,6 +62,9 @@ class Format:
     round_values: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
     # K quantized per channel over the tokens of a page (KIVI); V and this format's rows are per token
     k_page: KPageCodec | None = field(default=None, repr=False)
+    # a row means something only with its cache's side data (kltq: per-layer, per-head calibration), so
+    # quantize/dequantize here refuse and a cache runs the codec (kvhal.formats.kltq) with the side data
+    side_data: bool = False
 
     @property
     def bits_per_element(self) -> float:
@@ -139,7 +142,14 @@ def get(name: str | Format) -> Format:
 
 
 def names() -> list[str]:
+    """Every registered format, in id order (the kltq budgets last, each its own name)."""
     return list(_REGISTRY)
+
+
+def plain_names() -> list[str]:
+    """The formats whose rows stand alone (no side data): what block kernels and format tables cover; the ids
+    are those of ``names()`` (the side-data formats join after them)."""
+    return [n for n, f in _REGISTRY.items() if not f.side_data]
 
 
 # registration order is the format id kernels switch on: formats only ever join at the end
@@ -148,9 +158,10 @@ from . import ggml as _ggml  # noqa: E402,F401  (f32 f16 bf16 q8_0 q4_0 q4_1 q5_
 from . import fp8 as _fp8  # noqa: E402,F401  (fp8_e4m3 fp8_e5m2)
 from . import fp4 as _fp4  # noqa: E402,F401  (mxfp4 nvfp4)
 from . import kivi as _kivi  # noqa: E402,F401  (kivi4 kivi2)
+from . import kltq_format as _kltq_format  # noqa: E402,F401  (kltq:2 .. kltq:8, with side data)
 # isort: on
 
 # the formats of kvhal 1 (ggml's KV types): what a backend without kernels for the later ones runs
 GGML_CLASSIC = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
-__all__ = ["GGML_CLASSIC", "Format", "KPageCodec", "get", "names", "register"]
+__all__ = ["GGML_CLASSIC", "Format", "KPageCodec", "get", "names", "plain_names", "register"]

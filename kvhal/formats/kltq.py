@@ -217,6 +217,11 @@ class Side:
         if (self.alloc.sum(axis=2) > self.bits * D).any():
             raise ShapeError(f"kltq side data: a head's bits exceed the budget {self.bits:g} x {D}")
 
+    def __repr__(self) -> str:
+        L, H, D = self.shape
+        kind = "query-weighted" if self.weighted else "plain"
+        return f"kltq.Side(kltq:{self.bits:g}, {kind}, layers={L}, heads={H}, head_dim={D}, {self.digest()[:19]})"
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(n_layers, n_kv_heads, head_dim)``."""
@@ -265,21 +270,7 @@ class Side:
             raise SpecError(
                 f"kltq calibration file {path!r} cannot be read ({e}); write one with kvhal eval --calibrate"
             ) from None
-        missing = {"bits", "weighted", "mean", "analysis", "synthesis", "sigma", "alloc", "codebooks"} - set(a)
-        if missing:
-            raise SpecError(
-                f"kltq calibration file {path!r} lacks {sorted(missing)}; write it with kvhal eval --calibrate"
-            )
-        return cls(
-            float(a["bits"]),
-            bool(a["weighted"]),
-            a["mean"].astype(np.float32),
-            a["analysis"].astype(np.float32),
-            a["synthesis"].astype(np.float32),
-            a["sigma"].astype(np.float32),
-            a["alloc"].astype(np.uint8),
-            a["codebooks"].astype(np.float32),
-        )
+        return from_arrays(a, f"calibration file {path!r}")
 
 
 # -- calibration -----------------------------------------------------------------------------------------
@@ -523,3 +514,40 @@ def rd_channel(k: np.ndarray, q: np.ndarray, bits: float, skip: int = 0, seed: i
         c2 = a * (c + rng.standard_normal(c.shape) * np.sqrt(noise_var))
         out[skip:, h] = mu + c2 @ S.T
     return out
+
+
+# -- per-layer side data (what a cache calibrates a layer at a time) ------------------------------------
+
+
+def layer_side(side: Side, layer: int) -> Side:
+    """Layer ``layer`` of ``side`` as a one-layer Side (what a backend's ``Pools.side[layer]`` holds)."""
+    sl = slice(layer, layer + 1)
+    return Side(side.bits, side.weighted, side.mean[sl], side.analysis[sl], side.synthesis[sl], side.sigma[sl],
+                side.alloc[sl], side.codebooks[sl])  # fmt: skip
+
+
+def join_layers(layers: list[Side]) -> Side:
+    """One Side from one-layer Sides in layer order (a cache's, once every layer calibrated)."""
+    if not layers or len({(x.bits, x.weighted) for x in layers}) != 1:
+        raise ShapeError("join_layers takes one or more Sides of one budget and weighting")
+    cat = [np.concatenate([getattr(x, f) for x in layers]) for f in
+           ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks")]  # fmt: skip
+    return Side(layers[0].bits, layers[0].weighted, *cat)
+
+
+def from_arrays(a: dict[str, np.ndarray], where: str) -> Side:
+    """A Side from the arrays ``Side.arrays`` gives (a calibration file's, a snapshot's); SpecError names ``where``
+    when some are missing."""
+    missing = {"bits", "weighted", "mean", "analysis", "synthesis", "sigma", "alloc", "codebooks"} - set(a)
+    if missing:
+        raise SpecError(f"kltq side data in {where} lacks {sorted(missing)}; write it with kvhal eval --calibrate")
+    return Side(
+        float(np.asarray(a["bits"]).reshape(-1)[0]),  # 0-d in an .npz, [1] or 0-d in a snapshot
+        bool(np.asarray(a["weighted"]).reshape(-1)[0]),
+        a["mean"].astype(np.float32),
+        a["analysis"].astype(np.float32),
+        a["synthesis"].astype(np.float32),
+        a["sigma"].astype(np.float32),
+        a["alloc"].astype(np.uint8),
+        a["codebooks"].astype(np.float32),
+    )

@@ -279,6 +279,8 @@ def _takes_threads(backend: str) -> bool:
 def job_format(backend: str, fmt: str) -> str:
     """``fmt`` as a bench job on ``backend``: itself (one format, or a ``K/V`` pair), or ``f16/fmt`` where the
     backend runs a per-channel K format's per-token rows only (as V), so its V path is what is measured."""
+    if "/" not in fmt and formats.get(fmt).side_data:  # a K format only (kltq): V in q8_0
+        return f"{fmt}/q8_0"
     if "/" in fmt or formats.get(fmt).k_page is None:
         return fmt
     from ..registry import instance
@@ -426,9 +428,15 @@ def _bench_one(
     its default). Also the decode row at the largest context with its call and sync, where the sequence
     still holds exactly that context at the end (for ``alternating_times``), else None."""
     k_format, _, v_format = fmt.partition("/")
+    side = None
+    if formats.get(k_format).side_data:  # kltq: side data calibrated on the workload's keys (store-1 needs it)
+        from ..formats import kltq
+
+        side = kltq.calibrate([work.k], kltq.parse_name(k_format))
     spec = CacheSpec(
-        n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=k_format, v_format=v_format or k_format
-    )
+        n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=k_format, v_format=v_format or k_format,
+        k_side=side,
+    )  # fmt: skip
     capacity = max([*decode, *prefill]) + STORE_CHUNK + 16
     cache = KVCache(
         spec, capacity, backend=backend, backend_options={} if n_threads is None else {"threads": n_threads}

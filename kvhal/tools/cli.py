@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             auto_spec = CacheSpec(**SPEC_DEFAULTS)
             names = [resolve("auto", auto_spec).name if n == "auto" else n for n in names]
         by_name = {b.name: b for b in backends()}
-        jobs_formats = args.formats or formats.names()
+        jobs_formats = args.formats or formats.plain_names()  # kltq (a K format with side data): --format kltq:B/q8_0
         for n in names:
             if n not in by_name or not by_name[n].available:
                 why = by_name[n].reason if n in by_name else "not installed"

@@ -394,11 +394,11 @@ def estimate(
     block_size: int = 16,
     devices: Sequence[str] = (),
 ) -> Plan:
-    """The plan for each format (default: every registered one, K = V); see the module doc for the model."""
+    """The plan for each format (default: every block format, K = V); see the module doc for the model."""
     if not isinstance(shape, ModelShape):
         raise PlanError(f"shape must be a kvhal.tools.plan.ModelShape, got {type(shape).__name__}")
-    if formats_ is None:
-        formats_ = formats.names()
+    if formats_ is None:  # kltq (a K format with side data) only when named, as kltq:B/<V format>
+        formats_ = formats.plain_names()
     if isinstance(formats_, str) or not isinstance(formats_, Sequence) or not formats_:
         raise PlanError(f"formats must be a non-empty list such as ['q8_0', 'q8_0/q4_0'], got {formats_!r}")
     if isinstance(devices, str) or not isinstance(devices, Sequence):

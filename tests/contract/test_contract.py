@@ -20,9 +20,11 @@ import pytest
 import kvhal
 import kvhal.streaming
 from kvhal import formats
+from kvhal.formats import kltq
 from tests.oracle import attention_f64
 
-ALL_FORMATS = formats.names()
+ALL_FORMATS = formats.plain_names()  # the kltq budgets (side data) have their own tests below
+KLTQ = [f for f in formats.names() if formats.get(f).side_data]
 
 
 def make_spec(fmt_k: str, fmt_v: str | None = None, *, layers: int = 1, heads: int = 2, dim: int = 64,
@@ -903,3 +905,42 @@ def test_fused_declaration_matches_the_overrides(backend_info):
     assert cls is not None and cls.fused <= set(kvhal.backend.FUSED)
     for op, method in (("attention_lse",) * 2, ("attention_mass",) * 2, ("transform", "transform_heads")):
         assert (op in cls.fused) == (getattr(cls, method) is not getattr(kvhal.Backend, method)), op
+
+
+@pytest.mark.parametrize("sinks", [0, 16])
+def test_kltq_matches_the_numpy_spec_and_float64(backend_info, rng, sinks):
+    """kltq K (side data calibrated on each layer's first store): a backend that claims it stores the numpy
+    spec's records byte for byte, loads their synthesis, and attends within its tolerance of float64 attention
+    on the loaded K/V (f16 sinks included); one that does not refuses with the UnsupportedError naming those
+    that do."""
+    fmt = "kltq:4.5"
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmt, v_format="q8_0", sinks=sinks)
+    if fmt not in backend_info.formats:
+        with pytest.raises(kvhal.UnsupportedError, match="reference"):
+            kvhal.KVCache(spec, 256, backend=backend_info.name)
+        return
+    k, v = kv(rng, 90)
+    c = kvhal.KVCache(spec, 256, backend=backend_info.name)
+    s = c.new_seq()
+    for a, b in ((0, 60), (60, 61), (61, 90)):
+        for layer in (0, 1):
+            c.store(s, layer, k[a:b], v[a:b])
+    side = c.resolved_spec.k_side
+    assert side.digest() == kltq.calibrate([k[:60], k[:60]], 4.5, skip=c.spec.sink_tokens).digest()
+    paged = 80 if sinks else 90  # with sinks (an f16 tail path) the open page stays f16
+    for layer in (0, 1):
+        stored = k[:paged].astype(np.float16).astype(np.float32) if sinks else k[:paged]  # an f16 tail rounds
+        records = kltq.quantize(side, layer, stored)
+        if not sinks:
+            got_rows, _ = c.load_rows(s, layer)
+            np.testing.assert_array_equal(got_rows, records)
+        kl, vl = (kvhal.to_numpy(x) for x in c.load(s, layer))
+        want = kltq.dequantize(side, layer, records)
+        if sinks:
+            want[: c.spec.sink_tokens] = k[: c.spec.sink_tokens].astype(np.float16)
+        np.testing.assert_allclose(kl[:paged], want, atol=1e-5)
+        for n_q in (1, 7):
+            q = rng.standard_normal((n_q, 4, 64), dtype=np.float32)
+            got = kvhal.to_numpy(c.attention(layer, q, [s]))
+            oracle = attention_f64(q, [kl], [vl], [n_q])
+            assert float(np.abs(got - oracle).max()) <= c.backend.attention_tolerance + 1e-5

@@ -35,6 +35,7 @@ from kvhal.interop import OUT_DTYPES as _OUT_DTYPES
 from kvhal.interop import LoadOut
 from kvhal.spec import CacheSpec
 
+from . import kltq
 from ._abi import ERRORS, ISAS, Args, library_path, open_library
 
 __all__ = ["OPTIONS", "CpuBackend", "ISAS", "available_isas", "best_isa"]
@@ -167,6 +168,8 @@ class CpuBackend(HostPoolsBackend):
     def __init__(self, **options: Any) -> None:
         opts = parse_options(self.name, options, OPTIONS)
         self._lib, self._runs = _library()
+        if kltq.declare(self._lib):  # the kltq K formats (side data), csrc/kltq.c
+            self._runs = self._runs | {f for f in formats.names() if formats.get(f).side_data}
         self.isa = ISAS[_pick_isa(self._lib, opts["isa"])]
         self.threads: int = opts["threads"] or os.cpu_count() or 1
         self.kv_split: int = opts["kv_split"]
@@ -176,6 +179,8 @@ class CpuBackend(HostPoolsBackend):
 
     def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
         why = super().supports(spec, op, shape)
+        if why is None and spec.k_codec and spec.head_dim > 512:
+            why = f"its kltq kernels take head_dim up to 512, not {spec.head_dim}"
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"
@@ -186,7 +191,12 @@ class CpuBackend(HostPoolsBackend):
             raise KVHalError(f"cpu backend {what} failed: {ERRORS.get(rc, f'error {rc}')}")
 
     def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
-        k = [_zeros(spec.pool_shape(n_blocks, "k")) for _ in range(spec.n_layers)]
+        kshape = spec.pool_shape(n_blocks, "k")
+        if spec.k_codec:  # kltq: csrc/kltq_avx512.c reads up to 63 bytes past a record
+            pad = int(np.prod(kshape))
+            k = [_zeros((pad + 128,))[:pad].reshape(kshape) for _ in range(spec.n_layers)]
+        else:
+            k = [_zeros(kshape) for _ in range(spec.n_layers)]
         v = [_zeros(spec.pool_shape(n_blocks, "v")) for _ in range(spec.n_layers)]
         isa = ISAS.index(self.isa)
         # per layer: the fields of kv_args that stay fixed for this cache; each call copies its layer's
@@ -215,6 +225,9 @@ class CpuBackend(HostPoolsBackend):
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if pools.spec.k_codec:  # K's records and V's rows in csrc/kltq.c
+            kltq.store(self._lib, pools, layer, ISAS.index(self.isa), self.threads, k, v, slots)
+            return
         if pools.spec.k_paged:
             whole_pages(slots, pools.spec.block_size)  # says why the library would refuse them
         a = Args.from_buffer_copy(pools.state[layer])
@@ -222,6 +235,9 @@ class CpuBackend(HostPoolsBackend):
         self._check(self._lib.kvc_store(a), "store")
 
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if pools.spec.k_codec:
+            ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+            return kltq.load(self._lib, pools, layer, ISAS.index(self.isa), self.threads, ids, n)
         shape = (n, pools.spec.n_kv_heads, pools.spec.head_dim)
         k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
         self._load_to(pools, layer, block_ids, n, 0, k, v, 0)
@@ -230,6 +246,8 @@ class CpuBackend(HostPoolsBackend):
     def load_into(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int, skip: int, out: LoadOut) -> None:
         """Straight into the caller's buffers: each row dequantized (and narrowed to f16/bf16 through an L1
         scratch row) by the kernels' own dequantization, so a reused output costs no page faults."""
+        if pools.spec.k_codec:  # kltq: decoded to f32 by its own kernel, then narrowed
+            return super().load_into(pools, layer, block_ids, n, skip, out)
         self._load_to(pools, layer, block_ids, n, skip, out.k, out.v, _OUT_DTYPES.index(out.dtype))
 
     def _load_to(
@@ -254,6 +272,8 @@ class CpuBackend(HostPoolsBackend):
     def _attention(
         self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, with_lse: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
+        if pools.spec.k_codec:
+            return kltq.attention(self._lib, pools, layer, ISAS.index(self.isa), self.threads, q, batch, with_lse)
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)

@@ -31,7 +31,7 @@ ISAS = kvhal_cpu.available_isas()
 # test_tile_auto_picks_by_format_for_cache_resident_calls); the other ISAs have one
 PATHS = [(isa, 0) for isa in ISAS if isa != "avx512"] + ([("avx512", 64), ("avx512", 128)] if "avx512" in ISAS else [])
 PATH_IDS = [f"{isa}-tile{tile}" if tile else isa for isa, tile in PATHS]
-FORMATS = sorted(CpuBackend.formats, key=formats.names().index)  # what the kernels implement
+FORMATS = sorted((f for f in CpuBackend.formats if not formats.get(f).side_data), key=formats.names().index)  # block kernels
 F32_PATH_TOL = 1e-5  # scalar/avx2/neon and float formats dequantize to f32 and use FMA
 INT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # the AVX-512 integer kernels' formats
 # the formats of the AVX-512 decode path's integer kernels (kern_avx512_decode.h: one query position,
@@ -493,7 +493,9 @@ def test_kernel_formats_come_from_the_registry():
     lib, runs = kvhal_cpu._library()
     table = {fid: (block_len, block_bytes) for name, fid, block_len, block_bytes in format_table() if name in runs}
     assert _abi.library_formats(lib) == table
-    assert runs == frozenset(FORMATS) == CpuBackend.formats
+    assert runs == frozenset(FORMATS) == CpuBackend.formats - {f for f in formats.names() if formats.get(f).side_data}
+    assert all(CpuBackend().supports(kvhal.CacheSpec(1, 2, 64, k_format=f, v_format="q8_0"), "attention") is None
+               for f in CpuBackend.formats - runs)  # fmt: skip  # the kltq K formats: csrc/kltq.c
 
 
 LATE_FORMAT = """

@@ -53,7 +53,7 @@ class CacheState:
 class CudaBackend(Backend):
     name = "cuda"
     platform: ClassVar[str] = "cuda"
-    formats = frozenset(formats.names())  # every format, K of kivi4/kivi2 per channel over whole pages included
+    formats = frozenset(formats.plain_names())  # every block format (kivi K per channel included); not kltq
     # f32 accumulation with split-KV: under the CPU emulator the contract cases stay below 3e-6; the margin
     # covers the GPU's expf/logf rounding, which the emulator does not reproduce
     attention_tolerance = 1e-4

@@ -41,11 +41,11 @@ def test_kernels_dispatch_every_registered_format():
     dispatch = re.search(r"#define KV_DISPATCH\(fmt, CALL\)(.*?)\n\n", SRC, re.S)
     assert dispatch
     cases = set(re.findall(r"KV_(\w+)\)", dispatch.group(1)))
-    assert {f"{n.upper()}" for n in formats.names()} <= cases | {"DEQ"}
-    assert CudaBackend.formats == frozenset(formats.names())
+    assert {f"{n.upper()}" for n in formats.plain_names()} <= cases | {"DEQ"}
+    assert CudaBackend.formats == frozenset(formats.plain_names())
 
 
-@pytest.mark.parametrize("fmt", [f for f in formats.names() if formats.get(f).k_page is not None])
+@pytest.mark.parametrize("fmt", [f for f in formats.plain_names() if formats.get(f).k_page is not None])
 def test_per_channel_k_pages_run_as_k_and_as_v(fmt):
     backend = CudaBackend.__new__(CudaBackend)  # supports() needs no device
     for k in (fmt, "f16"):
@@ -57,7 +57,7 @@ def test_per_channel_k_pages_run_as_k_and_as_v(fmt):
         assert cp.v.fmt_id == format_id(fmt)
 
 
-@pytest.mark.parametrize("fmt", [f for f in formats.names() if formats.get(f).k_page is not None])
+@pytest.mark.parametrize("fmt", [f for f in formats.plain_names() if formats.get(f).k_page is not None])
 @pytest.mark.parametrize("n,h,d,bs", [(16, 1, 32, 16), (96, 3, 256, 32), (0, 2, 64, 16)])
 def test_store_launch_of_k_pages_is_a_cta_per_page_and_head_a_thread_per_code_byte(fmt, n, h, d, bs):
     name, grid, block = plan.store_launch(fmt, n, h, d, bs)
@@ -73,7 +73,7 @@ def test_every_launched_kernel_is_in_the_source():
     assert len(source.kernel_names()) == 12 and launched == set(source.kernel_names())
 
 
-@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("fmt", formats.plain_names())
 @pytest.mark.parametrize("dims", [(1, 1, 64), (37, 2, 64), (5, 8, 256), (3, 3, 32), (2, 1, 40)])
 def test_store_launch_covers_every_block(fmt, dims):
     n, h, d = dims
@@ -187,7 +187,7 @@ def test_decode_smem_fits_every_format_and_group(d):
     """q rows, per-warp tile buffers and staged K rows (the warp merge reuses them) fit 48 KiB for every K format
     and every group decode_group picks; staged rows have an odd word stride, so the 32 lanes reading word i of
     their own row hit 32 distinct banks; rows past DECODE_STAGE_ROW_BYTES are not staged."""
-    for fmt in formats.names():
+    for fmt in formats.plain_names():
         f = formats.get(fmt)
         if f.k_page is not None or d % f.block_len:
             continue

@@ -1,0 +1,272 @@
+/* kltq K (kvhal/formats/kltq.py, the spec): store, load and attention over records with side data.
+ *
+ * A record (one token of one KV head) is a little-endian, LSB-first bit stream: coefficient i of the
+ * head takes width[i] bits (its allocation) from bit start[i]. Store: c = T (x - mu) in double, z = c / sigma,
+ * code = the number of codebook midpoints below z (numpy's searchsorted, side left). Load: x' = mu + S c'.
+ * Attention: the cache hands q already in coefficient space (S^T q); scores are q' . c' with
+ * c'_i = levels[off[i] + code_i] (sigma_i times the level, precomputed per layer on the Python side), one
+ * online softmax per query row and head, V rows dequantized by the ISA's row kernel. Work items are
+ * (sequence, KV head) pairs on the thread pool.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kltq.h"
+
+int kvc_isa_supported(int isa); /* api.c */
+
+static const kv_isa *kltq_isa(int isa) {
+    if (!kvc_isa_supported(isa)) return &kv_isa_scalar;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (isa == KV_ISA_AVX512 || isa == KV_ISA_AMX) return &kv_isa_avx512;
+    if (isa == KV_ISA_AVX2) return &kv_isa_avx2;
+#endif
+#if defined(__aarch64__)
+    if (isa == KV_ISA_NEON) return &kv_isa_neon;
+#endif
+    return &kv_isa_scalar;
+}
+
+KV_INLINE uint32_t kltq_code(const uint8_t *row, int64_t nbytes, int32_t start, int32_t width) {
+    if (!width) return 0;
+    const int64_t byte = start >> 3;
+    uint32_t w = 0;
+    if (byte + 4 <= nbytes)
+        memcpy(&w, row + byte, 4);
+    else
+        for (int64_t b = byte; b < nbytes; b++) w |= (uint32_t)row[b] << (8 * (b - byte));
+    return (w >> (start & 7)) & ((1u << width) - 1u);
+}
+
+static void kltq_coeffs(const kltq_layer *L, int h, const uint8_t *restrict row, float *restrict c) {
+    const int D = L->D;
+    const int64_t krow = L->krow;
+    const int32_t *restrict st = L->start + h * D, *restrict wd = L->width + h * D, *restrict of = L->off + h * D;
+    const float *restrict lv = L->levels;
+    int i = 0;
+    /* coefficients whose 4-byte window lies inside the record: branch-free (starts ascend with i) */
+    for (; i < D && (st[i] >> 3) + 4 <= krow; i++) {
+        uint32_t w;
+        memcpy(&w, row + (st[i] >> 3), 4);
+        c[i] = lv[of[i] + ((w >> (st[i] & 7)) & ((1u << wd[i]) - 1u))];
+    }
+    for (; i < D; i++) c[i] = lv[of[i] + kltq_code(row, krow, st[i], wd[i])];
+}
+
+/* q . c with 16 independent partial sums (vectorizes without reassociating a single sum) */
+static inline float kltq_dot(const float *restrict q, const float *restrict c, int D) {
+    float acc[16] = {0};
+    int d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int e = 0; e < 16; e++) acc[e] += q[d + e] * c[d + e];
+    float sum = 0.0f;
+    for (; d < D; d++) sum += q[d] * c[d];
+    for (int e = 0; e < 16; e++) sum += acc[e];
+    return sum;
+}
+
+/* -- store ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    const kltq_layer *L;
+    const float *x, *v;
+    const int64_t *slots;
+    uint8_t *pool, *vpool;
+} kstore_ctx;
+
+static void kstore_task(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    const kstore_ctx *s = (const kstore_ctx *)ctx;
+    const kltq_layer *L = s->L;
+    const int H = L->H, D = L->D;
+    const int64_t n = t / H;
+    const int h = (int)(t % H);
+    const float *x = s->x + (n * H + h) * D;
+    const int64_t r = ((s->slots[n] / L->bs) * H + h) * L->bs + s->slots[n] % L->bs;
+    kltq_isa(L->isa)->quantize(L->vfmt, s->v + (n * H + h) * D, s->vpool + r * L->vrow, D);
+    uint8_t *row = s->pool + r * L->krow;
+    memset(row, 0, (size_t)L->krow);
+    const float *mu = L->mean + h * D, *T = L->analysis + (int64_t)h * D * D, *sg = L->sigma + h * D;
+    const uint8_t *al = L->alloc + h * D;
+    const int32_t *st = L->start + h * D;
+    double y[512], cs[512];
+    for (int j = 0; j < D; j++) y[j] = (double)x[j] - (double)mu[j];
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kltq_isa(L->isa) == &kv_isa_avx512 && D % 16 == 0)
+        kv_kltq_analysis_avx512(T, y, al, D, cs);
+    else
+#endif
+        for (int i = 0; i < D; i++) {
+            double c = 0.0;
+            if (al[i])
+                for (int j = 0; j < D; j++) c += (double)T[i * D + j] * y[j];
+            cs[i] = c;
+        }
+    for (int i = 0; i < D; i++) {
+        const int b = al[i];
+        if (!b) continue;
+        const double z = cs[i] / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
+        const float *lv = L->books + b * 4096;
+        int lo = 0, hi = (1 << b) - 1; /* the number of midpoints below z */
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (((double)lv[mid] + (double)lv[mid + 1]) / 2 < z)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        for (int k = 0; k < b; k++)
+            if ((lo >> k) & 1) {
+                const int p = st[i] + k;
+                row[p >> 3] |= (uint8_t)(1u << (p & 7));
+            }
+    }
+}
+
+KV_EXPORT int kvc_kltq_store(const kltq_layer *L, const float *x, const float *v, const int64_t *slots, int64_t n,
+                             uint8_t *kpool, uint8_t *vpool) {
+    if (L->D > 512) return -3;
+    kstore_ctx c = {L, x, v, slots, kpool, vpool};
+    kv_pool_run(kstore_task, &c, n * L->H, L->threads);
+    return 0;
+}
+
+/* -- load ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const kltq_layer *L;
+    const int64_t *blocks;
+    int64_t n;
+    const uint8_t *kpool, *vpool;
+    float *kout, *vout;
+} kload_ctx;
+
+static void kload_task(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    const kload_ctx *s = (const kload_ctx *)ctx;
+    const kltq_layer *L = s->L;
+    const int H = L->H, D = L->D;
+    const kv_isa *isa = kltq_isa(L->isa);
+    float c[512];
+    for (int64_t j = t * L->bs; j < s->n && j < (t + 1) * L->bs; j++) {
+        const int64_t blk = s->blocks[j / L->bs];
+        for (int h = 0; h < H; h++) {
+            const int64_t r = (blk * H + h) * L->bs + j % L->bs;
+            kltq_coeffs(L, h, s->kpool + r * L->krow, c);
+            const float *S = L->synthesis + (int64_t)h * D * D, *mu = L->mean + h * D;
+            float *out = s->kout + (j * H + h) * D;
+            double cd[512];
+            for (int k = 0; k < D; k++) cd[k] = (double)c[k];
+            double xs[512];
+#if defined(__x86_64__) || defined(_M_X64)
+            if (kltq_isa(L->isa) == &kv_isa_avx512 && D % 16 == 0)
+                kv_kltq_analysis_avx512(S, cd, NULL, D, xs); /* the same product: S c' */
+            else
+#endif
+                for (int i = 0; i < D; i++) {
+                    double acc = 0.0;
+                    for (int k = 0; k < D; k++) acc += (double)S[i * D + k] * cd[k];
+                    xs[i] = acc;
+                }
+            for (int i = 0; i < D; i++) out[i] = (float)(xs[i] + (double)mu[i]);
+            isa->dequantize(L->vfmt, s->vpool + r * L->vrow, s->vout + (j * H + h) * D, D);
+        }
+    }
+}
+
+KV_EXPORT int kvc_kltq_load(const kltq_layer *L, const int64_t *blocks, int64_t n, const uint8_t *kpool,
+                            const uint8_t *vpool, float *kout, float *vout) {
+    if (L->D > 512) return -3;
+    kload_ctx c = {L, blocks, n, kpool, vpool, kout, vout};
+    kv_pool_run(kload_task, &c, (n + L->bs - 1) / L->bs, L->threads);
+    return 0;
+}
+
+/* -- attention -------------------------------------------------------------------------------------- */
+
+static void kattn_task(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    kattn_ctx *a = (kattn_ctx *)ctx;
+    const kltq_layer *L = a->L;
+    const int H = L->H, D = L->D, G = a->Hq / H;
+    const int s = (int)(t / H), h = (int)(t % H);
+    const int n_kv = a->seq_lens[s], n_q = a->q_lens[s];
+    const int64_t q0 = a->q_start[s];
+    const int R = n_q * G; /* (query row, head of the group) pairs */
+    if (!R) return;
+    const kv_isa *isa = kltq_isa(L->isa);
+    float *buf = (float *)malloc(sizeof(float) * ((size_t)R * (D + 2) + 2 * (size_t)D));
+    if (!buf) {
+        a->failed = 1;
+        return;
+    }
+    float *o = buf, *m = o + (size_t)R * D, *l = m + R, *c = l + R, *v = c + D;
+    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)R * D);
+    int hi_all = 0;
+    for (int i = 0; i < n_q; i++) {
+        const int pos = n_kv - n_q + i, hi = a->causal ? pos : n_kv - 1;
+        hi_all = hi > hi_all ? hi : hi_all;
+    }
+    for (int j = 0; j <= hi_all && j < n_kv; j++) {
+        const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
+        const int64_t row = ((int64_t)blk * H + h) * L->bs + j % L->bs;
+        int decoded = 0;
+        for (int i = 0; i < n_q; i++) {
+            const int pos = n_kv - n_q + i;
+            const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
+            if (j > hi || j < lo) continue;
+            if (!decoded) {
+                kltq_coeffs(L, h, a->kpool + row * L->krow, c);
+                isa->dequantize(L->vfmt, a->vpool + row * L->vrow, v, D);
+                decoded = 1;
+            }
+            for (int g = 0; g < G; g++) {
+                const int r = i * G + g;
+                const float *qr = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
+                const float sc = kltq_dot(qr, c, D) * a->scale;
+                float *restrict orow = o + (size_t)r * D;
+                const float *restrict vr = v;
+                if (sc > m[r]) {
+                    const float f = expf(m[r] - sc);
+                    l[r] *= f;
+                    for (int d = 0; d < D; d++) orow[d] *= f;
+                    m[r] = sc;
+                }
+                const float p = expf(sc - m[r]);
+                l[r] += p;
+                for (int d = 0; d < D; d++) orow[d] += p * vr[d];
+            }
+        }
+    }
+    for (int i = 0; i < n_q; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const int64_t qrow = q0 + i, head = h * G + g;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *dst = a->out + (qrow * a->Hq + head) * D;
+            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
+            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
+        }
+    free(buf);
+}
+
+KV_EXPORT int kvc_kltq_attention(const kltq_layer *L, const float *q, float *out, double *lse, const uint8_t *kpool,
+                                 const uint8_t *vpool, const int32_t *block_table, const int32_t *seq_lens,
+                                 const int32_t *q_lens, int32_t n_seqs, int32_t max_blocks, int32_t n_heads,
+                                 int32_t causal, int32_t window, float scale) {
+    if (L->D > 512 || n_heads % L->H) return -3;
+    int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * ((size_t)n_seqs + 1));
+    if (!q_start) return -2;
+    q_start[0] = 0;
+    for (int s = 0; s < n_seqs; s++) q_start[s + 1] = q_start[s] + q_lens[s];
+    kattn_ctx c = {L, q, out, lse, kpool, vpool, block_table, seq_lens, q_lens, q_start, n_heads, max_blocks,
+                   causal, window, 0, scale};
+    kv_task_fn task = kattn_task;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kltq_isa(L->isa) == &kv_isa_avx512 && L->D % 16 == 0) task = kv_kltq_attn_task_avx512;
+#endif
+    kv_pool_run(task, &c, (int64_t)n_seqs * L->H, L->threads);
+    free(q_start);
+    return c.failed ? -2 : 0;
+}

@@ -1,0 +1,33 @@
+/* kltq K on the cpu backend: what kltq.c and kltq_avx512.c share (see kltq.c). */
+#ifndef KV_KLTQ_H
+#define KV_KLTQ_H
+
+#include "kvcpu.h"
+
+typedef struct {
+    int32_t H, D, bs, vfmt, isa, threads;
+    int64_t krow, vrow;
+    const int32_t *start, *width, *off; /* [H][D] bit start, bits, offset of the scaled levels */
+    const float *levels;                /* sigma_i * codebook[width_i][...] per coefficient */
+    const float *mean, *analysis, *synthesis, *sigma, *books; /* side data of the layer ([H][D], [H][D][D], books [13][4096]) */
+    const uint8_t *alloc;
+} kltq_layer;
+
+typedef struct {
+    const kltq_layer *L;
+    const float *q; /* [sum q_lens][Hq][D], coefficient space */
+    float *out;
+    double *lse;
+    const uint8_t *kpool, *vpool;
+    const int32_t *block_table, *seq_lens, *q_lens;
+    const int64_t *q_start;
+    int32_t Hq, max_blocks, causal, window, failed;
+    float scale;
+} kattn_ctx;
+
+/* one (sequence, KV head) item of attention with the AVX-512 kernels (kltq_avx512.c; x86-64 only) */
+void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker);
+/* c[i] = T[i] . y (double) for every coefficient with bits (al[i] > 0; al NULL: every one), D a multiple of 16 */
+void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c);
+
+#endif

@@ -1,0 +1,259 @@
+/* kltq attention with AVX-512 (see kltq.c): each record's codes by two gathers per 16 coefficients (the 32-bit
+ * window at the coefficient's byte, shifted and masked, then its scaled level), scores and the output row by
+ * 16-lane FMAs. A window load reads up to 63 bytes past a record; the cpu backend pads a kltq K pool by 128 bytes.
+ */
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")
+#endif
+
+#include "kltq.h"
+
+#define KLTQ_DMAX 512
+#define KLTQ_T 16 /* keys per tile */
+
+/* the 16 horizontal sums of a[0..15] as one vector (lane u: the sum of a[u]), by halving and interleaving */
+static inline __m512 sums16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[k], a[k + 8], 0x44), _mm512_shuffle_f32x4(a[k], a[k + 8], 0xEE));
+    for (int k = 0; k < 4; k++)
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
+    for (int k = 0; k < 2; k++)
+        d[k] = _mm512_add_ps(_mm512_unpacklo_ps(c[k], c[k + 2]), _mm512_unpackhi_ps(c[k], c[k + 2]));
+    const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))));
+    /* f holds the sums of keys 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15 (an involution: the same index sorts it) */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0), f);
+}
+
+/* e^x for x <= 0 (x = -inf: 0): 2^(x log2 e) as 2^n 2^f, |f| <= 1/2, 2^f by its degree-7 Taylor series
+ * (relative error under 2e-8, below f32's) */
+static inline __m512 vexp(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* the task for nv = head_dim / 16 vectors; inlined with nv a constant for the usual head_dims (unrolled loops,
+ * q and the output row in registers) */
+static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_t t, const int nv) {
+    const kltq_layer *L = a->L;
+    const int H = L->H, D = L->D, G = a->Hq / H;
+    const int s = (int)(t / H), h = (int)(t % H);
+    const int n_kv = a->seq_lens[s], n_q = a->q_lens[s];
+    const int64_t q0 = a->q_start[s];
+    const int R = n_q * G;
+    if (!R) return;
+    const size_t nbuf = ((size_t)R * (D + 2) + 15) / 16 * 16;
+    float *buf = (float *)aligned_alloc(64, sizeof(float) * (nbuf + 2 * (size_t)KLTQ_T * D));
+    if (!buf) {
+        a->failed = 1;
+        return;
+    }
+    float *o = buf, *m = o + (size_t)R * D, *l = m + R, *ct = buf + nbuf, *vt = ct + (size_t)KLTQ_T * D;
+    int32_t boff[KLTQ_DMAX] __attribute__((aligned(64))), sh[KLTQ_DMAX] __attribute__((aligned(64)));
+    int32_t mk[KLTQ_DMAX] __attribute__((aligned(64)));
+    const int32_t *st = L->start + h * D, *wd = L->width + h * D, *of = L->off + h * D;
+    int32_t bo[KLTQ_DMAX] __attribute__((aligned(64)));
+    float sg[KLTQ_DMAX] __attribute__((aligned(64)));
+    for (int i = 0; i < D; i++) {
+        boff[i] = st[i] >> 3, sh[i] = st[i] & 7, mk[i] = (int32_t)((1u << wd[i]) - 1u);
+        bo[i] = wd[i] * 4096, sg[i] = wd[i] ? L->sigma[h * D + i] : 0.0f; /* width 0: level 0 of book 0 (zeros) */
+    }
+    const int vbmi = __builtin_cpu_supports("avx512vbmi");
+    uint8_t bp[KLTQ_DMAX * 4] __attribute__((aligned(64))); /* per vector: the byte permute of its windows */
+    for (int e = 0; e < nv; e++)
+        for (int u = 0; u < 16; u++)
+            for (int b = 0; b < 4; b++) bp[64 * e + 4 * u + b] = (uint8_t)(boff[16 * e + u] - boff[16 * e] + b);
+    /* per vector of 16 coefficients: its distinct widths and their lanes when all are <= 5 (nw > 0), else nw = 0 */
+    int nw[KLTQ_DMAX / 16], wl[KLTQ_DMAX / 16][6];
+    __mmask16 wm[KLTQ_DMAX / 16][6];
+    for (int e = 0; e < nv; e++) {
+        nw[e] = 0;
+        for (int b = 0; b <= 5; b++) {
+            __mmask16 mask = 0;
+            for (int u = 0; u < 16; u++)
+                if (wd[16 * e + u] == b) mask |= (__mmask16)(1u << u);
+            if (mask) wl[e][nw[e]] = b, wm[e][nw[e]] = mask, nw[e]++;
+        }
+        int covered = 0;
+        for (int k = 0; k < nw[e]; k++) covered += __builtin_popcount(wm[e][k]);
+        if (covered != 16) nw[e] = 0;
+    }
+    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)R * D);
+    int hi_all = 0;
+    for (int i = 0; i < n_q; i++) {
+        const int pos = n_kv - n_q + i, hi = a->causal ? pos : n_kv - 1;
+        hi_all = hi > hi_all ? hi : hi_all;
+    }
+    const kv_isa *isa = &kv_isa_avx512;
+    /* tiles of KLTQ_T keys: every record's gathers first (independent, so their latencies overlap), the next
+     * tile's records and V rows prefetched, then the scores and the output rows key by key */
+    for (int j0 = 0; j0 <= hi_all && j0 < n_kv; j0 += KLTQ_T) {
+        const int nt = (hi_all + 1 - j0 < KLTQ_T ? hi_all + 1 - j0 : KLTQ_T);
+        for (int u = 0; u < nt; u++) {
+            const int j = j0 + u;
+            const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
+            const int64_t row = ((int64_t)blk * H + h) * L->bs + j % L->bs;
+            const int jn = j + KLTQ_T;
+            if (jn <= hi_all) {
+                const int32_t bn = a->block_table[(int64_t)s * a->max_blocks + jn / L->bs];
+                const int64_t rn = ((int64_t)bn * H + h) * L->bs + jn % L->bs;
+                _mm_prefetch((const char *)(a->kpool + rn * L->krow), _MM_HINT_T0);
+                for (int64_t b = 0; b < L->vrow; b += 64) _mm_prefetch((const char *)(a->vpool + rn * L->vrow + b), _MM_HINT_T0);
+            }
+            const uint8_t *rec = a->kpool + row * L->krow;
+            float *cu = ct + (size_t)u * D;
+#ifdef KLTQ_SCALAR_DECODE
+            for (int i = 0; i < D; i++) {
+                uint32_t w;
+                memcpy(&w, rec + boff[i], 4);
+                cu[i] = L->levels[of[i] + ((w >> sh[i]) & (uint32_t)mk[i])];
+            }
+            if (0)
+#endif
+            for (int e = 0; e < nv; e++) {
+                /* each coefficient's 32-bit window: one byte permute of the 64 bytes from the vector's first
+                 * window (16 coefficients of <= 12 bits span <= 27 bytes), or a gather without VBMI */
+                const __m512i w = vbmi ? _mm512_permutexvar_epi8(_mm512_load_si512(bp + 64 * e),
+                                                                 _mm512_loadu_si512(rec + boff[16 * e]))
+                                       : _mm512_i32gather_epi32(_mm512_load_si512(boff + 16 * e), (const void *)rec, 1);
+                const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_load_si512(sh + 16 * e)),
+                                                      _mm512_load_si512(mk + 16 * e));
+                /* the level from the layer's codebook of the coefficient's width, times its sigma (the spec's f32
+                 * product): widths <= 5 (32 levels) by a two-register permute per width in the vector, else a gather */
+                __m512 lv;
+                if (nw[e] > 0) {
+                    lv = _mm512_setzero_ps();
+                    for (int k = 0; k < nw[e]; k++) {
+                        const float *bk = L->books + wl[e][k] * 4096;
+                        lv = _mm512_mask_mov_ps(lv, wm[e][k],
+                                                _mm512_permutex2var_ps(_mm512_loadu_ps(bk), code, _mm512_loadu_ps(bk + 16)));
+                    }
+                } else {
+                    lv = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_load_si512(bo + 16 * e)), L->books, 4);
+                }
+                _mm512_store_ps(cu + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(sg + 16 * e)));
+            }
+            if (L->vfmt == KV_Q8_0) { /* ggml's q8_0 inline: {f16 d; int8 q[32]} -> d * q */
+                const uint8_t *vb = a->vpool + row * L->vrow;
+                float *vu = vt + (size_t)u * D;
+                for (int blk = 0; blk < nv / 2; blk++) {
+                    uint16_t dh;
+                    memcpy(&dh, vb + 34 * blk, 2);
+                    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+                    for (int half = 0; half < 2; half++) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(vb + 34 * blk + 2 + 16 * half));
+                        _mm512_store_ps(vu + 32 * blk + 16 * half, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+                    }
+                }
+            } else {
+                isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
+            }
+        }
+        if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
+        /* per query row and head: the tile's scores in one vector, one rescale, one vector exp */
+        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        const __mmask16 in_tile = (__mmask16)((1u << nt) - 1u);
+        for (int i = 0; i < n_q; i++) {
+            const int pos = n_kv - n_q + i;
+            const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
+            const __mmask16 vis = in_tile & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32(lo)) &
+                                  _mm512_cmple_epi32_mask(jv, _mm512_set1_epi32(hi));
+            if (!vis) continue;
+            for (int g = 0; g < G; g++) {
+                const int r = i * G + g;
+                const float *qr = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
+                __m512 qv[KLTQ_DMAX / 16], ov[KLTQ_DMAX / 16];
+                for (int e = 0; e < nv; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) {
+                    const float *c = ct + (size_t)u * D; /* rows past nt hold zeros */
+                    acc[u] = _mm512_mul_ps(qv[0], _mm512_load_ps(c));
+                    for (int e = 1; e < nv; e++) acc[u] = _mm512_fmadd_ps(qv[e], _mm512_load_ps(c + 16 * e), acc[u]);
+                }
+                const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, sums16(acc), _mm512_set1_ps(a->scale));
+                const float mt = _mm512_mask_reduce_max_ps(vis, sv);
+                float *orow = o + (size_t)r * D;
+                for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
+                if (mt > m[r]) {
+                    const float f = expf(m[r] - mt); /* 0 from -inf */
+                    l[r] *= f;
+                    const __m512 fv = _mm512_set1_ps(f);
+                    for (int e = 0; e < nv; e++) ov[e] = _mm512_mul_ps(ov[e], fv);
+                    m[r] = mt;
+                }
+                const __m512 pv = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(m[r]))));
+                l[r] += _mm512_reduce_add_ps(pv);
+                float pa[16] __attribute__((aligned(64)));
+                _mm512_store_ps(pa, pv);
+                for (int u = 0; u < nt; u++) {
+                    const __m512 pu = _mm512_set1_ps(pa[u]);
+                    const float *v = vt + (size_t)u * D;
+                    for (int e = 0; e < nv; e++) ov[e] = _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), ov[e]);
+                }
+                for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
+            }
+        }
+    }
+    for (int i = 0; i < n_q; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const int64_t qrow = q0 + i, head = h * G + g;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *dst = a->out + (qrow * a->Hq + head) * D;
+            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
+            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
+        }
+    free(buf);
+}
+
+void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c) {
+    for (int i = 0; i < D; i++) {
+        if (al && !al[i]) {
+            c[i] = 0.0;
+            continue;
+        }
+        const float *ti = T + (int64_t)i * D;
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (int j = 0; j < D; j += 16) {
+            a0 = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ti + j)), _mm512_loadu_pd(y + j), a0);
+            a1 = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ti + j + 8)), _mm512_loadu_pd(y + j + 8), a1);
+        }
+        c[i] = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    }
+}
+
+void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    kattn_ctx *a = (kattn_ctx *)ctx;
+    switch (a->L->D) {
+    case 64: attn_task(a, t, 4); break;
+    case 128: attn_task(a, t, 8); break;
+    case 256: attn_task(a, t, 16); break;
+    default: attn_task(a, t, a->L->D / 16);
+    }
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#endif

@@ -1,0 +1,129 @@
+"""The kltq K format on the cpu backend (csrc/kltq.c): store, load and attention with the layer's side data.
+
+The side data (``Pools.side[layer]``, a one-layer ``kvhal.formats.kltq.Side``) becomes one ``kltq_layer``
+struct per layer and call settings: each coefficient's bit start and width in the record, and its levels
+already scaled by its sigma (the spec's ``codebook[b][j] * sigma``, in f32 as numpy computes them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any
+
+import numpy as np
+
+from kvhal.backend import AttentionBatch, Pools
+from kvhal.backend_util import format_id
+from kvhal.errors import KVHalError
+from kvhal.formats import kltq
+from kvhal.reference import side as layer_side
+
+_i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SYMBOLS = ("kvc_kltq_store", "kvc_kltq_load", "kvc_kltq_attention")
+
+
+class Layer(ctypes.Structure):
+    """``kltq_layer`` of csrc/kltq.c."""
+
+    _fields_ = [
+        *((name, _i32) for name in ("H", "D", "bs", "vfmt", "isa", "threads")),
+        ("krow", _i64),
+        ("vrow", _i64),
+        *((name, _p) for name in ("start", "width", "off", "levels")),
+        *((name, _p) for name in ("mean", "analysis", "synthesis", "sigma", "books", "alloc")),
+    ]
+
+
+def declare(lib: ctypes.CDLL) -> bool:
+    """Declare the kltq calls; False when the library lacks them (then the backend refuses kltq)."""
+    if not all(hasattr(lib, name) for name in SYMBOLS):
+        return False
+    lp = ctypes.POINTER(Layer)
+    lib.kvc_kltq_store.restype, lib.kvc_kltq_store.argtypes = _i32, [lp, _p, _p, _p, _i64, _p, _p]
+    lib.kvc_kltq_load.restype, lib.kvc_kltq_load.argtypes = _i32, [lp, _p, _i64, _p, _p, _p, _p]
+    lib.kvc_kltq_attention.restype = _i32
+    lib.kvc_kltq_attention.argtypes = [lp, _p, _p, _p, _p, _p, _p, _p, _p, *([_i32] * 5), _f32]
+    return True
+
+
+# side data -> {settings: (struct, the arrays it points into)}: built once per layer and settings
+_built: weakref.WeakKeyDictionary[kltq.Side, dict[tuple[int, ...], tuple[Layer, list[np.ndarray]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def layer(pools: Pools, index: int, isa: int, threads: int) -> Layer:
+    side = layer_side(pools, index)
+    spec = pools.spec
+    key = (isa, threads, format_id(spec.v_format), spec.block_size, spec.v_row_bytes)
+    per = _built.setdefault(side, {})
+    if key in per:
+        return per[key][0]
+    H, D = spec.n_kv_heads, spec.head_dim
+    width = side.alloc[0].astype(np.int32)  # [H, D]
+    start = np.concatenate([np.zeros((H, 1), np.int64), np.cumsum(width, axis=1)[:, :-1]], axis=1).astype(np.int32)
+    books = np.ascontiguousarray(side.codebooks[0], np.float32)  # [MAX_BITS + 1, 2^MAX_BITS]
+    chunks, off, at = [], np.zeros((H, D), np.int32), 0
+    for h in range(H):
+        for i in range(D):
+            b = int(width[h, i])
+            lv = books[b, : 1 << b] * side.sigma[0, h, i] if b else np.zeros(1, np.float32)
+            chunks.append(lv.astype(np.float32))
+            off[h, i] = at
+            at += len(lv)
+    arrays = [
+        np.ascontiguousarray(a)
+        for a in (start, width, off, np.concatenate(chunks), side.mean[0], side.analysis[0], side.synthesis[0],
+                  side.sigma[0], books, side.alloc[0])
+    ]  # fmt: skip
+    st = Layer(H, D, spec.block_size, format_id(spec.v_format), isa, threads, spec.k_row_bytes, spec.v_row_bytes,
+               *(int(a.ctypes.data) for a in arrays))  # fmt: skip
+    per[key] = (st, arrays)
+    return st
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise KVHalError(f"cpu backend kltq {what} failed: error {rc} (out of memory, or head_dim over 512)")
+
+
+def store(
+    lib: Any, pools: Pools, index: int, isa: int, threads: int, k: np.ndarray, v: np.ndarray, slots: np.ndarray
+) -> None:
+    st = layer(pools, index, isa, threads)
+    rc = lib.kvc_kltq_store(ctypes.byref(st), k.ctypes.data, v.ctypes.data, slots.ctypes.data, len(k),
+                            pools.k[index].ctypes.data, pools.v[index].ctypes.data)  # fmt: skip
+    _check(rc, "store")
+
+
+def load(
+    lib: Any, pools: Pools, index: int, isa: int, threads: int, blocks: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    spec = pools.spec
+    st = layer(pools, index, isa, threads)
+    k = np.empty((n, spec.n_kv_heads, spec.head_dim), np.float32)
+    v = np.empty_like(k)
+    rc = lib.kvc_kltq_load(ctypes.byref(st), blocks.ctypes.data, n, pools.k[index].ctypes.data,
+                           pools.v[index].ctypes.data, k.ctypes.data, v.ctypes.data)  # fmt: skip
+    _check(rc, "load")
+    return k, v
+
+
+def attention(
+    lib: Any, pools: Pools, index: int, isa: int, threads: int, q: np.ndarray, batch: AttentionBatch, with_lse: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    st = layer(pools, index, isa, threads)
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    out = np.empty(q.shape, np.float32)
+    lse = np.empty(q.shape[:2], np.float64) if with_lse else None
+    bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)
+    sl = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
+    ql = np.ascontiguousarray(batch.q_lens, dtype=np.int32)
+    rc = lib.kvc_kltq_attention(
+        ctypes.byref(st), q.ctypes.data, out.ctypes.data, None if lse is None or not lse.size else lse.ctypes.data,
+        pools.k[index].ctypes.data, pools.v[index].ctypes.data, bt.ctypes.data, sl.ctypes.data, ql.ctypes.data,
+        sl.shape[0], bt.shape[1], q.shape[1], int(batch.causal), batch.window or 0, batch.scale,
+    )  # fmt: skip
+    _check(rc, "attention")
+    return out, lse
