@@ -87,6 +87,11 @@ class Backend(ABC):
     # eviction on a backend without it (it would attend over the dropped rows)
     masks_heads: ClassVar[bool] = False
 
+    def masks_heads_of(self, spec: CacheSpec) -> bool:
+        """Whether attention over ``spec``'s pools honours per-head holes (a backend may mask them for some formats
+        only)."""
+        return self.masks_heads
+
     @classmethod
     @abstractmethod
     def probe(cls) -> Probe:

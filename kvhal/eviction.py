@@ -287,7 +287,7 @@ OnEvict = Callable[[EvictionResult], None]
 
 
 def check_press(
-    press: Any, keep: Any, observe_window: int, uses_tail: bool, backend: Backend
+    press: Any, keep: Any, observe_window: int, spec: CacheSpec, backend: Backend
 ) -> tuple[Policy | None, float | None]:
     """A prefill press (a policy run after the prefill) and the fraction ``keep`` of each row it keeps, checked
     against the cache they will run on (its ``observe_window``, whether it has an f16 tail, whether its backend
@@ -313,9 +313,9 @@ def check_press(
             f"press={press!r} needs the mass of the last {scorer.window} queries but the cache observes "
             f"{observe_window}: pass observe_window={scorer.window} (from_model's default for a SnapKV press)"
         )
-    if press.per_head and not backend.masks_heads:
+    if press.per_head and not backend.masks_heads_of(spec):
         raise UnsupportedError(no_head_masks(press, backend))
-    if press.needs_scores and uses_tail:
+    if press.needs_scores and spec.uses_tail:
         raise UnsupportedError(
             f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
             "tail (tail > 0 or a per-channel K format) does not support yet; use SinkWindow, or tail=0 and a "
@@ -327,8 +327,8 @@ def check_press(
 def no_head_masks(policy: Policy, backend: Backend) -> str:
     return (
         f"{policy.name} keeps different positions per KV head, and backend {backend.name!r} cannot mask a head's "
-        "dropped rows in attention; use a policy that keeps the same positions in every head (SnapKV, H2O, "
-        "SinkWindow) or the cpu or reference backend"
+        "dropped rows in attention (of this spec's formats); use a policy that keeps the same positions in every head (SnapKV, H2O, "
+        "SinkWindow), or the reference backend (cpu masks them for every K format but kltq)"
     )
 
 
@@ -390,7 +390,7 @@ class Evictor:
         return self._compact(sid, s, kept, policy.name, "evict")
 
     def _evict_heads(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
-        if not self.backend.masks_heads:
+        if not self.backend.masks_heads_of(self.spec):
             raise UnsupportedError(no_head_masks(policy, self.backend))
         n = max(s.lens)
         if min(s.lens) != n:

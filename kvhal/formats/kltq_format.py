@@ -37,4 +37,3 @@ for _bits in BUDGETS:
             side_data=True,
         )
     )  # fmt: skip
-

@@ -137,7 +137,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         at each update; without it the cache serves ``attn_implementation="kvhal"`` only."""
         if not isinstance(kv, KVCache):
             raise SpecError(f"kv must be a kvhal.KVCache, got {type(kv).__name__}; or use KVHalCache.from_model")
-        press, keep = check_press(press, keep, kv.observe_window, kv.spec.uses_tail, kv.backend)
+        press, keep = check_press(press, keep, kv.observe_window, kv.spec, kv.backend)
         n_layers = kv.spec.n_layers
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n_layers:
             raise SpecError(f"windows must list one sliding window (int) or None per layer, {n_layers} in all")

@@ -157,3 +157,33 @@ def test_knorm_keeps_the_lowest_norm_keys():
     assert c.evict(s, Knorm(), keep_tokens=20).kept.tolist() == sorted(sorted(range(N), key=lambda j: total[j])[:20])
     with pytest.raises(kvhal.SpecError, match="compare across heads"):
         AdaKV(Knorm())  # each head's norms have their own scale
+
+
+@pytest.mark.parametrize("backend", MASKING)
+def test_adakv_over_a_transform_codec(backend):
+    """kltq keys: reference masks the holes of its coefficient-space attention; cpu's kltq kernel has no holes,
+    so it refuses the eviction before changing anything."""
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=32, k_format="kltq:4", v_format="f32", block_size=4)
+    c = kvhal.KVCache(spec, 256, backend=backend, observe_window=WIN)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((N, 2, 32), dtype=np.float32)
+    k[:, 1] *= 6
+    v = rng.standard_normal((N, 2, 32), dtype=np.float32)
+    q = rng.standard_normal((N, 4, 32), dtype=np.float32)
+    s = c.new_seq()
+    c.store(s, 0, k, v)
+    c.attention(0, q, [s], [N], observe=True)
+    kd, vd = (np.asarray(x) for x in c.load(s, 0))  # the keys as the codec decodes them
+    policy = AdaKV(SnapKV(window=WIN, kernel=3), ceiling=1.25, safeguard=0.75)
+    if backend == "cpu":
+        with pytest.raises(kvhal.UnsupportedError, match="positions per KV head"):
+            c.evict(s, policy, keep_tokens=24)
+        assert c.seq_len(s) == N
+        return
+    res = c.evict(s, policy, keep_tokens=24)
+    assert res.heads is not None
+    out = np.asarray(c.attention(0, q[-2:], [s], [2], causal=False))
+    for h, kept in enumerate(res.heads[0]):
+        want = attention_f64(q[-2:, GROUP * h : GROUP * h + GROUP], [kd[kept, h][:, None]], [vd[kept, h][:, None]], [2],
+                             causal=False)  # fmt: skip
+        np.testing.assert_allclose(out[:, GROUP * h : GROUP * h + GROUP], want, atol=1e-5)

@@ -154,6 +154,9 @@ class CpuBackend(HostPoolsBackend):
     fused = frozenset({"attention_lse"})
     masks_heads = True  # attention cuts each KV head's range around its hole (AttentionBatch.holes)
 
+    def masks_heads_of(self, spec: CacheSpec) -> bool:
+        return not spec.k_codec  # csrc/kltq.c's attention has no holes
+
     @classmethod
     def probe(cls) -> Probe:
         try:
