@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import TierError
 
@@ -19,6 +19,14 @@ class BlockKey:
 
     namespace: bytes
     block_hash: bytes
+    # computed once: a put or get looks each key up in several dicts (the generated hash rebuilt a tuple each time)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[BlockKey], tuple[bytes, bytes]]:
+        return BlockKey, (self.namespace, self.block_hash)  # bytes hash per process: recomputed on unpickling
 
     def __post_init__(self) -> None:
         for name in ("namespace", "block_hash"):
@@ -32,6 +40,7 @@ class BlockKey:
                     f"BlockKey.{name} must be {DIGEST_BYTES} bytes (a sha256 digest), got {len(value)}; "
                     "pass hashlib.sha256(...).digest()"
                 )
+        object.__setattr__(self, "_hash", hash((self.namespace, self.block_hash)))
 
 
 def check_keys(keys: object) -> list[BlockKey]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvhal
-from kvhal.tiers import DiskTier, HostTier, RedisTier, Tier
+from kvhal.tiers import BlockKey, DiskTier, HostTier, RedisTier, Tier
 
 from .conftest import NS_B, key, keys, payload
 
@@ -115,3 +117,16 @@ def test_constructor_arguments(tmp_path: Path):
 def test_import_kvhal_and_tiers_without_redis():
     code = "import sys, kvhal, kvhal.tiers; print('redis' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_a_pickled_key_finds_its_entry_in_another_process(tmp_path):
+    """BlockKey caches its hash, and bytes hash differently per process: unpickling must recompute it."""
+    k = BlockKey(b"n" * 32, b"h" * 32)
+    (tmp_path / "d.pkl").write_bytes(pickle.dumps({k: 7}))
+    code = (
+        "import pickle, sys; from kvhal.tiers import BlockKey; "
+        "d = pickle.load(open(sys.argv[1], 'rb')); print(d[BlockKey(b'n' * 32, b'h' * 32)])"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d.pkl")], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "7", out.stderr
