@@ -56,6 +56,7 @@ except ImportError as e:
 ATTN_IMPLEMENTATION = "kvhal"
 # transformers' own attention functions a KVHalCache also serves, with dense K/V from KVCache.load
 DENSE_IMPLEMENTATIONS = ("sdpa", "eager")
+_LOAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what KVCache.load writes into a CPU tensor
 
 # (cache, layer, the key tensor its update returned, the value tensor): set by update, taken by the attention
 _PENDING: ContextVar[tuple[KVHalCache, int, torch.Tensor, torch.Tensor] | None] = ContextVar(
@@ -360,13 +361,22 @@ class KVHalCache(Cache):  # type: ignore[misc]
             k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [batch, n_new, n_kv_heads, head_dim]
             for b, s in enumerate(self.seqs):
                 kv.store(s, layer, k[b], v[b])
-            ks, vs = [], []
-            for s in self.seqs:
-                kb, vb = kv.load(s, layer)
-                ks.append(to_like(kb, key_states))
-                vs.append(to_like(vb, value_states))
-            dense_k = torch.stack(ks).transpose(1, 2).to(key_states.dtype)
-            dense_v = torch.stack(vs).transpose(1, 2).to(value_states.dtype)
+            if key_states.device.type == "cpu" and key_states.dtype in _LOAD_DTYPES:
+                # straight into the model's dtype, in one buffer for the batch (no f32 copy, no stack)
+                shape = (batch, self._cols[layer] + n_new, *k.shape[2:])
+                bk = torch.empty(shape, dtype=key_states.dtype)
+                bv = torch.empty(shape, dtype=value_states.dtype)
+                for b, s in enumerate(self.seqs):
+                    kv.load(s, layer, out=(bk[b], bv[b]))
+                dense_k, dense_v = bk.transpose(1, 2), bv.transpose(1, 2)
+            else:
+                ks, vs = [], []
+                for s in self.seqs:
+                    kb, vb = kv.load(s, layer)
+                    ks.append(to_like(kb, key_states))
+                    vs.append(to_like(vb, value_states))
+                dense_k = torch.stack(ks).transpose(1, 2).to(key_states.dtype)
+                dense_v = torch.stack(vs).transpose(1, 2).to(value_states.dtype)
         except BaseException as e:
             if self._real.shape[1] != self._cols[layer]:  # this forward already changed the cache
                 self._failed = f"layer {layer} failed in the middle of a forward pass ({type(e).__name__}: {e})"

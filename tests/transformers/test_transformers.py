@@ -89,6 +89,27 @@ def test_cache_under_sdpa_and_eager_equals_dynamic_cache(models, backend_info, n
     assert cache.kv.seq_len(cache.seqs[0]) == 17 + NEW - 1  # every column stored, padding too
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_attention_in_the_models_half_dtype_equals_dynamic_cache(backend_info, dtype):
+    """A half-precision model under sdpa: load writes K/V straight into the model's dtype (a lossless round trip
+    for a cache of that format), so the logits match DynamicCache's."""
+    model = make_model("llama").to(dtype)
+    ids, mask = prompts(1)
+    fmt = "bf16" if dtype == torch.bfloat16 else "f16"
+    model.set_attn_implementation("sdpa")
+    cache = KVHalCache.from_model(model, k_format=fmt, v_format=fmt, capacity_tokens=512, backend=backend_info.name,
+                                  block_size=8)
+    runs = []
+    for c in (transformers.DynamicCache(config=model.config), cache):
+        with torch.inference_mode():
+            runs.append(model.generate(ids, attention_mask=mask, cache=c, max_new_tokens=16, min_new_tokens=16,
+                                       do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                                       output_logits=True))
+    ref, out = runs
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) < 2e-2
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_f32_equals_dynamic_cache(models, backend_info, name, batch):
