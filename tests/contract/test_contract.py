@@ -199,7 +199,7 @@ def test_load_into_out_and_dtype_match_the_f32_load(backend_info, fmt, rng):
         bits = [narrowed(w, dtype) for w in want]
         got = cache.load(s, 0, 5, 45, dtype=dtype)
         for g, b in zip(got, bits):
-            np.testing.assert_array_equal(np.asarray(g).view(b.dtype), b)
+            np.testing.assert_array_equal(kvhal.to_numpy(g).view(b.dtype), b)
         out = tuple(np.full((40, 2, 64), 7, b.dtype) for b in bits)  # dtype's bits: a reused, dirty buffer
         views = tuple(o.view(kvhal.to_numpy(got[0]).dtype) for o in out)
         for _ in range(2):
@@ -233,7 +233,7 @@ def test_load_into_a_large_output_matches_the_f32_load(backend_info, fmt, rng):
     for dtype in ("float32", "bfloat16"):
         got = cache.load(s, 0, 3, dtype=dtype)
         for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g).view(np.uint16 if dtype != "float32" else np.uint32),
+            np.testing.assert_array_equal(kvhal.to_numpy(g).view(np.uint16 if dtype != "float32" else np.uint32),
                                           narrowed(w, dtype))
 
 
