@@ -30,7 +30,7 @@ import numpy as np
 from .attention import AttentionBatch, AttentionShape
 from .errors import SpecError, UnsupportedError
 from .formats import Format
-from .interop import LoadOut
+from .interop import LoadOut, cast_into
 from .spec import CacheSpec
 
 __all__ = ["FUSED", "OPS", "AttentionBatch", "AttentionShape", "Backend", "HostPoolsBackend", "Pools", "Probe"]
@@ -130,8 +130,6 @@ class Backend(ABC):
         """Rows ``[skip, n)`` of ``load`` written into the host buffers of ``out`` (checked by the cache) in
         ``out.dtype``, rounded to nearest even. The default loads f32 and copies; a backend whose kernels write
         the buffers directly overrides it."""
-        from .interop import cast_into
-
         for x, dst in zip(self.load(pools, layer, block_ids, n), (out.k, out.v)):
             cast_into(dst, out.dtype, self.to_numpy(x)[skip:])
 

@@ -32,6 +32,7 @@ from .errors import CapacityError, NonFiniteError, PositionError, ShapeError, Sp
 from .eviction import EvictionResult, EvictOnFull, Evictor, OnEvict, Policy
 from .fingerprint import Fingerprint, extra_digest
 from .formats import kltq
+from .interop import cast_into
 from .prefix import PrefixIndex
 from .seqs import Seq, SeqTable
 from .spec import CacheSpec
@@ -271,12 +272,8 @@ class KVCache:
         if spec.transformed or spec.uses_tail or spec.k_codec:
             k, v, pending = self.codec.encode(self.backend, layer, k, v)
             if spec.uses_tail:
-                staged = self.codec.staged(pending)  # side data a backend's store reads
-                try:
+                with self.codec.staging(pending):  # side data a backend's store reads
                     self.tail.store(s, layer, k, v)
-                except BaseException:
-                    self.codec.unstage(staged)
-                    raise
                 self._committed(pending)
                 self.prefix.seal(s)
                 return
@@ -284,12 +281,8 @@ class KVCache:
         self.backend.check_values(spec.k_fmt, k)
         self.backend.check_values(spec.v_fmt, v)
         make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
-        staged = self.codec.staged(pending)
-        try:
+        with self.codec.staging(pending):
             p1 = self.seq_table.write(s, layer, k, v, s.lens[layer] - s.base, make_room)
-        except BaseException:
-            self.codec.unstage(staged)
-            raise
         self._committed(pending)
         s.lens[layer] = p1 + s.base
         if len(s.tokens) > len(s.hashes) * spec.block_size:
@@ -389,8 +382,6 @@ class KVCache:
             return k[skip:], v[skip:]
         pages, rows = self._tail_parts(s, layer, p0, hi)
         if dst is not None and not self.spec.transformed:  # pages straight into out, then the f16 rows over them
-            from .interop import cast_into
-
             if pages is not None:
                 blocks, n, skip, m = pages
                 self.backend.load_into(self.pools, layer, blocks, n, skip, replace(dst, k=dst.k[:m], v=dst.v[:m]))
@@ -400,8 +391,6 @@ class KVCache:
             return dst.result
         k, v = self._assemble_f32(shape, pages, rows, layer)
         if dst is not None:
-            from .interop import cast_into
-
             cast_into(dst.k, dst.dtype, k)
             cast_into(dst.v, dst.dtype, v)
             return dst.result

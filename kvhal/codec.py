@@ -10,6 +10,8 @@ host (float64 numpy) unless a backend runs it on its device (its ``fused`` ops n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -93,17 +95,19 @@ class Codec:
                 self._scales[w][layer] = sc
         return bool(pending)
 
-    def staged(self, pending: Pending) -> list[int]:
-        """Put the side data a store calibrated in place before its rows are written (a backend's store reads
-        it); returns the layers to reset should the store fail."""
+    @contextmanager
+    def staging(self, pending: Pending) -> Iterator[None]:
+        """The side data a store calibrated, in place while its rows are written (a backend's store reads it);
+        taken back should the store fail (``commit`` keeps it when it succeeds)."""
         layers = [layer for (w, layer) in pending if w == "side"]
         for layer in layers:
             self.sides[layer] = pending[("side", layer)]
-        return layers
-
-    def unstage(self, layers: list[int]) -> None:
-        for layer in layers:
-            self.sides[layer] = None
+        try:
+            yield
+        except BaseException:
+            for layer in layers:
+                self.sides[layer] = None
+            raise
 
     def adopt_side(self, side: kltq.Side) -> None:
         """Take every layer's kltq side data at once (a restore into a cache that had not stored yet)."""

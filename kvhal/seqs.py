@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Backend, Pools
+from .backend_util import blocks_to_pages
 from .blocks import BlockAllocator
 from .errors import SequenceError, UnsupportedError
 from .spec import CacheSpec
@@ -397,8 +398,6 @@ class SeqTable:
             ids = np.asarray(s.blocks[first // bs : math.ceil(n / bs)], np.int64)
             old = self.backend.read_blocks(self.pools, ids)
             new = np.array(old[: len(touched)], np.uint8, copy=True)
-            from .backend_util import blocks_to_pages
-
             off = (first // bs) * bs
             for (ko, vo), (kn, vn), heads in zip(
                 blocks_to_pages(self.spec, old), blocks_to_pages(self.spec, new), kept
