@@ -19,11 +19,14 @@ RECORD_HEADER = RECORD.size  # 88, as a blob header: a record takes blob_size(pa
 OK, MISSING, CORRUPT, ERROR = range(4)  # what reading a record found
 
 
+_UNSEALED = struct.Struct(RECORD.format[:-1])  # the header up to its own CRC, which covers these bytes
+
+
 def record_header(kind: int, key: BlockKey, payload: bytes | memoryview) -> bytes:
-    head = RECORD.pack(
-        RECORD_MAGIC, RECORD_VERSION, kind, key.namespace, key.block_hash, len(payload), crc32(payload), 0
+    head = _UNSEALED.pack(
+        RECORD_MAGIC, RECORD_VERSION, kind, key.namespace, key.block_hash, len(payload), crc32(payload)
     )
-    return head[:-4] + struct.pack("<I", crc32(head[:-4]))
+    return head + crc32(head).to_bytes(4, "little")
 
 
 def parse_header(raw: bytes | memoryview) -> tuple[int, BlockKey, int, int] | None:
