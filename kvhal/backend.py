@@ -79,6 +79,9 @@ class Backend(ABC):
     # max |attention - float64 oracle on the dequantized K/V|, for unit-scale inputs; the contract
     # suite holds each backend to its own declared figure
     attention_tolerance: float = 1e-4  # an instance may set its own (e.g. per device precision)
+    # the same for calls where a sequence has more than one query, where a backend routes them elsewhere (cuda's
+    # bf16 SDPA prefill); None: ``attention_tolerance``. Kept apart so a looser prefill figure never covers decode
+    prefill_tolerance: float | None = None
     # what it runs natively of FUSED (each one an override here); the rest runs on the host in float64
     fused: ClassVar[frozenset[FusedOp]] = frozenset()
     # True where supports() refuses some AttentionShapes: the cache then asks it on every attention call
@@ -86,6 +89,12 @@ class Backend(ABC):
     # True where attention honours ``AttentionBatch.holes`` (per-head eviction); the cache refuses a per-head
     # eviction on a backend without it (it would attend over the dropped rows)
     masks_heads: ClassVar[bool] = False
+
+    def tolerance(self, max_q_len: int) -> float:
+        """The declared attention error bound for a call whose longest query run is ``max_q_len``."""
+        if max_q_len > 1 and self.prefill_tolerance is not None:
+            return self.prefill_tolerance
+        return self.attention_tolerance
 
     def masks_heads_of(self, spec: CacheSpec) -> bool:
         """Whether attention over ``spec``'s pools honours per-head holes (a backend may mask them for some formats

@@ -86,7 +86,7 @@ class CudaBackend(Backend):
         self._xp = self._rt.xp
         self.prefill: str = opts["prefill"]
         # the SDPA route rounds q, K and V to bf16; decode and the kernel route stay at f32's figure
-        self.attention_tolerance = sdpa.TOLERANCE if self.prefill == "sdpa" else type(self).attention_tolerance
+        self.prefill_tolerance = sdpa.TOLERANCE if self.prefill == "sdpa" else None
         # without torch the route refuses prefill shapes, so supports() is asked per call
         self._no_sdpa = sdpa.torch_missing() if self.prefill == "sdpa" else None
         self.shape_limits = self._no_sdpa is not None
