@@ -213,6 +213,11 @@ class SnapshotReader:
             )
         return t
 
+    def dtype_shape(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """Tensor ``name``'s dtype and shape as its header gives them (safetensors' errors pass through)."""
+        sl = self._file.get_slice(name)
+        return sl.get_dtype(), tuple(sl.get_shape())
+
     def check_rows(self, name: str, shape: tuple[int, ...], rows: int) -> None:
         """Check tensor ``name``'s dtype, shape and checksum reading ``rows`` rows at a time (the file's
         pages are read in place, never all copied at once)."""
@@ -370,8 +375,7 @@ def validate(r: SnapshotReader) -> None:
 
     def shape(name: str, dtype: str, expect: tuple[int, ...]) -> None:
         try:
-            sl = r._file.get_slice(name)
-            got = (sl.get_dtype(), tuple(sl.get_shape()))
+            got = r.dtype_shape(name)
         except Exception as e:  # safetensors' own error types
             raise bad(f"tensor {name} is unreadable ({e})") from None
         if got != (dtype, expect):
@@ -402,7 +406,7 @@ def validate(r: SnapshotReader) -> None:
         need = math.ceil(max(paged, default=0) / bs)
         shape(f"seq{i}.blocks", "I32", (need,))
         try:
-            n_tok = tuple(r._file.get_slice(f"seq{i}.tokens").get_shape())
+            n_tok = r.dtype_shape(f"seq{i}.tokens")[1]
         except Exception as e:
             raise bad(f"tensor seq{i}.tokens is unreadable ({e})") from None
         if (r.version or 0) >= 2 and not (json_int(s.get("n_tokens")) and n_tok == (s["n_tokens"],)):
