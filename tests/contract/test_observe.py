@@ -1,8 +1,9 @@
 """observe=True on every backend: the attention mass it accumulates equals a float64 softmax transcribed here
 over the backend's own ``load`` (the bytes as stored), and the attention it returns is the plain call's.
 
-Backends whose kernel returns the log-sum-exp (``"attention_lse"`` in ``fused``) get the mass from one float32
-pass against it (``backend_util.attention_mass_lse``); the rest take the float64 host path.
+Backends whose kernel returns the log-sum-exp (``"attention_lse"`` in ``fused``) get the mass from one pass against
+it: their own where they fuse ``attention_mass`` too (cpu), else ``backend_util.attention_mass_lse``; the rest take
+the float64 host path.
 """
 
 from __future__ import annotations
