@@ -159,12 +159,13 @@ class Backend(ABC):
         """Write ``data`` (as ``read_blocks`` returns it) into the blocks ``block_ids``, all layers."""
 
     def attention_mass(
-        self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, tail: int
+        self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, tail: int, lse: Any = None
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per sequence, the attention weight each key received from all queries and from the last
         ``tail`` ones, summed over each KV head's query heads: float64 ``[n_kv_heads, seq_len]`` each.
-        The default works on every backend (float64 over ``load``); a backend that fuses it lists
-        "attention_mass" in ``fused``."""
+        ``lse``: the rows' log-sum-exp ``attention_lse`` returned for this very call, when the caller has it (a
+        backend that fuses both then needs no second attention pass). The default works on every backend
+        (float64 over ``load``, ``lse`` unused); a backend that fuses it lists "attention_mass" in ``fused``."""
         from .backend_util import attention_mass
 
         return attention_mass(self, q, pools, layer, batch, tail)

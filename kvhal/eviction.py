@@ -352,18 +352,21 @@ class Evictor:
 
     def observe(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> Any:
         """Attention over ``seqs`` (returned) that also accumulates the attention mass each key received from this
-        call's queries. A backend that fuses ``attention_mass`` computes it; one that fuses ``attention_lse``
-        gives the row LSEs with the output, and the mass is one float32 pass of ``q K^T`` against them
-        (``attention_mass_lse``); otherwise the float64 host default."""
+        call's queries. A backend that fuses ``attention_lse`` gives the row LSEs with the output, and the mass
+        is one pass of ``q K^T`` against them: the backend's own if it fuses ``attention_mass`` too, else one
+        float32 pass over ``load`` (``attention_mass_lse``); otherwise the float64 host default."""
         if self.spec.uses_tail:
             raise UnsupportedError(
                 "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
                 "yet; pass observe=False"
             )
         fused = self.backend.fused
-        if "attention_lse" in fused and "attention_mass" not in fused:
+        if "attention_lse" in fused:
             out, lse = self.backend.attention_lse(q, self.pools, layer, batch)
-            mass = attention_mass_lse(self.backend, q, self.pools, layer, batch, lse, self.observe_window)
+            if "attention_mass" in fused:
+                mass = self.backend.attention_mass(q, self.pools, layer, batch, self.observe_window, lse)
+            else:
+                mass = attention_mass_lse(self.backend, q, self.pools, layer, batch, lse, self.observe_window)
         else:
             out = self.backend.attention(q, self.pools, layer, batch)
             mass = self.backend.attention_mass(q, self.pools, layer, batch, self.observe_window)

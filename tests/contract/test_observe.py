@@ -1,8 +1,9 @@
 """observe=True on every backend: the attention mass it accumulates equals a float64 softmax transcribed here
 over the backend's own ``load`` (the bytes as stored), and the attention it returns is the plain call's.
 
-Backends whose kernel returns the log-sum-exp (``"attention_lse"`` in ``fused``) get the mass from one float32
-pass against it (``backend_util.attention_mass_lse``); the rest take the float64 host path.
+Backends whose kernel returns the log-sum-exp (``"attention_lse"`` in ``fused``) get the mass from one pass against
+it: their own where they fuse ``attention_mass`` too (cpu), else ``backend_util.attention_mass_lse``; the rest take
+the float64 host path.
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ def f64_mass(cache, seqs, q, q_lens, scale, window, tail):
 
 
 @pytest.mark.parametrize("window", [None, 37])
-def test_observed_mass_equals_float64_softmax(backend_info, window):
-    if "q8_0" not in backend_info.formats:
-        pytest.skip(f"{backend_info.name} does not claim q8_0")
+@pytest.mark.parametrize("fmt,rotation", [("q8_0", None), ("q4_0", "hadamard")])
+def test_observed_mass_equals_float64_softmax(backend_info, window, fmt, rotation):
+    """``rotation``: the backend scores rotated q against rotated K; the oracle, q against the K load gives back."""
+    if fmt not in backend_info.formats:
+        pytest.skip(f"{backend_info.name} does not claim {fmt}")
     rng = np.random.default_rng(3)
-    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format="q8_0", v_format="q8_0", block_size=16)
+    spec = kvhal.CacheSpec(
+        n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=16, k_rotation=rotation
+    )
     cache = kvhal.KVCache(spec, 1024, backend=backend_info.name, observe_window=24)
     plain = kvhal.KVCache(spec, 1024, backend=backend_info.name)
     seqs, pseqs, lens, q_lens = (

@@ -22,6 +22,7 @@ from kvhal import formats
 from kvhal.backend import AttentionBatch, AttentionShape, HostPoolsBackend, Op, Pools, Probe
 from kvhal.backend_util import (
     Option,
+    attention_mass_lse,
     check_block_data,
     check_block_ids,
     format_id,
@@ -30,7 +31,7 @@ from kvhal.backend_util import (
     parse_options,
     whole_pages,
 )
-from kvhal.errors import BackendUnavailableError, KVHalError
+from kvhal.errors import BackendUnavailableError, KVHalError, ShapeError
 from kvhal.interop import OUT_DTYPES as _OUT_DTYPES
 from kvhal.interop import LoadOut
 from kvhal.spec import CacheSpec
@@ -151,7 +152,7 @@ class CpuBackend(HostPoolsBackend):
     INT_TOLERANCE = 5e-4
     F32_TOLERANCE = 1e-5
     attention_tolerance = INT_TOLERANCE
-    fused = frozenset({"attention_lse"})
+    fused = frozenset({"attention_lse", "attention_mass"})
     masks_heads = True  # attention cuts each KV head's range around its hole (AttentionBatch.holes)
 
     def masks_heads_of(self, spec: CacheSpec) -> bool:
@@ -272,6 +273,56 @@ class CpuBackend(HostPoolsBackend):
         assert lse is not None
         return out, lse
 
+    def attention_mass(
+        self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, tail: int, lse: Any = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The weight each key received, from the rows' log-sum-exp (``lse``: ``attention_lse``'s of this very
+        call; None: this runs the kernel for it): one more pass of the library's threads that scores ``q K^T``
+        tile by tile per KV head, reading K as attention does, and sums ``exp(s - lse)`` per key
+        (``kvc_attention_mass``). kltq K (scored on its coefficients) and per-channel K pages (kivi) take
+        ``backend_util.attention_mass_lse`` over ``load``."""
+        spec = pools.spec
+        if lse is None:
+            lse = self.attention_lse(q, pools, layer, batch)[1]
+        lse = np.ascontiguousarray(lse, dtype=np.float64)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        if lse.shape != q.shape[:2]:
+            raise ShapeError(
+                f"lse must be [n_q, n_heads] = {list(q.shape[:2])} (attention_lse's), got {list(lse.shape)}"
+            )
+        if spec.k_codec or spec.k_paged:  # not K rows the mass kernel reads
+            return attention_mass_lse(self, q, pools, layer, batch, lse, tail)
+        lens = [int(n) for n in batch.seq_lens]
+        total, window = np.empty(spec.n_kv_heads * sum(lens)), np.empty(spec.n_kv_heads * sum(lens))
+        if total.size and q.size:
+            a, _keep = self._call_args(q, pools, layer, batch)
+            a.lse = _ptr(lse)
+            self._check(self._lib.kvc_attention_mass(a, tail, _ptr(total), _ptr(window)), "attention_mass")
+        else:
+            total[:], window[:] = 0.0, 0.0
+        ends = np.cumsum([0] + [spec.n_kv_heads * n for n in lens])
+        return [
+            (total[a:b].reshape(spec.n_kv_heads, n), window[a:b].reshape(spec.n_kv_heads, n))
+            for a, b, n in zip(ends[:-1], ends[1:], lens)
+        ]
+
+    def _call_args(
+        self, q: np.ndarray, pools: Pools, layer: int, batch: AttentionBatch
+    ) -> tuple[Args, list[np.ndarray]]:
+        """``kv_args`` of an attention call on ``layer`` (q f32 contiguous), and the arrays its pointers keep alive."""
+        bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)
+        sl = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
+        ql = np.ascontiguousarray(batch.q_lens, dtype=np.int32)
+        a = Args.from_buffer_copy(pools.state[layer])
+        a.q, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(bt), _ptr(sl), _ptr(ql)
+        keep = [bt, sl, ql]
+        if batch.holes is not None:  # per-head eviction: each KV head's masked rows
+            keep.append(np.ascontiguousarray(batch.holes, dtype=np.int32))
+            a.holes = _ptr(keep[-1])
+        a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
+        a.scale, a.causal, a.window = batch.scale, batch.causal, batch.window or 0
+        return a, keep
+
     def _attention(
         self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, with_lse: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -279,19 +330,11 @@ class CpuBackend(HostPoolsBackend):
             return kltq.attention(self._lib, pools, layer, ISAS.index(self.isa), self.threads, q, batch, with_lse)
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
-        bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)
-        sl = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
-        ql = np.ascontiguousarray(batch.q_lens, dtype=np.int32)
-        a = Args.from_buffer_copy(pools.state[layer])
-        a.q, a.out, a.block_table, a.seq_lens, a.q_lens = _ptr(q), _ptr(out), _ptr(bt), _ptr(sl), _ptr(ql)
-        if batch.holes is not None:  # per-head eviction: each KV head's masked rows
-            holes = np.ascontiguousarray(batch.holes, dtype=np.int32)
-            a.holes = _ptr(holes)
+        a, _keep = self._call_args(q, pools, layer, batch)
+        a.out = _ptr(out)
         lse = np.empty(q.shape[:2], np.float64) if with_lse else None
         if lse is not None and lse.size:
             a.lse = _ptr(lse)
-        a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
-        a.scale, a.causal, a.window = batch.scale, batch.causal, batch.window or 0
         self._check(self._lib.kvc_attention(a), "attention")
         return out, lse
 

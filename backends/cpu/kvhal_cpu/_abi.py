@@ -70,6 +70,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvc_load_to": (_i32, [args, _i64, _i32]),
         "kvc_copy_slots": (_i32, [args]),
         "kvc_attention": (_i32, [args]),
+        "kvc_attention_mass": (_i32, [args, _i32, _p, _p]),
         "kvc_attention_path": (ctypes.c_char_p, [args, _i32]),
         "kvc_read_blocks": (_i32, [args]),
         "kvc_write_blocks": (_i32, [args]),

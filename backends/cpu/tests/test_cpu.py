@@ -353,6 +353,85 @@ def test_split_kv_merge_matches_unsplit(isa, fmt):
         assert float(np.abs(out - res[0]).max()) <= tol, split
 
 
+def mass_f64(q, ks, q_lens, scale, causal, window, holes, tail):
+    """Per sequence, the float64 softmax weight each key received, summed over each KV head's query heads:
+    ``(all queries, the last tail)``, each ``[n_kv_heads, n]``; ``holes[s, h]``: keys KV head h does not attend."""
+    out, start = [], 0
+    for s, (k, n_q) in enumerate(zip(ks, q_lens)):
+        n, heads = k.shape[:2]
+        group = q.shape[1] // heads
+        qs = q[start : start + n_q].astype(np.float64)
+        start += n_q
+        sc = np.einsum("qhd,khd->hqk", qs, np.repeat(k.astype(np.float64), group, axis=1)) * scale
+        pos, j = n - n_q + np.arange(n_q)[:, None], np.arange(n)[None]
+        vis = np.broadcast_to((j <= pos) if causal else np.ones((n_q, n), bool), (len(sc), n_q, n)).copy()
+        if window:
+            vis &= j > pos - window
+        if holes is not None:
+            for h in range(len(sc)):
+                vis[h] &= ~((j >= holes[s, h // group, 0]) & (j < holes[s, h // group, 1]))
+        sc = np.where(vis, sc, -np.inf)
+        m = sc.max(-1, keepdims=True)
+        p = np.exp(sc - np.where(np.isfinite(m), m, 0.0))
+        p = np.divide(p, p.sum(-1, keepdims=True), out=np.zeros_like(p), where=p.sum(-1, keepdims=True) > 0)
+        per_kv = p.reshape(heads, group, n_q, n).sum(1)
+        out.append((per_kv.sum(1), per_kv[:, max(0, n_q - tail) :].sum(1)))
+    return out
+
+
+# (n_heads, n_kv_heads, dim, seq lens, q lens, causal, window, block_size, tail, holes [n_seqs][n_kv_heads] or None)
+MASS_SHAPES = {
+    "prefill-and-chunk-gqa3": (6, 2, 64, [301, 70], [301, 9], True, None, 16, 24, None),
+    "window-tail-past-q": (8, 2, 64, [150, 40], [70, 40], True, 33, 8, 50, None),
+    "non-causal-bs7-d96": (6, 3, 96, [61], [9], False, None, 7, 4, None),
+    # a hole over a whole 64-key tile and parts of others; a row whose window lies in its head's hole sees nothing
+    "holes-window": (8, 2, 64, [200, 90], [50, 90], True, 30, 16, 16, [[[10, 150], [0, 0]], [[0, 0], [50, 90]]]),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_mass_matches_float64_softmax(isa, fmt):
+    """The fused mass (kvc_attention_mass, from the kernel's own lse) against a float64 softmax over the
+    dequantized K, in every mask, GQA ratio, batch and hole case; each query row's weights sum to 1."""
+    kf = k_of(fmt)
+    for shape, (n_heads, n_kv, dim, lens, q_lens, causal, window, bs, tail, holes) in MASS_SHAPES.items():
+        if dim % formats.get(fmt).block_len:
+            continue
+        rng = np.random.default_rng(5)
+        be = CpuBackend(isa=isa, threads=2)
+        c = cache(kf, be, heads=n_kv, dim=dim, bs=bs, cap=sum(lens) + bs * len(lens), vfmt=fmt)
+        seqs, ks, _ = make_kv(rng, kf, lens, n_kv, dim, c, vfmt=fmt)
+        objs = [c.seq_table.get(s) for s in seqs]
+        table = c.seq_table.batch_table(objs, [-(-n // bs) for n in lens])
+        hole_arr = None if holes is None else np.asarray(holes, np.int32)
+        batch = kvhal.AttentionBatch(table, np.array(lens), np.array(q_lens), dim**-0.5, causal, window, hole_arr)
+        q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
+        _, lse = be.attention_lse(q, c.pools, 0, batch)
+        got = be.attention_mass(q, c.pools, 0, batch, tail, lse)
+        want = mass_f64(q, ks, q_lens, dim**-0.5, causal, window, hole_arr, tail)
+        for (total, last), (want_total, want_last) in zip(got, want, strict=True):
+            np.testing.assert_allclose(total, want_total, rtol=1e-4, atol=1e-5, err_msg=shape)
+            np.testing.assert_allclose(last, want_last, rtol=1e-4, atol=1e-5, err_msg=shape)
+        assert got[0][0].sum() == pytest.approx(want[0][0].sum(), rel=1e-5)
+        if holes is None:  # without holes every row sees a key: its weights sum to 1
+            assert sum(t.sum() for t, _ in got) == pytest.approx(sum(q_lens) * n_heads, rel=1e-5)
+        # lse=None: the call runs the kernel for it
+        np.testing.assert_array_equal(be.attention_mass(q, c.pools, 0, batch, tail)[0][0], got[0][0])
+
+
+def test_attention_mass_checks_lse_shape():
+    be = CpuBackend()
+    c = cache("q8_0", be)
+    s = c.new_seq()
+    c.store(s, 0, np.ones((20, 2, 64), np.float32), np.ones((20, 2, 64), np.float32))
+    batch = kvhal.AttentionBatch(
+        c.seq_table.batch_table([c.seq_table.get(s)], [2]), np.array([20]), np.array([3]), 0.125
+    )
+    with pytest.raises(kvhal.ShapeError, match="attention_lse"):
+        be.attention_mass(np.ones((3, 4, 64), np.float32), c.pools, 0, batch, 2, np.zeros((3, 2)))
+
+
 def test_probe_scores_above_reference_and_wins_auto():
     infos = {i.name: i for i in kvhal.backends()}
     assert infos["cpu"].available and infos["cpu"].score == 50 > infos["reference"].score

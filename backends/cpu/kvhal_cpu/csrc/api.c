@@ -680,6 +680,75 @@ KV_EXPORT int kvc_attention(const kv_args *a) {
     return rc;
 }
 
+typedef struct {
+    const kv_call *c;
+    const kv_isa *isa;
+    const kv_mass_item *items;
+    float *scratch; /* per worker: KV_MASS_SCRATCH(D) floats */
+    size_t stride;
+} mass_ctx;
+
+static void mass_task(void *p, int64_t task, int worker) {
+    const mass_ctx *m = (const mass_ctx *)p;
+    m->isa->mass_item(m->c, m->items + task, m->scratch + (size_t)worker * m->stride);
+}
+
+/* The attention mass of a call whose rows' log-sum-exp a->lse holds (kvc_attention's, with the same q, pages
+ * and mask; K of a row format, not per-channel pages): per sequence s, per KV head h, the weight each key received summed over the KV head's query
+ * heads, from all of s's queries into total and from its last `tail` queries into window, both
+ * [n_kv_heads][seq_lens[s]] doubles at offset n_kv_heads * (seq_lens[0] + ... + seq_lens[s - 1]). Work items are
+ * (sequence, KV head, KV_MASS_T keys): each writes its own keys' sums, so results do not change with threads. */
+KV_EXPORT int kvc_attention_mass(const kv_args *a, int32_t tail, double *total, double *window) {
+    const kv_isa *isa = get_isa(a->isa);
+    if (!isa) return KV_EUNSUPPORTED;
+    const int n_seqs = a->n_seqs, H = a->n_kv_heads, D = a->head_dim;
+    if (n_seqs <= 0 || H <= 0 || a->n_heads % H || !a->lse || tail < 0 || a->kpaged) return KV_EARG;
+    const int threads = a->threads < 1 ? 1 : a->threads;
+    int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
+    if (!q_start) return KV_ENOMEM;
+    kv_call c = {n_seqs, a->n_heads, H, D, a->block_size, a->max_blocks, a->kfmt, a->vfmt, a->causal,
+                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, NULL, a->lse, a->kpool, a->vpool,
+                 a->block_table, a->seq_lens, a->q_lens, q_start, 0, a->kpaged};
+    int64_t acc = 0, n_items = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        q_start[s] = acc;
+        acc += a->q_lens[s];
+        n_items += (int64_t)H * ((a->seq_lens[s] + KV_MASS_T - 1) / KV_MASS_T);
+    }
+    kv_mass_item *items = (kv_mass_item *)malloc(sizeof(kv_mass_item) * (size_t)(n_items + 1));
+    const size_t stride = (KV_MASS_SCRATCH(D) + 15) & ~(size_t)15;
+    float *scratch = (float *)aligned(sizeof(float) * stride * (size_t)threads);
+    int rc = KV_ENOMEM;
+    if (items && scratch) {
+        int64_t ni = 0, off = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            const int n_kv = a->seq_lens[s], n_q = a->q_lens[s], split = n_q - tail > 0 ? n_q - tail : 0;
+            for (int h = 0; h < H; h++) {
+                const int32_t *x = a->holes ? a->holes + ((int64_t)s * H + h) * 2 : NULL;
+                const int h0 = x ? x[0] : 0, h1 = x ? x[1] : 0;
+                double *tot = total + off + (int64_t)h * n_kv, *win = window + off + (int64_t)h * n_kv;
+                for (int j0 = 0; j0 < n_kv; j0 += KV_MASS_T) {
+                    const int nt = n_kv - j0 < KV_MASS_T ? n_kv - j0 : KV_MASS_T;
+                    if (h0 <= j0 && h1 >= j0 + nt) { /* the whole tile is in this head's hole: it received nothing */
+                        memset(tot + j0, 0, sizeof(double) * (size_t)nt);
+                        memset(win + j0, 0, sizeof(double) * (size_t)nt);
+                        continue;
+                    }
+                    items[ni++] = (kv_mass_item){s, h, j0, nt, split, h0, h1, tot + j0, win + j0};
+                }
+            }
+            off += (int64_t)H * n_kv;
+        }
+        mass_ctx m = {&c, isa, items, scratch, stride};
+        kv_pool_run(mass_task, &m, ni, threads);
+        rc = KV_OK;
+    }
+    free(items);
+    free(scratch);
+    free(q_start);
+    return rc;
+}
+
 /* Which kernels run a call of this layer (a's isa, formats, head_dim, kpaged, n_kv_heads, n_heads) whose
  * sequences have q_len queries: "amx-bf16" (kern_amx.c), "avx512-vnni" (integer kernels for a ggml
  * K or V format), "avx512-fma" (f32 FMA), "avx2", "neon", "scalar". For `kvhal bench` and users on

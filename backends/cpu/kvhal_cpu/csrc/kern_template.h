@@ -553,4 +553,123 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
     (void)int_v;
 }
 
-const kv_isa FN(kv_isa) = {ISA_NAME, FN(quantize), FN(dequantize), FN(kpage_rows), FN(attn_item), FN(extra_bytes)};
+/* ---- attention mass (observe): the weight each key received, from the rows' log-sum-exp ----------- */
+
+#if KV_MASS_T % (2 * VL) != 0
+#error "KV_MASS_T must be a multiple of two vectors"
+#endif
+
+/* One kvc_attention_mass item (K of a row format): the tile's K rows made f32 (as attention reads them) and transposed to
+ * [D][KV_MASS_T], then for every query row of the sequence that sees some key of the tile and each of the KV
+ * head's G query heads, 2^(q*scale*log2e . k - lse*log2e) per key: the softmax weight, no max pass, no V.
+ * Per key, summed in double over the rows before the window and over the window's rows apart. A key a row
+ * does not see (causal, window, the head's hole) gets nothing from it; a row that saw no key (lse -inf) adds
+ * nothing; a NaN lse (a NaN in K) makes the sums NaN, as the float64 softmax does. */
+static void FN(mass_item)(const kv_call *c, const kv_mass_item *it, float *ws) {
+    enum { T = KV_MASS_T, P = 4 }; /* P (query row, head) pairs scored at once: each K vector loaded serves P */
+    const int D = c->head_dim, G = c->n_heads / c->n_kv_heads, s = it->seq, h = it->head, bs = c->block_size;
+    const int n_kv = c->seq_lens[s], n_q = c->q_lens[s], j0 = it->j0, nt = it->nt, j1 = j0 + nt - 1;
+    double *acc = (double *)(void *)ws; /* [2][T]: rows before split, rows from split */
+    float *e = ws + 4 * T, *rows = e + P * T, *kt = rows + (size_t)T * D;
+    for (int t = 0; t < nt;) { /* the tile's K rows, a page run at a time */
+        const int j = j0 + t, u0 = j % bs;
+        int run = bs - u0;
+        if (run > nt - t) run = nt - t;
+        const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j);
+        for (int u = 0; u < run; u++) FN(dequantize)(c->kfmt, kp + (int64_t)u * c->krow, rows + (size_t)(t + u) * D, D);
+        t += run;
+    }
+    for (int d = 0; d < D; d++) {
+        for (int t = 0; t < nt; t++) kt[(size_t)d * T + t] = rows[(size_t)t * D + d];
+        for (int t = nt; t < T; t++) kt[(size_t)d * T + t] = 0.0f; /* padding: masked below */
+    }
+    for (int t = 0; t < 2 * T; t++) acc[t] = 0.0;
+    const int hx0 = it->hole0 > j0 ? it->hole0 : j0, hx1 = it->hole1 < j1 + 1 ? it->hole1 : j1 + 1;
+    const int holed = hx0 < hx1, first = n_kv - n_q;
+    /* rows see [lo, hi] with both ends non-decreasing in the row: from the first whose hi reaches j0 to the
+     * last whose lo does not pass j1 */
+    int i0 = c->causal && j0 - first > 0 ? j0 - first : 0, i1 = n_q;
+    if (c->window > 0 && j1 + c->window - first < i1) i1 = j1 + c->window - first; /* lo = pos - window + 1 <= j1 */
+    const VF sc = vset1(c->scale2);
+    const float *qp[P];
+    float lse2[P];
+    int prow[P], np = 0;
+    for (int r = i0 * G; r <= i1 * G; r++) {
+        if (r < i1 * G) { /* gather (row, head) pairs that saw a key; score them P at a time */
+            const int i = r / G, head = h * G + r % G;
+            const int64_t qrow = c->q_start[s] + i;
+            const double lse = c->lse[qrow * c->n_heads + head];
+            if (lse == -INFINITY) continue; /* it saw no key: it gave no weight */
+            qp[np] = c->q + (qrow * c->n_heads + head) * D;
+            lse2[np] = (float)(lse * 1.4426950408889634);
+            prow[np++] = i;
+            if (np < P) continue;
+        }
+        if (!np) continue;
+        for (int p = np; p < P; p++) qp[p] = qp[0]; /* a partial block scores its first pair again, unused */
+        /* the common case (every pair sees the whole tile, on one side of split): exponents, 2^ and the
+         * block's sum per key in registers, one double add per key and block */
+        int fast = np == P && nt == T && !holed && (prow[0] >= it->split) == (prow[P - 1] >= it->split);
+        for (int p = 0; fast && p < P; p++) {
+            int lo, hi;
+            kv_visible(c, n_kv, first + prow[p], &lo, &hi);
+            fast = lo <= j0 && hi >= j1;
+        }
+        for (int t = 0; t < T; t += 2 * VL) { /* 8 independent FMA chains */
+            VF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(), b0 = vzero(), b1 = vzero(), b2 = vzero(),
+               b3 = vzero();
+            const float *k = kt + t;
+            for (int d = 0; d < D; d++, k += T) {
+                const VF ka = vload(k), kb = vload(k + VL), q0 = vset1(qp[0][d]), q1 = vset1(qp[1][d]),
+                         q2 = vset1(qp[2][d]), q3 = vset1(qp[3][d]);
+                a0 = vfma(q0, ka, a0), b0 = vfma(q0, kb, b0);
+                a1 = vfma(q1, ka, a1), b1 = vfma(q1, kb, b1);
+                a2 = vfma(q2, ka, a2), b2 = vfma(q2, kb, b2);
+                a3 = vfma(q3, ka, a3), b3 = vfma(q3, kb, b3);
+            }
+            if (fast) {
+                const VF l0 = vset1(lse2[0]), l1 = vset1(lse2[1]), l2 = vset1(lse2[2]), l3 = vset1(lse2[3]);
+                VF sa = vadd(vadd(vexp2(vsub(vmul(a0, sc), l0)), vexp2(vsub(vmul(a1, sc), l1))),
+                             vadd(vexp2(vsub(vmul(a2, sc), l2)), vexp2(vsub(vmul(a3, sc), l3))));
+                VF sb = vadd(vadd(vexp2(vsub(vmul(b0, sc), l0)), vexp2(vsub(vmul(b1, sc), l1))),
+                             vadd(vexp2(vsub(vmul(b2, sc), l2)), vexp2(vsub(vmul(b3, sc), l3))));
+                vstore(e + t, sa);
+                vstore(e + t + VL, sb);
+                continue;
+            }
+            vstore(e + t, a0), vstore(e + t + VL, b0);
+            vstore(e + T + t, a1), vstore(e + T + t + VL, b1);
+            vstore(e + 2 * T + t, a2), vstore(e + 2 * T + t + VL, b2);
+            vstore(e + 3 * T + t, a3), vstore(e + 3 * T + t + VL, b3);
+        }
+        if (fast) {
+            double *a = acc + (prow[0] >= it->split ? T : 0);
+            for (int t = 0; t < T; t++) a[t] += (double)e[t];
+            np = 0;
+            continue;
+        }
+        for (int p = 0; p < np; p++) { /* the edges: each pair's own mask */
+            float *ep = e + p * T;
+            const VF lv = vset1(lse2[p]);
+            for (int t = 0; t < T; t += VL) vstore(ep + t, vsub(vmul(vload(ep + t), sc), lv));
+            int lo, hi;
+            kv_visible(c, n_kv, first + prow[p], &lo, &hi);
+            if (!(lo <= j0 && hi >= j1 && nt == T && !holed))
+                for (int t = 0; t < T; t++) {
+                    const int j = j0 + t;
+                    if (t >= nt || j < lo || j > hi || (j >= hx0 && j < hx1)) ep[t] = -INFINITY;
+                }
+            for (int t = 0; t < T; t += VL) vstore(ep + t, vexp2(vload(ep + t)));
+            double *a = acc + (prow[p] >= it->split ? T : 0);
+            for (int t = 0; t < T; t++) a[t] += (double)ep[t];
+        }
+        np = 0;
+    }
+    for (int t = 0; t < nt; t++) {
+        it->total[t] = acc[t] + acc[T + t];
+        it->window[t] = acc[T + t];
+    }
+}
+
+const kv_isa FN(kv_isa) = {ISA_NAME,       FN(quantize),    FN(dequantize), FN(kpage_rows),
+                           FN(attn_item), FN(extra_bytes), FN(mass_item)};

@@ -119,6 +119,18 @@ typedef struct {
 } kv_scratch;
 
 
+/* One unit of kvc_attention_mass: KV head `head` of sequence `seq`, keys [j0, j0 + nt) (nt <= KV_MASS_T), whose
+ * sums go to total[t] and window[t] (t < nt); query rows from `split` on are the last `tail` of the sequence,
+ * summed into window as well. hole0 < hole1: keys this head does not attend (per-head eviction). */
+#define KV_MASS_T 64
+typedef struct {
+    int seq, head, j0, nt, split, hole0, hole1;
+    double *total, *window;
+} kv_mass_item;
+/* floats of one worker's kvc_attention_mass scratch: sums [2][KV_MASS_T] doubles, scores [4][KV_MASS_T], the
+ * tile's K rows [KV_MASS_T][D] and the same transposed [D][KV_MASS_T] */
+#define KV_MASS_SCRATCH(D) ((size_t)(8 * KV_MASS_T + 2 * KV_MASS_T * (D)))
+
 typedef struct {
     const char *name;
     void (*quantize)(int fmt, const float *x, uint8_t *dst, int d);
@@ -129,6 +141,8 @@ typedef struct {
     void (*attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, float *part_m, float *part_l,
                       float *part_o);
     size_t (*extra_bytes)(const kv_call *c, int rows);
+    /* one kvc_attention_mass item (c->lse holds the rows' log-sum-exp), with KV_MASS_SCRATCH floats of scratch */
+    void (*mass_item)(const kv_call *c, const kv_mass_item *it, float *scratch);
 } kv_isa;
 
 extern const kv_isa kv_isa_scalar;

@@ -1,6 +1,6 @@
 /* Cross-ISA check of the kernel library, for ISAs the test machine can only emulate (NEON under
  * qemu-aarch64): every level this binary's CPU reports must give the scalar baseline's stored bytes,
- * loads and (within 1e-5) attention. Build: cc -O2 -pthread isa_check.c ../../kvhal_cpu/csrc/\*.c -lm */
+ * loads, (within 1e-5) attention and (within 1e-5 relative) the attention mass from the same LSEs. Build: cc -O2 -pthread isa_check.c ../../kvhal_cpu/csrc/\*.c -lm */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,6 +13,7 @@ int kvc_isa_supported(int isa);
 int kvc_store(const kv_args *a);
 int kvc_load_to(const kv_args *a, int64_t skip, int32_t dtype);
 int kvc_attention(const kv_args *a);
+int kvc_attention_mass(const kv_args *a, int32_t tail, double *total, double *window);
 int kvc_format_table(int32_t *out, int cap);
 
 static int64_t row_bytes(int fmt, int d) { return (int64_t)d / kv_block_len[fmt] * kv_block_bytes[fmt]; }
@@ -107,6 +108,25 @@ int main(void) {
                                paged ? " (K pages)" : "", causal, tile, err);
                         fails++;
                     }
+                }
+                if (!paged) { /* the attention mass from the scalar call's LSEs, on this ISA */
+                    static double lse[3 * HQ], m0[2][H * N], m1[2][H * N];
+                    a.lse = lse;
+                    kvc_attention(&a);
+                    b = a;
+                    b.isa = isa, b.threads = 2;
+                    kvc_attention_mass(&a, 2, m0[0], m0[1]);
+                    kvc_attention_mass(&b, 2, m1[0], m1[1]);
+                    double err = 0.0;
+                    for (int i = 0; i < 2 * H * (lens[0] + lens[1]); i++) {
+                        const double x = m0[i / (H * N)][i % (H * N)], y = m1[i / (H * N)][i % (H * N)];
+                        err = fmax(err, fabs(x - y) / (1.0 + fabs(x)));
+                    }
+                    if (!(err <= 1e-5)) {
+                        printf("isa %d fmt %d causal %d: attention mass differs by %g\n", isa, fmt, causal, err);
+                        fails++;
+                    }
+                    a.lse = NULL;
                 }
             }
             for (int j = 0; j < 4; j++) free(p[j]);
