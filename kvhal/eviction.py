@@ -31,6 +31,7 @@ from .backend_util import attention_mass_lse
 from .errors import SequenceError, SpecError, UnsupportedError
 from .seqs import Seq, SeqTable
 from .spec import CacheSpec
+from .tail import TailStore
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
@@ -315,13 +316,17 @@ def check_press(
         )
     if press.per_head and not backend.masks_heads_of(spec):
         raise UnsupportedError(no_head_masks(press, backend))
-    if press.needs_scores and spec.uses_tail:
-        raise UnsupportedError(
-            f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
-            "tail (tail > 0 or a per-channel K format) does not support yet; use SinkWindow, or tail=0 and a "
-            "per-token K format"
-        )
+    if press.per_head and spec.uses_tail:
+        raise UnsupportedError(no_tail_heads(press))
     return press, float(keep)
+
+
+def no_tail_heads(policy: Policy) -> str:
+    return (
+        f"{policy.name} keeps different positions per KV head, which a spec with an f16 tail (tail > 0, sinks or a "
+        "per-channel K format) cannot hold: the tail and the f16 sink rows are attended on the host with no per-head "
+        "masks; use SnapKV, H2O, Knorm or SinkWindow, or a spec with tail=0, sinks=0 and a per-token K format"
+    )
 
 
 def no_head_masks(policy: Policy, backend: Backend) -> str:
@@ -342,11 +347,12 @@ class Evictor:
         backend: Backend,
         pools: Pools,
         table: SeqTable,
+        tail: TailStore,
         observe_window: int,
         on_full: str | EvictOnFull,
         on_evict: OnEvict | None,
     ) -> None:
-        self.spec, self.backend, self.pools, self.table = spec, backend, pools, table
+        self.spec, self.backend, self.pools, self.table, self.tail = spec, backend, pools, table, tail
         self.observe_window, self.on_full, self.on_evict = observe_window, on_full, on_evict
         self.counts = {"evict": 0, "on_full": 0, "n": 0}  # tokens dropped by cause, evictions that dropped any
 
@@ -354,12 +360,7 @@ class Evictor:
         """Attention over ``seqs`` (returned) that also accumulates the attention mass each key received from this
         call's queries. A backend that fuses ``attention_mass`` computes it; one that fuses ``attention_lse``
         gives the row LSEs with the output, and the mass is one float32 pass of ``q K^T`` against them
-        (``attention_mass_lse``); otherwise the float64 host default."""
-        if self.spec.uses_tail:
-            raise UnsupportedError(
-                "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
-                "yet; pass observe=False"
-            )
+        (``attention_mass_lse``); otherwise the float64 host default. A spec with a tail: ``observe_tail``."""
         fused = self.backend.fused
         if "attention_lse" in fused and "attention_mass" not in fused:
             out, lse = self.backend.attention_lse(q, self.pools, layer, batch)
@@ -370,6 +371,11 @@ class Evictor:
         self._accumulate(seqs, layer, mass)
         return out
 
+    def observe_tail(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> None:
+        """With an f16 tail, after ``TailStore.attention``: the mass over pages and tail together (``TailStore.mass``,
+        float64 on the host), accumulated as ``observe`` does."""
+        self._accumulate(seqs, layer, self.tail.mass(seqs, layer, q, batch, self.observe_window))
+
     def _accumulate(self, seqs: list[Seq], layer: int, mass: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for s, (total, tail) in zip(seqs, mass):
             old = s.mass.get(layer)
@@ -378,11 +384,6 @@ class Evictor:
             s.mass[layer], s.window_mass[layer] = total, tail
 
     def evict(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
-        if self.spec.uses_tail:
-            raise UnsupportedError(
-                "evict with an f16 tail (tail > 0 or a per-channel K format) is not supported yet: it would move rows "
-                "between quantized pages and the tail"
-            )
         n = max(s.lens, default=0)
         if policy.per_head and n > keep_tokens:
             return self._evict_heads(sid, s, policy, keep_tokens)
@@ -390,6 +391,8 @@ class Evictor:
         return self._compact(sid, s, kept, policy.name, "evict")
 
     def _evict_heads(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
+        if self.spec.uses_tail:
+            raise UnsupportedError(no_tail_heads(policy))
         if not self.backend.masks_heads_of(self.spec):
             raise UnsupportedError(no_head_masks(policy, self.backend))
         n = max(s.lens)
@@ -426,7 +429,10 @@ class Evictor:
             if "norms" not in memo:
                 table, norms = np.asarray(s.blocks, np.int64), np.zeros((len(s.lens), self.spec.n_kv_heads, n))
                 for layer, length in enumerate(s.lens):  # a layer not stored that far adds nothing past its end
-                    k = self.backend.to_numpy(self.backend.load(self.pools, layer, table, min(n, length))[0])
+                    if self.spec.uses_tail:
+                        k = self.tail.values(s, layer)[0][:n]
+                    else:
+                        k = self.backend.to_numpy(self.backend.load(self.pools, layer, table, min(n, length))[0])
                     norms[layer, :, : len(k)] = np.linalg.norm(np.asarray(k, np.float64), axis=-1).T
                 memo["norms"] = norms
             return memo["norms"]
@@ -436,7 +442,7 @@ class Evictor:
     def _compact(self, sid: int, s: Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
         n = max(s.lens, default=0)
         kept = np.asarray(kept, np.int64)
-        freed = self.table.keep_rows(s, kept)
+        freed = (self.tail.keep_rows if self.spec.uses_tail else self.table.keep_rows)(s, kept)
         dropped = np.setdiff1d(np.arange(n), kept)
         if dropped.size:
             self.counts[cause] += int(dropped.size)
@@ -455,25 +461,36 @@ class Evictor:
             return False
         bs, policy, keep = self.spec.block_size, self.on_full.policy, self.on_full.keep_tokens
         alloc = self.table.allocator
+        tail = self.spec.uses_tail  # pages hold tail.paged_after(length) tokens of a sequence of that length
+
+        def pages(lens: list[int]) -> list[int]:
+            return [self.tail.paged_after(n) for n in lens] if tail else lens
+
         refs: dict[int, int] = {}  # planned refcount changes over the allocator's; copies get ids < 0
 
         def ref(b: int) -> int:
             return refs.get(b, 1 if b < 0 else int(alloc.ref[b]))
 
         usable, fresh = alloc.n_usable, 0
-        state = {sid: (list(x.blocks), list(x.lens), x) for sid, x in self.table.items() if not (x.base or x.holes)}
+        state = {
+            sid: (list(x.blocks), list(x.lens), list(x.pages()), x)
+            for sid, x in self.table.items()
+            if not (x.base or x.holes)
+        }
         plan: list[tuple[int, Seq, np.ndarray]] = []
         while True:
-            blocks, lens = next(
-                ((b, ln) for b, ln, x in state.values() if x is storing), (storing.blocks, storing.lens)
+            blocks, lens, paged = next(
+                ((b, ln, p) for b, ln, p, x in state.values() if x is storing),
+                (storing.blocks, storing.lens, storing.pages()),
             )
-            p0 = lens[layer] - storing.base
-            if self.table.blocks_needed(blocks, p0, p0 + n, ref) <= usable:
+            p0 = paged[layer] - storing.base
+            p1 = max(p0, self.tail.paged_after(lens[layer] + n)) if tail else p0 + n  # the rows the store pages
+            if self.table.blocks_needed(blocks, p0, p1, ref) <= usable:
                 break
             todo = [(sid, st) for sid, st in state.items() if sid not in {p[0] for p in plan}]
             if not todo:
                 return False
-            sid, (blocks_v, lens_v, victim) = max(todo, key=lambda kv: (max(kv[1][1], default=0), -kv[0]))
+            sid, (blocks_v, lens_v, _, victim) = max(todo, key=lambda kv: (max(kv[1][1], default=0), -kv[0]))
             n_v = max(lens_v, default=0)
             if n_v <= keep:
                 return False
@@ -481,7 +498,7 @@ class Evictor:
             moved = np.flatnonzero(kept != np.arange(len(kept)))
             first = int(moved[0]) if moved.size else len(kept)
             new_lens = [int(np.searchsorted(kept, L)) for L in lens_v]
-            n_keep = -(-max(new_lens, default=0) // bs)
+            n_keep = -(-max(pages(new_lens), default=0) // bs)
             for i in range(first // bs, n_keep) if moved.size else ():  # copy-on-write of shared pages
                 if ref(blocks_v[i]) > 1:
                     if usable == 0:
@@ -492,7 +509,7 @@ class Evictor:
             for b in blocks_v[n_keep:]:
                 refs[b] = ref(b) - 1
                 usable += refs[b] == 0
-            state[sid] = (blocks_v[:n_keep], new_lens, victim)
+            state[sid] = (blocks_v[:n_keep], new_lens, pages(new_lens), victim)
             plan.append((sid, victim, kept))
         for sid, victim, kept in plan:
             self._compact(sid, victim, kept, policy.name, "on_full")
