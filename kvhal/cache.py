@@ -108,7 +108,7 @@ class KVCache:
         self.streamer = Streamer(spec, self.backend, self.pools, self.seq_table, allocator.alloc(arena))
         self.tail = TailStore(spec, self.backend, self.pools, self.seq_table)
         self.evictor = Evictor(
-            spec, self.backend, self.pools, self.seq_table, self.tail, observe_window, on_full, on_evict
+            spec, self.backend, self.pools, self.seq_table, self.tail, self._kv_f32, observe_window, on_full, on_evict
         )
 
     @property
@@ -392,6 +392,16 @@ class KVCache:
             cast_into(dst.v, dst.dtype, v)
             return dst.result
         return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
+
+    def _kv_f32(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host f32 K, V of every stored position of ``s`` at ``layer``, as ``load`` returns them (for scorers)."""
+        n, bs = s.lens[layer], self.spec.block_size
+        if not (self.spec.uses_tail or self.spec.transformed):
+            blocks = np.asarray(s.blocks[: -(-n // bs)], np.int64)
+            k, v = (self.backend.to_numpy(x) for x in self.backend.load(self.pools, layer, blocks, n))
+            return np.asarray(k, np.float32), np.asarray(v, np.float32)
+        shape = (n, self.spec.n_kv_heads, self.spec.head_dim)
+        return self._assemble_f32(shape, *self._tail_parts(s, layer, 0, n), layer)
 
     @staticmethod
     def _new_out(shape: tuple[int, int, int], dtype: str) -> tuple[np.ndarray, np.ndarray]:

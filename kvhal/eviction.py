@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,6 +52,8 @@ class Scores:
     heads: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # the L2 norm of every stored key, float64 ``[n_layers, n_kv_heads, n]``, read when called (``Knorm``)
     key_norms: Callable[[], np.ndarray] | None = None
+    # a layer's K, V of positions [0, n) as ``load`` returns them, f32 ``[n, n_kv_heads, head_dim]`` (``ExpectedAttention``)
+    kv: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
 
 
 class Policy(ABC):
@@ -71,6 +73,11 @@ class Policy(ABC):
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
         """Per layer, per KV head, ascending positions to keep (``per_head`` policies)."""
         raise SpecError(f"{type(self).__name__} keeps the same positions in every head: call select")
+
+    def with_queries(self, queries: Any) -> Policy:
+        """This policy with per-layer query statistics (``expected_queries``), for ``ExpectedAttention`` (alone or
+        under ``AdaKV``)."""
+        raise SpecError(f"{type(self).__name__} takes no query statistics (ExpectedAttention does)")
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,137 @@ class Knorm(Policy):
         return np.sort(np.argsort(total, kind="stable")[: min(keep, n)]).astype(np.int64)
 
 
+def _real(name: str, x: object, minimum: float = 0.0) -> float:
+    ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+    if not ok or not math.isfinite(float(x)) or float(x) < minimum:  # type: ignore[arg-type]
+        raise SpecError(f"{name} must be a finite real number >= {minimum}, got {x!r}")
+    return float(x)  # type: ignore[arg-type]
+
+
+def expected_queries(
+    q: np.ndarray,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    rope_scale: float = 1.0,
+    n_sink: int = 4,
+    n_future: int = 512,
+) -> tuple[np.ndarray, np.ndarray]:
+    """kvpress's ``ExpectedAttentionPress`` statistics of one layer's queries, re-derived: the mean and covariance
+    (per query head, over the rows at positions ``>= n_sink``) of the queries before RoPE, both carried by the mean
+    RoPE rotation of the next ``n_future`` positions (``max(positions) + 1`` on). ``q``: the queries as attention
+    gets them, after RoPE (transformers' rotate-half layout: channel ``i`` pairs with ``i + head_dim / 2``),
+    ``[n, n_heads, head_dim]``; ``positions``: their RoPE positions ``[n]``; ``inv_freq``: the RoPE frequencies
+    ``[head_dim / 2]`` and ``rope_scale`` the factor on cos and sin (transformers' ``attention_scaling``).
+    Returns float64 ``mean [n_heads, head_dim]`` and ``cov [n_heads, head_dim, head_dim]``."""
+    q = np.asarray(q, np.float64)
+    positions = np.asarray(positions)
+    inv_freq = np.asarray(inv_freq, np.float64)
+    if q.ndim != 3 or positions.shape != q.shape[:1] or inv_freq.shape != (q.shape[2] // 2,) or q.shape[2] % 2:
+        raise SpecError(
+            f"expected_queries takes q [n, n_heads, head_dim], positions [n] and inv_freq [head_dim / 2]; got "
+            f"{q.shape}, {positions.shape}, {inv_freq.shape}"
+        )
+    scale = _real("rope_scale", rope_scale)
+    n_sink, n_future = _count("n_sink", n_sink), _count("n_future", n_future, 1)
+    half = q.shape[2] // 2
+    rows = positions >= n_sink
+    if not rows.any():
+        raise SpecError(f"expected_queries needs queries at positions >= n_sink={n_sink}; got none")
+    ang = positions[rows, None].astype(np.float64) * inv_freq  # [n, half]
+    c, sn = (np.cos(ang) * scale)[:, None], (np.sin(ang) * scale)[:, None]
+    x1, x2 = q[rows, :, :half], q[rows, :, half:]
+    pre = np.concatenate([x1 * c + x2 * sn, x2 * c - x1 * sn], axis=-1) / scale**2  # R(p)^-1 q
+    mean = pre.mean(axis=0)
+    centred = pre - mean
+    cov = np.einsum("nhi,nhj->hij", centred, centred) / len(pre)
+    t = np.arange(int(positions.max()) + 1, int(positions.max()) + 1 + n_future, dtype=np.float64)
+    cbar = np.cos(t[:, None] * inv_freq).mean(axis=0) * scale
+    sbar = np.sin(t[:, None] * inv_freq).mean(axis=0) * scale
+    rot = np.zeros((2 * half, 2 * half))  # the mean rotation: [[cos, -sin], [sin, cos]] per channel pair
+    i = np.arange(half)
+    rot[i, i], rot[i + half, i + half] = cbar, cbar
+    rot[i, i + half], rot[i + half, i] = -sbar, sbar
+    return mean @ rot.T, rot @ cov @ rot.T
+
+
+@dataclass(frozen=True)
+class ExpectedAttention(Policy):
+    """kvpress's ``ExpectedAttentionPress``: each key's expected attention from future queries, whose statistics
+    (``expected_queries``: the prefill's queries before RoPE, past the first ``n_sink``, rotated on by the mean RoPE
+    rotation of the next ``n_future`` positions) give per query head ``softmax_j(mu . k_j / sqrt(d) +
+    k_j^T S k_j / (2 d))``, averaged over each KV head's query heads and (``vnorm``) times ``|v_j|`` after adding
+    ``epsilon``. The first ``n_sink`` positions are always kept. kvpress keeps per layer and head; here the scores
+    summed over layers and KV heads choose one set (under ``AdaKV``: per head). ``queries``: per layer, the
+    ``(mean, cov)`` of ``expected_queries``, which the transformers integration fills in from the prefill (a
+    ``press``); a direct ``KVCache.evict`` passes ``with_queries(...)``."""
+
+    n_future: int = 512
+    n_sink: int = 4
+    covariance: bool = True
+    vnorm: bool = True
+    epsilon: float = 0.0
+    queries: tuple[tuple[np.ndarray, np.ndarray], ...] | None = field(default=None, compare=False, repr=False)
+    name: str = field(default="expected_attention", init=False)
+    needs_scores: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _count("ExpectedAttention.n_future", self.n_future, 1)
+        _count("ExpectedAttention.n_sink", self.n_sink)
+        for what in ("covariance", "vnorm"):
+            if not isinstance(getattr(self, what), (bool, np.bool_)):
+                raise SpecError(f"ExpectedAttention.{what} must be a bool, got {getattr(self, what)!r}")
+        _real("ExpectedAttention.epsilon", self.epsilon)
+        if self.queries is not None:
+            for i, pair in enumerate(self.queries):
+                ok = isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, np.ndarray) for x in pair)
+                if not ok or pair[0].ndim != 2 or pair[1].shape != (*pair[0].shape, pair[0].shape[1]):
+                    raise SpecError(
+                        f"ExpectedAttention.queries[{i}] must be (mean [n_heads, head_dim], cov [n_heads, head_dim, "
+                        "head_dim]) numpy arrays, as expected_queries returns"
+                    )
+
+    def with_queries(self, queries: Any) -> ExpectedAttention:
+        """This policy with every layer's query statistics (a sequence of ``expected_queries`` results)."""
+        return replace(self, queries=tuple((np.asarray(m), np.asarray(c)) for m, c in queries))
+
+    def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
+        if self.queries is None or scores.kv is None:
+            raise SpecError(
+                "ExpectedAttention needs each layer's query statistics: KVHalCache.from_model(..., press=) fills them "
+                "from the prefill; for KVCache.evict pass policy.with_queries([expected_queries(...) per layer])"
+            )
+        if len(self.queries) <= layer:
+            raise SpecError(f"ExpectedAttention has query statistics for {len(self.queries)} layers, not layer {layer}")
+        mean, cov = self.queries[layer]
+        k, v = (np.asarray(x, np.float64) for x in scores.kv(layer))
+        n_kv_heads, d = k.shape[1], k.shape[2]
+        if mean.shape[1] != d or mean.shape[0] % n_kv_heads:
+            raise SpecError(
+                f"ExpectedAttention.queries[{layer}] has {mean.shape[0]} heads of {mean.shape[1]}; the cache has "
+                f"{n_kv_heads} KV heads of {d}"
+            )
+        group = mean.shape[0] // n_kv_heads
+        sink = min(self.n_sink, n)
+        kh = np.repeat(k[sink:n], group, axis=1)  # [m, Hq, d]
+        logits = np.einsum("hd,mhd->hm", mean, kh) / math.sqrt(d)
+        if self.covariance:
+            logits += np.einsum("mhi,hij,mhj->hm", kh, cov, kh) / d / 2
+        w = np.exp(logits - logits.max(axis=1, keepdims=True))
+        w = (w / w.sum(axis=1, keepdims=True)).reshape(n_kv_heads, group, -1).mean(axis=1)  # [H, m]
+        if self.vnorm:
+            w = (w + self.epsilon) * np.linalg.norm(v[sink:n], axis=-1).T
+        out = np.full((n_kv_heads, n), np.inf)
+        out[:, sink:] = w
+        return out
+
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        if self.queries is None:
+            self.head_scores(n, keep, scores, 0)  # raises, saying what to pass
+        assert self.queries is not None
+        total = sum(self.head_scores(n, keep, scores, layer).sum(axis=0) for layer in range(len(self.queries)))
+        return np.sort(np.argsort(-np.asarray(total), kind="stable")[: min(keep, n)]).astype(np.int64)
+
+
 def _observed(scores: Scores, layer: int) -> tuple[np.ndarray, np.ndarray]:
     if layer not in scores.heads:
         raise SpecError(
@@ -200,10 +338,10 @@ class AdaKV(Policy):
     per_head: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.press, (SnapKV, H2O)):
+        if not isinstance(self.press, (SnapKV, H2O, ExpectedAttention)):
             raise SpecError(
-                f"AdaKV.press must be a scorer whose scores compare across heads (attention weights: SnapKV or H2O), "
-                f"got {self.press!r}"
+                "AdaKV.press must be a scorer whose scores compare across heads (attention weights: SnapKV, H2O or "
+                f"ExpectedAttention), got {self.press!r}"
             )
         for what, x, lo in (("ceiling", self.ceiling, 1.0), ("safeguard", self.safeguard, 0.0)):
             ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
@@ -214,6 +352,12 @@ class AdaKV(Policy):
 
     def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
         raise SpecError("AdaKV keeps different positions per KV head: KVCache.evict runs it (select_heads)")
+
+    def with_queries(self, queries: Any) -> AdaKV:
+        """``AdaKV(ExpectedAttention)`` with its scorer's query statistics (``ExpectedAttention.with_queries``)."""
+        if not isinstance(self.press, ExpectedAttention):
+            raise SpecError(f"AdaKV({type(self.press).__name__}) takes no query statistics")
+        return replace(self, press=self.press.with_queries(queries))
 
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
         cap = min(n, int(self.ceiling * keep))
@@ -301,7 +445,10 @@ def check_press(
             "keep=0.5 keeps half of each row's prefill"
         )
     if not isinstance(press, Policy):
-        raise SpecError(f"press must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV, AdaKV), got {press!r}")
+        raise SpecError(
+            "press must be a kvhal.eviction policy (SinkWindow, Knorm, H2O, SnapKV, ExpectedAttention, AdaKV), got "
+            f"{press!r}"
+        )
     if (
         not isinstance(keep, (int, float, np.integer, np.floating))
         or isinstance(keep, (bool, np.bool_))
@@ -348,11 +495,13 @@ class Evictor:
         pools: Pools,
         table: SeqTable,
         tail: TailStore,
+        load: Callable[[Seq, int], tuple[np.ndarray, np.ndarray]],
         observe_window: int,
         on_full: str | EvictOnFull,
         on_evict: OnEvict | None,
     ) -> None:
         self.spec, self.backend, self.pools, self.table, self.tail = spec, backend, pools, table, tail
+        self.load = load  # a sequence's K, V at a layer as KVCache.load returns them
         self.observe_window, self.on_full, self.on_evict = observe_window, on_full, on_evict
         self.counts = {"evict": 0, "on_full": 0, "n": 0}  # tokens dropped by cause, evictions that dropped any
 
@@ -437,7 +586,11 @@ class Evictor:
                 memo["norms"] = norms
             return memo["norms"]
 
-        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms)
+        def kv(layer: int) -> tuple[np.ndarray, np.ndarray]:
+            k, v = self.load(s, layer)
+            return k[:n], v[:n]
+
+        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms, kv)
 
     def _compact(self, sid: int, s: Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
         n = max(s.lens, default=0)
