@@ -224,7 +224,8 @@ def expected_queries(
     pre = np.concatenate([x1 * c + x2 * sn, x2 * c - x1 * sn], axis=-1) / scale**2  # R(p)^-1 q
     mean = pre.mean(axis=0)
     centred = pre - mean
-    cov = np.einsum("nhi,nhj->hij", centred, centred) / len(pre)
+    by_head = centred.transpose(1, 0, 2)  # [H, n, d]: one GEMM per head
+    cov = np.matmul(by_head.transpose(0, 2, 1), by_head) / len(pre)
     t = np.arange(int(positions.max()) + 1, int(positions.max()) + 1 + n_future, dtype=np.float64)
     cbar = np.cos(t[:, None] * inv_freq).mean(axis=0) * scale
     sbar = np.sin(t[:, None] * inv_freq).mean(axis=0) * scale
@@ -293,10 +294,10 @@ class ExpectedAttention(Policy):
             )
         group = mean.shape[0] // n_kv_heads
         sink = min(self.n_sink, n)
-        kh = np.repeat(k[sink:n], group, axis=1)  # [m, Hq, d]
-        logits = np.einsum("hd,mhd->hm", mean, kh) / math.sqrt(d)
+        kh = np.repeat(k[sink:n].transpose(1, 0, 2), group, axis=0)  # [Hq, m, d]
+        logits = np.matmul(kh, mean[:, :, None])[:, :, 0] / math.sqrt(d)
         if self.covariance:
-            logits += np.einsum("mhi,hij,mhj->hm", kh, cov, kh) / d / 2
+            logits += (np.matmul(kh, cov) * kh).sum(axis=-1) / d / 2
         w = np.exp(logits - logits.max(axis=1, keepdims=True))
         w = (w / w.sum(axis=1, keepdims=True)).reshape(n_kv_heads, group, -1).mean(axis=1)  # [H, m]
         if self.vnorm:

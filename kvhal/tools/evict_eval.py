@@ -53,6 +53,8 @@ def policies(n: int, keep: float) -> dict[str, Policy]:
         "AdaKV(SnapKV(64, 5))": AdaKV(SnapKV(window=64, kernel=5)),
         "ExpectedAttention": ExpectedAttention(),
         "AdaKV(ExpectedAttention)": AdaKV(ExpectedAttention()),
+        # every head its own best `keep`: kvpress's ExpectedAttentionPress choice (per layer and head), pages freed
+        "AdaKV(ExpectedAttn, 1, 1)": AdaKV(ExpectedAttention(), ceiling=1.0, safeguard=1.0),
     }
 
 

@@ -317,18 +317,22 @@ def test_eval_evict_on_the_packaged_model(capsys):
 
     assert main(["eval", "--evict", "--tokens", "192", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    rows = {r["policy"].split("(")[0]: r for r in res["rows"]}
-    assert list(rows) == ["none", "SinkWindow", "SnapKV", "H2O", "Knorm", "AdaKV"] and res["context_tokens"] == 192
+    rows = {r["policy"]: r for r in res["rows"]}
+    names = ["SinkWindow(sinks=4)", "SnapKV(window=64, kernel=5)", "H2O(48, 48)", "Knorm", "AdaKV(SnapKV(64, 5))",
+             "ExpectedAttention", "AdaKV(ExpectedAttention)", "AdaKV(ExpectedAttn, 1, 1)"]  # fmt: skip
+    assert list(rows) == ["none", *names] and res["context_tokens"] == 192
     assert rows["none"]["kl"] < 1e-4 and rows["none"]["pages_freed"] == 0  # f16 pages vs a float32 DynamicCache
-    for name in ("SinkWindow", "SnapKV", "H2O", "Knorm", "AdaKV"):
+    for name in names:
         r = rows[name]
         assert r["kl"] > rows["none"]["kl"] and r["bytes_held"] < rows["none"]["bytes_held"]
-        if name != "AdaKV":
+        if not name.startswith("AdaKV") or name.endswith("1, 1)"):  # every head keeps 96 (ceiling 1)
             assert r["kept_tokens"] == 96 and (r["blocks_before"], r["blocks_after"]) == (12, 6)
-    ada = rows["AdaKV"]  # the longest head holds at most 1.1 x 96 rows: the pages of 105 tokens at most
-    assert 96 <= ada["kept_tokens"] <= 105 and ada["blocks_after"] == -(-ada["kept_tokens"] // 16) <= 7
+        else:  # the longest head holds at most 1.1 x 96 rows: the pages of 105 tokens at most
+            assert 96 <= r["kept_tokens"] <= 105 and r["blocks_after"] == -(-r["kept_tokens"] // 16) <= 7
     assert main(["eval", "--evict", "--keep", "1.5"]) == 2
     assert "--keep takes a fraction in (0, 1]" in capsys.readouterr().err
+    assert main(["eval", "--evict", "--policies", "Nope"]) == 2
+    assert "--policies 'Nope'" in capsys.readouterr().err
 
 
 def expected_attention_transcription(model, row_ids, keep: float, n_future: int = 512, n_sink: int = 4) -> list[int]:

@@ -223,3 +223,47 @@ def test_per_head_eviction_with_a_tail_is_refused():
     with pytest.raises(kvhal.UnsupportedError, match="f16 tail"):
         check_press(AdaKV(SnapKV(window=4)), 0.5, 4, spec, c.backend)
     assert check_press(SnapKV(window=4), 0.5, 4, spec, c.backend)[1] == 0.5  # a scoring press is taken
+
+
+def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
+    """``expected_queries`` against rotation matrices built position by position (RoPE's definition)."""
+    from kvhal.eviction import ExpectedAttention, expected_queries
+
+    rng = np.random.default_rng(1)
+    n, heads, d = 30, 3, 8
+    inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    pos = np.arange(5, 5 + n)
+
+    def rot(p: float) -> np.ndarray:  # transformers' rotate-half: channel i pairs with i + d/2
+        r = np.zeros((d, d))
+        for i, f in enumerate(inv_freq):
+            c, s = np.cos(p * f), np.sin(p * f)
+            r[i, i], r[i, i + d // 2], r[i + d // 2, i], r[i + d // 2, i + d // 2] = c, -s, s, c
+        return r
+
+    pre = rng.standard_normal((n, heads, d))
+    post = np.stack([pre[i] @ rot(p).T * 1.5 for i, p in enumerate(pos)])  # rope_scale 1.5 on cos and sin
+    mean, cov = expected_queries(post, pos, inv_freq, 1.5, n_sink=8, n_future=16)
+    used = pre[pos >= 8]
+    r = np.mean([rot(t) for t in range(pos[-1] + 1, pos[-1] + 17)], axis=0) * 1.5
+    want_cov = np.stack([r @ np.cov(used[:, h].T, bias=True) @ r.T for h in range(heads)])
+    np.testing.assert_allclose(mean, used.mean(axis=0) @ r.T, atol=1e-12)
+    np.testing.assert_allclose(cov, want_cov, atol=1e-12)
+    for bad in ((post[:, :, :7], pos, inv_freq), (post, pos[:-1], inv_freq), (post, pos, inv_freq[:2])):
+        with pytest.raises(kvhal.SpecError, match="expected_queries takes"):
+            expected_queries(*bad)
+    with pytest.raises(kvhal.SpecError, match="n_sink"):
+        expected_queries(post, pos, inv_freq, n_sink=100)
+    for kw in ({"n_future": 0}, {"n_sink": -1}, {"covariance": 1}, {"epsilon": -1.0}, {"queries": ((mean,),)}):
+        with pytest.raises(kvhal.SpecError):
+            ExpectedAttention(**kw)
+    c, s, _, _ = filled(20)
+    with pytest.raises(kvhal.SpecError, match="query statistics"):
+        c.evict(s, ExpectedAttention(), 10)
+    with pytest.raises(kvhal.SpecError, match="takes no query statistics"):
+        SinkWindow().with_queries([(mean, cov)])
+    # a direct evict with the statistics: every layer's (4 query heads over the cache's 2 KV heads, head_dim 32)
+    q = rng.standard_normal((20, 4, 32))
+    stats = [expected_queries(q, np.arange(20), 1.0 / 10000 ** (np.arange(0, 32, 2) / 32)) for _ in (0, 1)]
+    res = c.evict(s, ExpectedAttention().with_queries(stats), 10)
+    assert len(res.kept) == 10 and res.kept[:4].tolist() == [0, 1, 2, 3] and c.seq_len(s) == 10  # sinks kept
