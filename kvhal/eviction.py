@@ -274,7 +274,14 @@ class ExpectedAttention(Policy):
 
     def with_queries(self, queries: Any) -> ExpectedAttention:
         """This policy with every layer's query statistics (a sequence of ``expected_queries`` results)."""
-        return replace(self, queries=tuple((np.asarray(m), np.asarray(c)) for m, c in queries))
+        try:
+            pairs = tuple((np.asarray(m, np.float64), np.asarray(c, np.float64)) for m, c in queries)
+        except (TypeError, ValueError):
+            raise SpecError(
+                f"ExpectedAttention.with_queries takes one (mean, cov) pair per layer, as expected_queries returns; "
+                f"got {type(queries).__name__}"
+            ) from None
+        return replace(self, queries=pairs)
 
     def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
         if self.queries is None or scores.kv is None:

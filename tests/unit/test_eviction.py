@@ -260,6 +260,9 @@ def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
     c, s, _, _ = filled(20)
     with pytest.raises(kvhal.SpecError, match="query statistics"):
         c.evict(s, ExpectedAttention(), 10)
+    for bad in (5, [(mean,)], [("a", "b")]):
+        with pytest.raises(kvhal.SpecError, match="ExpectedAttention"):
+            ExpectedAttention().with_queries(bad)
     with pytest.raises(kvhal.SpecError, match="takes no query statistics"):
         SinkWindow().with_queries([(mean, cov)])
     # a direct evict with the statistics: every layer's (4 query heads over the cache's 2 KV heads, head_dim 32)
