@@ -569,8 +569,9 @@ class KVCache:
 
     def evict(self, seq: int, policy: Policy, keep_tokens: int) -> EvictionResult:
         """Shrink ``seq`` to at most ``keep_tokens`` positions chosen by ``policy``; the kept rows are
-        moved byte for byte to positions 0.. (no re-quantization), whole blocks are freed, and
-        blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
+        moved byte for byte to positions 0.. (no re-quantization; with an f16 tail they are laid out as a store
+        of them would be, see ``TailStore.keep_rows``), whole blocks are freed, and blocks the kept prefix still
+        shares stay shared. Returns what was kept and dropped."""
         s = self.seq_table.resident(seq, "evict")
         if not isinstance(policy, Policy):
             raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV, AdaKV), got {policy!r}")

@@ -1,7 +1,8 @@
 """Eviction policies: which positions of a sequence to keep when it must shrink.
 
 A policy only chooses positions; ``KVCache.evict`` moves the kept rows byte for byte (no
-re-quantization) and reports every dropped position in an ``EvictionResult``. A policy keeps the same
+re-quantization; with an f16 tail, ``TailStore.keep_rows`` lays them out as a store would) and reports every
+dropped position in an ``EvictionResult``. A policy keeps the same
 positions in all layers and KV heads (per-head scores summed over heads and layers), except ``AdaKV``,
 which keeps its own positions per (layer, KV head) inside the sequence's shared pages.
 
@@ -11,7 +12,11 @@ which keeps its own positions per (layer, KV head) inside the sequence's shared 
 * ``SnapKV(window, kernel, pool)`` — at prefill: the last ``window`` tokens plus the prefix tokens the
   observation window (the last ``window`` queries of the latest observed attention call) attends to
   most, after a 1-d pooling of the scores (``avg``: count_include_pad like torch's ``avg_pool1d``).
-* ``AdaKV(press, ceiling, safeguard)`` — per-head budgets over ``press``'s per-head scores (SnapKV, H2O): each
+* ``Knorm()`` — kvpress's KnormPress: the keys of lowest L2 norm.
+* ``ExpectedAttention(n_future, n_sink)`` — kvpress's ExpectedAttentionPress: each key's expected attention from
+  future queries, from the prefill's query statistics (``expected_queries``) and the model's RoPE.
+* ``AdaKV(press, ceiling, safeguard)`` — per-head budgets over ``press``'s per-head scores (SnapKV, H2O,
+  ExpectedAttention): each
   layer keeps ``keep`` positions per KV head on average, the heads' normalised scores compared across heads,
   no head above ``ceiling * keep`` (the pages held) and none below its ``safeguard * keep`` best.
 """
