@@ -395,3 +395,16 @@ def test_expected_attention_press_keeps_kvpress_scores_and_decodes_as_a_cut_cach
         s = kv.new_seq()
         kv.store(s, 0, torch.ones(8, 2, 32), torch.ones(8, 2, 32))
         kv.evict(s, ExpectedAttention(), 4)
+
+
+@pytest.mark.parametrize("press", ["snapkv", "h2o"])
+def test_press_with_an_f16_tail_keeps_the_policys_tokens(model, backend_info, press):
+    """A spec with an f16 tail (f32 pages, the newest 8 tokens f16): the prefill's scores include the tail rows, and
+    each row keeps what the policy picks from the eager float64 probabilities (the f16 tail moves no choice here)."""
+    ids, mask = prompts(3)
+    cache = pressed_cache(model, backend_info.name, POLICIES[press], tail=8)
+    generate(model, cache, ids, mask, new=3)
+    for b in range(3):
+        row = ids[b][mask[b].bool()]
+        assert cache.evictions[b].kept.tolist() == oracle_keep(POLICIES[press], eager_probs(model, row), 0.5), b
+        assert cache.kv.seq_len(cache.seqs[b]) == len(cache.evictions[b].kept) + 2
