@@ -122,27 +122,31 @@ class TailStore:
         """``Backend.attention_mass`` over pages and tail together: a float64 softmax of ``q`` against ``values``'
         keys, masked as ``attention`` masks them, in chunks of ``chunk`` queries; the last ``tail`` queries summed
         apart too."""
-        spec = self.spec
+        H = self.spec.n_kv_heads
         qh = np.asarray(self.backend.to_numpy(q), np.float64)
-        group = qh.shape[1] // spec.n_kv_heads
+        group, d = qh.shape[1] // H, qh.shape[2]
         out, start = [], 0
         for s, n_q in zip(seqs, batch.q_lens.tolist()):
             L = s.lens[layer]
-            k = np.repeat(self.values(s, layer)[0].astype(np.float64), group, axis=1)  # [L, Hq, D]
-            total, window = np.zeros((spec.n_kv_heads, L)), np.zeros((spec.n_kv_heads, L))
+            kt = np.ascontiguousarray(self.values(s, layer)[0].astype(np.float64).transpose(1, 2, 0))  # [H, D, L]
+            total, window = np.zeros((H, L)), np.zeros((H, L))
             split = max(0, n_q - tail)
             bounds = sorted({*range(0, n_q, chunk), split, n_q})
             for a, b in zip(bounds[:-1], bounds[1:]):
                 pos = np.arange(L - n_q + a, L - n_q + b)[:, None]
-                j = np.arange(L)[None, :]
-                seen = (j <= pos) if batch.causal else np.ones((b - a, L), bool)
+                k1 = L - n_q + b if batch.causal else L  # the keys some query of the chunk sees: [k0, k1)
+                k0 = max(0, L - n_q + a - batch.window + 1) if batch.window is not None else 0
+                j = np.arange(k0, k1)[None, :]
+                seen = (j <= pos) if batch.causal else np.ones((b - a, k1 - k0), bool)
                 if batch.window is not None:
                     seen = seen & (j > pos - batch.window)
-                scores = np.einsum("qhd,khd->hqk", qh[start + a : start + b], k) * batch.scale
-                t, w = head_mass(softmax(np.where(seen[None], scores, -np.inf))[0], spec.n_kv_heads, 0)
-                total += t
+                rows = qh[start + a : start + b].reshape(b - a, H, group, d).transpose(1, 2, 0, 3)
+                scores = np.matmul(rows.reshape(H, group * (b - a), d), kt[:, :, k0:k1])  # one GEMM per KV head
+                scores = scores.reshape(H * group, b - a, k1 - k0) * batch.scale
+                t, _ = head_mass(softmax(np.where(seen[None], scores, -np.inf))[0], H, 0)
+                total[:, k0:k1] += t
                 if a >= split:
-                    window += t
+                    window[:, k0:k1] += t
             out.append((total, window))
             start += n_q
         return out

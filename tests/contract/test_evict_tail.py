@@ -83,7 +83,8 @@ def after_evict(spec: kvhal.CacheSpec, k: np.ndarray, v: np.ndarray, paged: int,
     return ek, ev
 
 
-def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info):
+@pytest.mark.parametrize("window", [None, 37])
+def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info, window):
     for spec in tail_specs(backend_info):
         c, s = filled(backend_info, spec, 75, seed=1, observe_window=24)
         plain, p = filled(backend_info, spec, 75, seed=1)
@@ -91,10 +92,10 @@ def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info):
         total = [np.zeros((2, 75)), np.zeros((2, 75))]
         for layer in (0, 1):
             for q_len in (75, 1):  # a prefill, then a decode query (the mass accumulates)
-                out = c.attention(layer, q[-q_len:], [s], [q_len], observe=True)
-                want_out = plain.attention(layer, q[-q_len:], [p], [q_len])
+                out = c.attention(layer, q[-q_len:], [s], [q_len], window=window, observe=True)
+                want_out = plain.attention(layer, q[-q_len:], [p], [q_len], window=window)
                 np.testing.assert_array_equal(kvhal.to_numpy(out), kvhal.to_numpy(want_out))
-                [(t, w)] = f64_mass(c, [s], q[-q_len:], [q_len], 64**-0.5, None, 24, layer)
+                [(t, w)] = f64_mass(c, [s], q[-q_len:], [q_len], 64**-0.5, window, 24, layer)
                 total[layer] += t
             rec = c.seq_table.get(s)
             np.testing.assert_allclose(rec.mass[layer], total[layer], rtol=1e-9, atol=1e-12)
