@@ -221,12 +221,16 @@ def attention_mass(
     """Per sequence, the softmax weight each key received, summed over query heads of its KV head:
     ``(all queries, the last ``tail`` queries)``, each float64 ``[n_kv_heads, seq_len]``."""
     n_kv_heads = pools.spec.n_kv_heads
-    out = []
-    for _, scores, _ in _scores_f64(backend, q, pools, layer, batch):
-        p, _ = softmax(scores)  # [Hq, n_q, n_kv]
-        per_kv = p.reshape(n_kv_heads, -1, *p.shape[1:]).sum(axis=1)  # [H, n_q, n_kv]
-        out.append((per_kv.sum(axis=1), per_kv[:, max(0, p.shape[1] - tail) :].sum(axis=1)))
-    return out
+    return [
+        head_mass(softmax(scores)[0], n_kv_heads, tail) for _, scores, _ in _scores_f64(backend, q, pools, layer, batch)
+    ]
+
+
+def head_mass(p: np.ndarray, n_kv_heads: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax weights ``p [Hq, n_q, n_kv]`` summed over each KV head's query heads and over the queries: all of
+    them, and the last ``tail`` apart; float64 ``[n_kv_heads, n_kv]`` each."""
+    per_kv = p.reshape(n_kv_heads, -1, *p.shape[1:]).sum(axis=1)  # [H, n_q, n_kv]
+    return per_kv.sum(axis=1), per_kv[:, max(0, p.shape[1] - tail) :].sum(axis=1)
 
 
 def attention_lse(backend: Any, q: Any, pools: Any, layer: int, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:

@@ -78,11 +78,6 @@ class KVCache:
         validate.check_bool(allow_fallback, "allow_fallback", SpecError)
         if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
             raise SpecError(f"fingerprint must be a kvhal.Fingerprint, got {type(fingerprint).__name__}")
-        if spec.uses_tail and isinstance(on_full, EvictOnFull):
-            raise UnsupportedError(
-                "on_full=EvictOnFull with an f16 tail (tail > 0 or a per-channel K format) is not supported yet: "
-                "eviction moves rows between pages and the tail; use on_full='prefix_lru' or 'raise'"
-            )
         if not (on_full in ("prefix_lru", "raise") or isinstance(on_full, EvictOnFull)):
             raise SpecError(f"on_full must be 'prefix_lru', 'raise' or a kvhal.eviction.EvictOnFull, got {on_full!r}")
         if on_evict is not None and not callable(on_evict):
@@ -111,8 +106,10 @@ class KVCache:
             spec, self.backend, self.pools, allocator, self.fingerprint.digest(spec), tier_list, write_through
         )
         self.streamer = Streamer(spec, self.backend, self.pools, self.seq_table, allocator.alloc(arena))
-        self.evictor = Evictor(spec, self.backend, self.pools, self.seq_table, observe_window, on_full, on_evict)
         self.tail = TailStore(spec, self.backend, self.pools, self.seq_table)
+        self.evictor = Evictor(
+            spec, self.backend, self.pools, self.seq_table, self.tail, self._kv_f32, observe_window, on_full, on_evict
+        )
 
     @property
     def on_full(self) -> str | EvictOnFull:
@@ -269,18 +266,18 @@ class KVCache:
         if validate.kv_rows(k, v, self.spec.n_kv_heads, self.spec.head_dim) == 0:
             return
         spec, pending = self.spec, Pending()
+        make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
         if spec.transformed or spec.uses_tail or spec.k_codec:
             k, v, pending = self.codec.encode(self.backend, layer, k, v)
             if spec.uses_tail:
                 with self.codec.staging(pending):  # side data a backend's store reads
-                    self.tail.store(s, layer, k, v)
+                    self.tail.store(s, layer, k, v, make_room)
                 self._committed(pending)
                 self.prefix.seal(s)
                 return
             k, v = self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
         self.backend.check_values(spec.k_fmt, k)
         self.backend.check_values(spec.v_fmt, v)
-        make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
         with self.codec.staging(pending):
             p1 = self.seq_table.write(s, layer, k, v, s.lens[layer] - s.base, make_room)
         self._committed(pending)
@@ -396,6 +393,16 @@ class KVCache:
             return dst.result
         return self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
 
+    def _kv_f32(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host f32 K, V of every stored position of ``s`` at ``layer``, as ``load`` returns them (for scorers)."""
+        n, bs = s.lens[layer], self.spec.block_size
+        if not (self.spec.uses_tail or self.spec.transformed):
+            blocks = np.asarray(s.blocks[: -(-n // bs)], np.int64)
+            k, v = (self.backend.to_numpy(x) for x in self.backend.load(self.pools, layer, blocks, n))
+            return np.asarray(k, np.float32), np.asarray(v, np.float32)
+        shape = (n, self.spec.n_kv_heads, self.spec.head_dim)
+        return self._assemble_f32(shape, *self._tail_parts(s, layer, 0, n), layer)
+
     @staticmethod
     def _new_out(shape: tuple[int, int, int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
         if dtype == "bfloat16":
@@ -504,11 +511,6 @@ class KVCache:
                 )
         scale, window = validate.attention_options(scale, causal, window, observe, spec.head_dim)
         causal = bool(causal)
-        if observe and spec.uses_tail:
-            raise UnsupportedError(
-                "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
-                "yet; pass observe=False"
-            )
         offloaded = any(s.base for s in seq_objs)
         if offloaded and (window is not None or observe):
             raise UnsupportedError(
@@ -532,10 +534,14 @@ class KVCache:
             q_pages, offset = self.codec.coefficient_query(self.backend, layer, q)
             if spec.uses_tail:
                 out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window, (q_pages, offset))
+                if observe:
+                    self.evictor.observe_tail(seq_objs, layer, q, batch)
                 return self.backend.asarray(out, "out")
             q = q_pages
         if spec.uses_tail:
             out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
+            if observe:
+                self.evictor.observe_tail(seq_objs, layer, q, batch)
         elif offloaded:
             out = self.streamer.attention(layer, q, seq_objs, qls, scale, causal)
         elif observe:
@@ -563,8 +569,9 @@ class KVCache:
 
     def evict(self, seq: int, policy: Policy, keep_tokens: int) -> EvictionResult:
         """Shrink ``seq`` to at most ``keep_tokens`` positions chosen by ``policy``; the kept rows are
-        moved byte for byte to positions 0.. (no re-quantization), whole blocks are freed, and
-        blocks the kept prefix still shares stay shared. Returns what was kept and dropped."""
+        moved byte for byte to positions 0.. (no re-quantization; with an f16 tail they are laid out as a store
+        of them would be, see ``TailStore.keep_rows``), whole blocks are freed, and blocks the kept prefix still
+        shares stay shared. Returns what was kept and dropped."""
         s = self.seq_table.resident(seq, "evict")
         if not isinstance(policy, Policy):
             raise SpecError(f"policy must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV, AdaKV), got {policy!r}")

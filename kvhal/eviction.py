@@ -1,7 +1,8 @@
 """Eviction policies: which positions of a sequence to keep when it must shrink.
 
 A policy only chooses positions; ``KVCache.evict`` moves the kept rows byte for byte (no
-re-quantization) and reports every dropped position in an ``EvictionResult``. A policy keeps the same
+re-quantization; with an f16 tail, ``TailStore.keep_rows`` lays them out as a store would) and reports every
+dropped position in an ``EvictionResult``. A policy keeps the same
 positions in all layers and KV heads (per-head scores summed over heads and layers), except ``AdaKV``,
 which keeps its own positions per (layer, KV head) inside the sequence's shared pages.
 
@@ -11,7 +12,11 @@ which keeps its own positions per (layer, KV head) inside the sequence's shared 
 * ``SnapKV(window, kernel, pool)`` — at prefill: the last ``window`` tokens plus the prefix tokens the
   observation window (the last ``window`` queries of the latest observed attention call) attends to
   most, after a 1-d pooling of the scores (``avg``: count_include_pad like torch's ``avg_pool1d``).
-* ``AdaKV(press, ceiling, safeguard)`` — per-head budgets over ``press``'s per-head scores (SnapKV, H2O): each
+* ``Knorm()`` — kvpress's KnormPress: the keys of lowest L2 norm.
+* ``ExpectedAttention(n_future, n_sink)`` — kvpress's ExpectedAttentionPress: each key's expected attention from
+  future queries, from the prefill's query statistics (``expected_queries``) and the model's RoPE.
+* ``AdaKV(press, ceiling, safeguard)`` — per-head budgets over ``press``'s per-head scores (SnapKV, H2O,
+  ExpectedAttention): each
   layer keeps ``keep`` positions per KV head on average, the heads' normalised scores compared across heads,
   no head above ``ceiling * keep`` (the pages held) and none below its ``safeguard * keep`` best.
 """
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,6 +36,7 @@ from .backend_util import attention_mass_lse
 from .errors import SequenceError, SpecError, UnsupportedError
 from .seqs import Seq, SeqTable
 from .spec import CacheSpec
+from .tail import TailStore
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
@@ -51,6 +57,8 @@ class Scores:
     heads: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # the L2 norm of every stored key, float64 ``[n_layers, n_kv_heads, n]``, read when called (``Knorm``)
     key_norms: Callable[[], np.ndarray] | None = None
+    # a layer's K, V of positions [0, n) as ``load`` returns them, f32 ``[n, n_kv_heads, head_dim]`` (``ExpectedAttention``)
+    kv: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
 
 
 class Policy(ABC):
@@ -70,6 +78,11 @@ class Policy(ABC):
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
         """Per layer, per KV head, ascending positions to keep (``per_head`` policies)."""
         raise SpecError(f"{type(self).__name__} keeps the same positions in every head: call select")
+
+    def with_queries(self, queries: Any) -> Policy:
+        """This policy with per-layer query statistics (``expected_queries``), for ``ExpectedAttention`` (alone or
+        under ``AdaKV``)."""
+        raise SpecError(f"{type(self).__name__} takes no query statistics (ExpectedAttention does)")
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,145 @@ class Knorm(Policy):
         return np.sort(np.argsort(total, kind="stable")[: min(keep, n)]).astype(np.int64)
 
 
+def _real(name: str, x: object, minimum: float = 0.0) -> float:
+    ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+    if not ok or not math.isfinite(float(x)) or float(x) < minimum:  # type: ignore[arg-type]
+        raise SpecError(f"{name} must be a finite real number >= {minimum}, got {x!r}")
+    return float(x)  # type: ignore[arg-type]
+
+
+def expected_queries(
+    q: np.ndarray,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    rope_scale: float = 1.0,
+    n_sink: int = 4,
+    n_future: int = 512,
+) -> tuple[np.ndarray, np.ndarray]:
+    """kvpress's ``ExpectedAttentionPress`` statistics of one layer's queries, re-derived: the mean and covariance
+    (per query head, over the rows at positions ``>= n_sink``) of the queries before RoPE, both carried by the mean
+    RoPE rotation of the next ``n_future`` positions (``max(positions) + 1`` on). ``q``: the queries as attention
+    gets them, after RoPE (transformers' rotate-half layout: channel ``i`` pairs with ``i + head_dim / 2``),
+    ``[n, n_heads, head_dim]``; ``positions``: their RoPE positions ``[n]``; ``inv_freq``: the RoPE frequencies
+    ``[head_dim / 2]`` and ``rope_scale`` the factor on cos and sin (transformers' ``attention_scaling``).
+    Returns float64 ``mean [n_heads, head_dim]`` and ``cov [n_heads, head_dim, head_dim]``."""
+    q = np.asarray(q, np.float64)
+    positions = np.asarray(positions)
+    inv_freq = np.asarray(inv_freq, np.float64)
+    if q.ndim != 3 or positions.shape != q.shape[:1] or inv_freq.shape != (q.shape[2] // 2,) or q.shape[2] % 2:
+        raise SpecError(
+            f"expected_queries takes q [n, n_heads, head_dim], positions [n] and inv_freq [head_dim / 2]; got "
+            f"{q.shape}, {positions.shape}, {inv_freq.shape}"
+        )
+    scale = _real("rope_scale", rope_scale)
+    n_sink, n_future = _count("n_sink", n_sink), _count("n_future", n_future, 1)
+    half = q.shape[2] // 2
+    rows = positions >= n_sink
+    if not rows.any():
+        raise SpecError(f"expected_queries needs queries at positions >= n_sink={n_sink}; got none")
+    ang = positions[rows, None].astype(np.float64) * inv_freq  # [n, half]
+    c, sn = (np.cos(ang) * scale)[:, None], (np.sin(ang) * scale)[:, None]
+    x1, x2 = q[rows, :, :half], q[rows, :, half:]
+    pre = np.concatenate([x1 * c + x2 * sn, x2 * c - x1 * sn], axis=-1) / scale**2  # R(p)^-1 q
+    mean = pre.mean(axis=0)
+    centred = pre - mean
+    by_head = centred.transpose(1, 0, 2)  # [H, n, d]: one GEMM per head
+    cov = np.matmul(by_head.transpose(0, 2, 1), by_head) / len(pre)
+    t = np.arange(int(positions.max()) + 1, int(positions.max()) + 1 + n_future, dtype=np.float64)
+    cbar = np.cos(t[:, None] * inv_freq).mean(axis=0) * scale
+    sbar = np.sin(t[:, None] * inv_freq).mean(axis=0) * scale
+    rot = np.zeros((2 * half, 2 * half))  # the mean rotation: [[cos, -sin], [sin, cos]] per channel pair
+    i = np.arange(half)
+    rot[i, i], rot[i + half, i + half] = cbar, cbar
+    rot[i, i + half], rot[i + half, i] = -sbar, sbar
+    return mean @ rot.T, rot @ cov @ rot.T
+
+
+@dataclass(frozen=True)
+class ExpectedAttention(Policy):
+    """kvpress's ``ExpectedAttentionPress``: each key's expected attention from future queries, whose statistics
+    (``expected_queries``: the prefill's queries before RoPE, past the first ``n_sink``, rotated on by the mean RoPE
+    rotation of the next ``n_future`` positions) give per query head ``softmax_j(mu . k_j / sqrt(d) +
+    k_j^T S k_j / (2 d))``, averaged over each KV head's query heads and (``vnorm``) times ``|v_j|`` after adding
+    ``epsilon``. The first ``n_sink`` positions are always kept. kvpress keeps per layer and head; here the scores
+    summed over layers and KV heads choose one set (under ``AdaKV``: per head). ``queries``: per layer, the
+    ``(mean, cov)`` of ``expected_queries``, which the transformers integration fills in from the prefill (a
+    ``press``); a direct ``KVCache.evict`` passes ``with_queries(...)``."""
+
+    n_future: int = 512
+    n_sink: int = 4
+    covariance: bool = True
+    vnorm: bool = True
+    epsilon: float = 0.0
+    queries: tuple[tuple[np.ndarray, np.ndarray], ...] | None = field(default=None, compare=False, repr=False)
+    name: str = field(default="expected_attention", init=False)
+    needs_scores: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _count("ExpectedAttention.n_future", self.n_future, 1)
+        _count("ExpectedAttention.n_sink", self.n_sink)
+        for what in ("covariance", "vnorm"):
+            if not isinstance(getattr(self, what), (bool, np.bool_)):
+                raise SpecError(f"ExpectedAttention.{what} must be a bool, got {getattr(self, what)!r}")
+        _real("ExpectedAttention.epsilon", self.epsilon)
+        if self.queries is not None:
+            for i, pair in enumerate(self.queries):
+                ok = isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, np.ndarray) for x in pair)
+                if not ok or pair[0].ndim != 2 or pair[1].shape != (*pair[0].shape, pair[0].shape[1]):
+                    raise SpecError(
+                        f"ExpectedAttention.queries[{i}] must be (mean [n_heads, head_dim], cov [n_heads, head_dim, "
+                        "head_dim]) numpy arrays, as expected_queries returns"
+                    )
+
+    def with_queries(self, queries: Any) -> ExpectedAttention:
+        """This policy with every layer's query statistics (a sequence of ``expected_queries`` results)."""
+        try:
+            pairs = tuple((np.asarray(m, np.float64), np.asarray(c, np.float64)) for m, c in queries)
+        except (TypeError, ValueError):
+            raise SpecError(
+                f"ExpectedAttention.with_queries takes one (mean, cov) pair per layer, as expected_queries returns; "
+                f"got {type(queries).__name__}"
+            ) from None
+        return replace(self, queries=pairs)
+
+    def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
+        if self.queries is None or scores.kv is None:
+            raise SpecError(
+                "ExpectedAttention needs each layer's query statistics: KVHalCache.from_model(..., press=) fills them "
+                "from the prefill; for KVCache.evict pass policy.with_queries([expected_queries(...) per layer])"
+            )
+        if len(self.queries) <= layer:
+            raise SpecError(f"ExpectedAttention has query statistics for {len(self.queries)} layers, not layer {layer}")
+        mean, cov = self.queries[layer]
+        k, v = (np.asarray(x, np.float64) for x in scores.kv(layer))
+        n_kv_heads, d = k.shape[1], k.shape[2]
+        if mean.shape[1] != d or mean.shape[0] % n_kv_heads:
+            raise SpecError(
+                f"ExpectedAttention.queries[{layer}] has {mean.shape[0]} heads of {mean.shape[1]}; the cache has "
+                f"{n_kv_heads} KV heads of {d}"
+            )
+        group = mean.shape[0] // n_kv_heads
+        sink = min(self.n_sink, n)
+        kh = np.repeat(k[sink:n].transpose(1, 0, 2), group, axis=0)  # [Hq, m, d]
+        logits = np.matmul(kh, mean[:, :, None])[:, :, 0] / math.sqrt(d)
+        if self.covariance:
+            logits += (np.matmul(kh, cov) * kh).sum(axis=-1) / d / 2
+        w = np.exp(logits - logits.max(axis=1, keepdims=True))
+        w = (w / w.sum(axis=1, keepdims=True)).reshape(n_kv_heads, group, -1).mean(axis=1)  # [H, m]
+        if self.vnorm:
+            w = (w + self.epsilon) * np.linalg.norm(v[sink:n], axis=-1).T
+        out = np.full((n_kv_heads, n), np.inf)
+        out[:, sink:] = w
+        return out
+
+    def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
+        if self.queries is None:
+            self.head_scores(n, keep, scores, 0)  # raises, saying what to pass
+        assert self.queries is not None
+        total = sum(self.head_scores(n, keep, scores, layer).sum(axis=0) for layer in range(len(self.queries)))
+        return np.sort(np.argsort(-np.asarray(total), kind="stable")[: min(keep, n)]).astype(np.int64)
+
+
 def _observed(scores: Scores, layer: int) -> tuple[np.ndarray, np.ndarray]:
     if layer not in scores.heads:
         raise SpecError(
@@ -199,10 +351,10 @@ class AdaKV(Policy):
     per_head: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.press, (SnapKV, H2O)):
+        if not isinstance(self.press, (SnapKV, H2O, ExpectedAttention)):
             raise SpecError(
-                f"AdaKV.press must be a scorer whose scores compare across heads (attention weights: SnapKV or H2O), "
-                f"got {self.press!r}"
+                "AdaKV.press must be a scorer whose scores compare across heads (attention weights: SnapKV, H2O or "
+                f"ExpectedAttention), got {self.press!r}"
             )
         for what, x, lo in (("ceiling", self.ceiling, 1.0), ("safeguard", self.safeguard, 0.0)):
             ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
@@ -213,6 +365,12 @@ class AdaKV(Policy):
 
     def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
         raise SpecError("AdaKV keeps different positions per KV head: KVCache.evict runs it (select_heads)")
+
+    def with_queries(self, queries: Any) -> AdaKV:
+        """``AdaKV(ExpectedAttention)`` with its scorer's query statistics (``ExpectedAttention.with_queries``)."""
+        if not isinstance(self.press, ExpectedAttention):
+            raise SpecError(f"AdaKV({type(self.press).__name__}) takes no query statistics")
+        return replace(self, press=self.press.with_queries(queries))
 
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
         cap = min(n, int(self.ceiling * keep))
@@ -300,7 +458,10 @@ def check_press(
             "keep=0.5 keeps half of each row's prefill"
         )
     if not isinstance(press, Policy):
-        raise SpecError(f"press must be a kvhal.eviction policy (SinkWindow, H2O, SnapKV, AdaKV), got {press!r}")
+        raise SpecError(
+            "press must be a kvhal.eviction policy (SinkWindow, Knorm, H2O, SnapKV, ExpectedAttention, AdaKV), got "
+            f"{press!r}"
+        )
     if (
         not isinstance(keep, (int, float, np.integer, np.floating))
         or isinstance(keep, (bool, np.bool_))
@@ -315,13 +476,17 @@ def check_press(
         )
     if press.per_head and not backend.masks_heads_of(spec):
         raise UnsupportedError(no_head_masks(press, backend))
-    if press.needs_scores and spec.uses_tail:
-        raise UnsupportedError(
-            f"press={type(press).__name__} scores the prefill with attention(observe=True), which a spec with an f16 "
-            "tail (tail > 0 or a per-channel K format) does not support yet; use SinkWindow, or tail=0 and a "
-            "per-token K format"
-        )
+    if press.per_head and spec.uses_tail:
+        raise UnsupportedError(no_tail_heads(press))
     return press, float(keep)
+
+
+def no_tail_heads(policy: Policy) -> str:
+    return (
+        f"{policy.name} keeps different positions per KV head, which a spec with an f16 tail (tail > 0, sinks or a "
+        "per-channel K format) cannot hold: the tail and the f16 sink rows are attended on the host with no per-head "
+        "masks; use SnapKV, H2O, Knorm or SinkWindow, or a spec with tail=0, sinks=0 and a per-token K format"
+    )
 
 
 def no_head_masks(policy: Policy, backend: Backend) -> str:
@@ -342,11 +507,14 @@ class Evictor:
         backend: Backend,
         pools: Pools,
         table: SeqTable,
+        tail: TailStore,
+        load: Callable[[Seq, int], tuple[np.ndarray, np.ndarray]],
         observe_window: int,
         on_full: str | EvictOnFull,
         on_evict: OnEvict | None,
     ) -> None:
-        self.spec, self.backend, self.pools, self.table = spec, backend, pools, table
+        self.spec, self.backend, self.pools, self.table, self.tail = spec, backend, pools, table, tail
+        self.load = load  # a sequence's K, V at a layer as KVCache.load returns them
         self.observe_window, self.on_full, self.on_evict = observe_window, on_full, on_evict
         self.counts = {"evict": 0, "on_full": 0, "n": 0}  # tokens dropped by cause, evictions that dropped any
 
@@ -354,12 +522,8 @@ class Evictor:
         """Attention over ``seqs`` (returned) that also accumulates the attention mass each key received from this
         call's queries. A backend that fuses ``attention_lse`` gives the row LSEs with the output, and the mass
         is one pass of ``q K^T`` against them: the backend's own if it fuses ``attention_mass`` too, else one
-        float32 pass over ``load`` (``attention_mass_lse``); otherwise the float64 host default."""
-        if self.spec.uses_tail:
-            raise UnsupportedError(
-                "attention(observe=True) with an f16 tail (tail > 0 or a per-channel K format) is not supported "
-                "yet; pass observe=False"
-            )
+        float32 pass over ``load`` (``attention_mass_lse``); otherwise the float64 host default. A spec with a
+        tail: ``observe_tail``."""
         fused = self.backend.fused
         if "attention_lse" in fused:
             out, lse = self.backend.attention_lse(q, self.pools, layer, batch)
@@ -373,6 +537,11 @@ class Evictor:
         self._accumulate(seqs, layer, mass)
         return out
 
+    def observe_tail(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> None:
+        """With an f16 tail, after ``TailStore.attention``: the mass over pages and tail together (``TailStore.mass``,
+        float64 on the host), accumulated as ``observe`` does."""
+        self._accumulate(seqs, layer, self.tail.mass(seqs, layer, q, batch, self.observe_window))
+
     def _accumulate(self, seqs: list[Seq], layer: int, mass: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for s, (total, tail) in zip(seqs, mass):
             old = s.mass.get(layer)
@@ -381,11 +550,6 @@ class Evictor:
             s.mass[layer], s.window_mass[layer] = total, tail
 
     def evict(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
-        if self.spec.uses_tail:
-            raise UnsupportedError(
-                "evict with an f16 tail (tail > 0 or a per-channel K format) is not supported yet: it would move rows "
-                "between quantized pages and the tail"
-            )
         n = max(s.lens, default=0)
         if policy.per_head and n > keep_tokens:
             return self._evict_heads(sid, s, policy, keep_tokens)
@@ -393,6 +557,8 @@ class Evictor:
         return self._compact(sid, s, kept, policy.name, "evict")
 
     def _evict_heads(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
+        if self.spec.uses_tail:
+            raise UnsupportedError(no_tail_heads(policy))
         if not self.backend.masks_heads_of(self.spec):
             raise UnsupportedError(no_head_masks(policy, self.backend))
         n = max(s.lens)
@@ -429,17 +595,24 @@ class Evictor:
             if "norms" not in memo:
                 table, norms = np.asarray(s.blocks, np.int64), np.zeros((len(s.lens), self.spec.n_kv_heads, n))
                 for layer, length in enumerate(s.lens):  # a layer not stored that far adds nothing past its end
-                    k = self.backend.to_numpy(self.backend.load(self.pools, layer, table, min(n, length))[0])
+                    if self.spec.uses_tail:
+                        k = self.tail.values(s, layer)[0][:n]
+                    else:
+                        k = self.backend.to_numpy(self.backend.load(self.pools, layer, table, min(n, length))[0])
                     norms[layer, :, : len(k)] = np.linalg.norm(np.asarray(k, np.float64), axis=-1).T
                 memo["norms"] = norms
             return memo["norms"]
 
-        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms)
+        def kv(layer: int) -> tuple[np.ndarray, np.ndarray]:
+            k, v = self.load(s, layer)
+            return k[:n], v[:n]
+
+        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms, kv)
 
     def _compact(self, sid: int, s: Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
         n = max(s.lens, default=0)
         kept = np.asarray(kept, np.int64)
-        freed = self.table.keep_rows(s, kept)
+        freed = (self.tail.keep_rows if self.spec.uses_tail else self.table.keep_rows)(s, kept)
         dropped = np.setdiff1d(np.arange(n), kept)
         if dropped.size:
             self.counts[cause] += int(dropped.size)
@@ -458,25 +631,36 @@ class Evictor:
             return False
         bs, policy, keep = self.spec.block_size, self.on_full.policy, self.on_full.keep_tokens
         alloc = self.table.allocator
+        tail = self.spec.uses_tail  # pages hold tail.paged_after(length) tokens of a sequence of that length
+
+        def pages(lens: list[int]) -> list[int]:
+            return [self.tail.paged_after(n) for n in lens] if tail else lens
+
         refs: dict[int, int] = {}  # planned refcount changes over the allocator's; copies get ids < 0
 
         def ref(b: int) -> int:
             return refs.get(b, 1 if b < 0 else int(alloc.ref[b]))
 
         usable, fresh = alloc.n_usable, 0
-        state = {sid: (list(x.blocks), list(x.lens), x) for sid, x in self.table.items() if not (x.base or x.holes)}
+        state = {
+            sid: (list(x.blocks), list(x.lens), list(x.pages()), x)
+            for sid, x in self.table.items()
+            if not (x.base or x.holes)
+        }
         plan: list[tuple[int, Seq, np.ndarray]] = []
         while True:
-            blocks, lens = next(
-                ((b, ln) for b, ln, x in state.values() if x is storing), (storing.blocks, storing.lens)
+            blocks, lens, paged = next(
+                ((b, ln, p) for b, ln, p, x in state.values() if x is storing),
+                (storing.blocks, storing.lens, storing.pages()),
             )
-            p0 = lens[layer] - storing.base
-            if self.table.blocks_needed(blocks, p0, p0 + n, ref) <= usable:
+            p0 = paged[layer] - storing.base
+            p1 = max(p0, self.tail.paged_after(lens[layer] + n)) if tail else p0 + n  # the rows the store pages
+            if self.table.blocks_needed(blocks, p0, p1, ref) <= usable:
                 break
             todo = [(sid, st) for sid, st in state.items() if sid not in {p[0] for p in plan}]
             if not todo:
                 return False
-            sid, (blocks_v, lens_v, victim) = max(todo, key=lambda kv: (max(kv[1][1], default=0), -kv[0]))
+            sid, (blocks_v, lens_v, _, victim) = max(todo, key=lambda kv: (max(kv[1][1], default=0), -kv[0]))
             n_v = max(lens_v, default=0)
             if n_v <= keep:
                 return False
@@ -484,7 +668,7 @@ class Evictor:
             moved = np.flatnonzero(kept != np.arange(len(kept)))
             first = int(moved[0]) if moved.size else len(kept)
             new_lens = [int(np.searchsorted(kept, L)) for L in lens_v]
-            n_keep = -(-max(new_lens, default=0) // bs)
+            n_keep = -(-max(pages(new_lens), default=0) // bs)
             for i in range(first // bs, n_keep) if moved.size else ():  # copy-on-write of shared pages
                 if ref(blocks_v[i]) > 1:
                     if usable == 0:
@@ -495,7 +679,7 @@ class Evictor:
             for b in blocks_v[n_keep:]:
                 refs[b] = ref(b) - 1
                 usable += refs[b] == 0
-            state[sid] = (blocks_v[:n_keep], new_lens, victim)
+            state[sid] = (blocks_v[:n_keep], new_lens, pages(new_lens), victim)
             plan.append((sid, victim, kept))
         for sid, victim, kept in plan:
             self._compact(sid, victim, kept, policy.name, "on_full")

@@ -370,13 +370,19 @@ class SeqTable:
         del s.blocks[n_keep:]
         s.changed()
         s.lens = new_lens
+        self.relabel(s, kept, n, first)
+        return self.allocator.n_free - free_before
+
+    def relabel(self, s: Seq, kept: np.ndarray, n: int, first: int) -> None:
+        """After a compaction that kept positions ``kept`` of ``n`` (rows moved from position ``first`` on): token ids
+        and observed mass follow their rows, hashes from the first moved block on are dropped."""
+        bs = self.spec.block_size
         # token ids follow their rows; ids appended past the stored rows keep their order after them
         s.tokens = [s.tokens[p] for p in kept.tolist() if p < len(s.tokens)] + s.tokens[n:]
         del s.hashes[first // bs :]
-        if moved.size:
+        if first < len(kept):
             s.sealable = min(s.sealable if s.sealable is not None else first // bs, first // bs)
         s.keep_mass(kept)
-        return self.allocator.n_free - free_before
 
     def keep_heads(self, s: Seq, kept: list[list[np.ndarray]]) -> int:
         """Per-head compaction: KV head ``h`` of layer ``l`` keeps positions ``kept[l][h]`` (ascending), moved byte

@@ -7,13 +7,14 @@ log-sum-exp: exact, since the two key sets are disjoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import formats
 from .backend import AttentionBatch, Backend, Pools
-from .backend_util import merge_lse, softmax
+from .backend_util import head_mass, merge_lse, softmax
 from .errors import UnsupportedError
 from .formats.ggml import round_f16
 from .seqs import Seq, SeqTable
@@ -24,10 +25,13 @@ class TailStore:
     def __init__(self, spec: CacheSpec, backend: Backend, pools: Pools, table: SeqTable) -> None:
         self.spec, self.backend, self.pools, self.table = spec, backend, pools, table
 
-    def store(self, s: Seq, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+    def store(
+        self, s: Seq, layer: int, k: np.ndarray, v: np.ndarray, make_room: Callable[[Seq, int, int], bool] | None = None
+    ) -> None:
         """Append stored-form rows to the tail; whole blocks that leave it (all but the last ``tail`` tokens, a
-        block at a time) are quantized into the pages from their f16 values."""
-        spec, bs = self.spec, self.spec.block_size
+        block at a time) are quantized into the pages from their f16 values. ``make_room(s, layer, n)``: called
+        first when those blocks do not fit (it may compact ``s`` itself: its state is read after it)."""
+        spec = self.spec
         f16 = formats.get("f16")
         for fmt, x in ((spec.k_fmt, k), (spec.v_fmt, v)):  # finite already (store): one pass for the range
             amax = float(np.abs(x).max()) if x.size else 0.0
@@ -35,6 +39,10 @@ class TailStore:
                 if amax > f.max_abs and not f.saturates:
                     f.check_values(x)  # raises, with its message
         assert s.paged is not None
+        p0 = s.paged[layer]
+        p1 = max(p0, self.paged_after(s.lens[layer] + len(k)))
+        if make_room is not None and self.table.blocks_needed(s.blocks, p0, p1) > self.table.allocator.n_usable:
+            make_room(s, layer, len(k))
         # in f32 holding f16 values (round_f16: numpy's float16 cast is a scalar loop); f16 again in the tail
         ck, cv = round_f16(k), round_f16(v)
         if layer in s.tail_k and len(s.tail_k[layer]):
@@ -52,7 +60,7 @@ class TailStore:
             oldv = s.sink_v.get(layer)
             s.sink_v[layer] = np.concatenate([oldv, newv]) if oldv is not None else newv
         p0 = s.paged[layer]
-        flush = max(0, total - spec.tail - p0) // bs * bs
+        flush = max(0, self.paged_after(total) - p0)
         if flush:
             kq, vq = self.backend.asarray(ck[:flush], "k"), self.backend.asarray(cv[:flush], "v")
             self.table.write(s, layer, kq, vq, p0)
@@ -91,6 +99,138 @@ class TailStore:
                 "yet; a part would need quantized blocks back in f16"
             )
         return self.table.share_all(s)
+
+    def values(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stored-form f32 K, V of every position of ``s`` at ``layer`` as attention reads them: the pages dequantized
+        by the backend, the f16 sink rows over their pages, then the tail's rows."""
+        P, shape = s.pages()[layer], (s.lens[layer], self.spec.n_kv_heads, self.spec.head_dim)
+        k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        if P:
+            blocks = np.asarray(s.blocks[: -(-P // self.spec.block_size)], np.int64)
+            pk, pv = self.backend.load(self.pools, layer, blocks, P)
+            k[:P], v[:P] = self.backend.to_numpy(pk), self.backend.to_numpy(pv)
+            S = min(self.spec.sink_tokens, P)
+            if S:
+                sk, sv = self.sink_rows(s, layer)
+                k[:S], v[:S] = sk[:S], sv[:S]
+        k[P:], v[P:] = self.rows(s, layer, 0, shape[0] - P)
+        return k, v
+
+    def mass(
+        self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch, tail: int, chunk: int = 256
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``Backend.attention_mass`` over pages and tail together: a float64 softmax of ``q`` against ``values``'
+        keys, masked as ``attention`` masks them, in chunks of ``chunk`` queries; the last ``tail`` queries summed
+        apart too."""
+        H = self.spec.n_kv_heads
+        qh = np.asarray(self.backend.to_numpy(q), np.float64)
+        group, d = qh.shape[1] // H, qh.shape[2]
+        out, start = [], 0
+        for s, n_q in zip(seqs, batch.q_lens.tolist()):
+            L = s.lens[layer]
+            kt = np.ascontiguousarray(self.values(s, layer)[0].astype(np.float64).transpose(1, 2, 0))  # [H, D, L]
+            total, window = np.zeros((H, L)), np.zeros((H, L))
+            split = max(0, n_q - tail)
+            bounds = sorted({*range(0, n_q, chunk), split, n_q})
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                pos = np.arange(L - n_q + a, L - n_q + b)[:, None]
+                k1 = L - n_q + b if batch.causal else L  # the keys some query of the chunk sees: [k0, k1)
+                k0 = max(0, L - n_q + a - batch.window + 1) if batch.window is not None else 0
+                j = np.arange(k0, k1)[None, :]
+                seen = (j <= pos) if batch.causal else np.ones((b - a, k1 - k0), bool)
+                if batch.window is not None:
+                    seen = seen & (j > pos - batch.window)
+                rows = qh[start + a : start + b].reshape(b - a, H, group, d).transpose(1, 2, 0, 3)
+                scores = np.matmul(rows.reshape(H, group * (b - a), d), kt[:, :, k0:k1])  # one GEMM per KV head
+                scores = scores.reshape(H * group, b - a, k1 - k0) * batch.scale
+                t, _ = head_mass(softmax(np.where(seen[None], scores, -np.inf))[0], H, 0)
+                total[:, k0:k1] += t
+                if a >= split:
+                    window[:, k0:k1] += t
+            out.append((total, window))
+            start += n_q
+        return out
+
+    def keep_rows(self, s: Seq, kept: np.ndarray) -> int:
+        """``SeqTable.keep_rows`` with a tail: keep only positions ``kept`` (ascending), at positions 0.., laid out
+        as a store of them would lay them (``paged_after``): the newest rows in the f16 tail, whole blocks before
+        them in the pages. A page row that stays in the pages keeps its bytes; a
+        tail row that enters them is quantized from its f16 value; a page row that enters the tail is its
+        dequantized value rounded to f16. Per-channel K pages (kivi) are kept byte for byte when a whole page moves
+        to a page boundary, otherwise re-quantized from their rows' values (dequantized page rows: quantized twice,
+        error at most half a step of each page's scale per channel). All computed before anything changes.
+        Returns the blocks freed."""
+        spec, table, bs = self.spec, self.table, self.spec.block_size
+        if spec.k_codec:
+            raise UnsupportedError(
+                f"evict with an f16 tail and a {spec.k_format} K format: tail rows entering the pages are quantized "
+                "on the host, which needs the cache's side data; use a spec with tail=0, or another K format"
+            )
+        assert s.paged is not None
+        n = max(s.lens, default=0)
+        moved = np.flatnonzero(kept != np.arange(len(kept)))
+        first = int(moved[0]) if moved.size else len(kept)  # rows before this stay where they are
+        w0 = first // bs * bs  # pages before this block are not written
+        new_lens = [int(np.searchsorted(kept, L)) for L in s.lens]
+        new_paged = [self.paged_after(m) for m in new_lens]
+        writes, tails, sinks = {}, {}, {}
+        for layer, (m, P, newP) in enumerate(zip(new_lens, s.paged, new_paged)):
+            src = kept[:m]
+            k, v = (round_f16(x) for x in self.values(s, layer))  # page rows in the f16 tail are f16 too
+            tails[layer] = (k[src[newP:]].astype(np.float16), v[src[newP:]].astype(np.float16))
+            if spec.sink_tokens:
+                S = min(spec.sink_tokens, m)
+                sinks[layer] = (k[src[:S]].astype(np.float16), v[src[:S]].astype(np.float16))
+            if newP > w0:
+                writes[layer] = self._page_rows(s, layer, src[w0:newP], P, k, v)
+        n_keep = -(-max(new_paged, default=0) // bs)
+        touched = list(range(w0 // bs, n_keep)) if writes else []
+        table.reserve(table.shared(s, touched))
+        free_before = table.allocator.n_free
+        table.own(s, touched)
+        for layer, (kb, vb) in writes.items():
+            table.write_rows(layer, kb, vb, table.slots(s, w0, new_paged[layer]))
+        table.release(s.blocks[n_keep:][::-1])
+        del s.blocks[n_keep:]
+        s.changed()
+        s.lens, s.paged = new_lens, new_paged
+        for layer, (tk, tv) in tails.items():
+            s.tail_k[layer], s.tail_v[layer] = tk, tv
+        for layer, (sk, sv) in sinks.items():
+            s.sink_k[layer], s.sink_v[layer] = sk, sv
+        table.relabel(s, kept, n, min(first, *new_paged))  # pages past new_paged hold no rows now
+        return table.allocator.n_free - free_before
+
+    def paged_after(self, n: int) -> int:
+        """The tokens in the pages of a sequence of ``n`` tokens stored at once: whole blocks, all but the last
+        ``tail`` tokens (and a per-channel K format's open page)."""
+        return max(0, n - self.spec.tail) // self.spec.block_size * self.spec.block_size
+
+    def _page_rows(
+        self, s: Seq, layer: int, src: np.ndarray, P: int, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The stored bytes of new page rows taken from old positions ``src`` (a whole number of pages): the old
+        page rows' own bytes where they have them (``src < P``), else quantized from ``k``/``v`` (f16 values)."""
+        spec, bs = self.spec, self.spec.block_size
+        kraw, vraw = self.table.read_rows(s, layer, 0, P)
+        paged = src < P
+        vb = np.empty((len(src), spec.n_kv_heads, spec.v_row_bytes), np.uint8)
+        vb[paged] = vraw[src[paged]]
+        vb[~paged] = spec.v_fmt.quantize(v[src[~paged]])
+        kb = np.empty((len(src), spec.n_kv_heads, spec.k_row_bytes), np.uint8)
+        codec = spec.k_fmt.k_page
+        if codec is None:
+            kb[paged] = kraw[src[paged]]
+            kb[~paged] = spec.k_fmt.quantize(k[src[~paged]])
+            return kb, vb
+        for a in range(0, len(src), bs):
+            rows = src[a : a + bs]
+            if rows[0] % bs == 0 and rows[-1] < P and np.array_equal(rows, np.arange(rows[0], rows[0] + bs)):
+                kb[a : a + bs] = kraw[rows]  # a whole page: its bytes (a page's rows are a reshape of it)
+            else:
+                x = np.ascontiguousarray(k[rows].transpose(1, 0, 2))  # [H, bs, D]
+                kb[a : a + bs] = codec.quantize_page(x).reshape(spec.n_kv_heads, bs, -1).transpose(1, 0, 2)
+        return kb, vb
 
     def sink_rows(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Stored-form f32 rows of the f16 sink positions ``[0, min(sink_tokens, stored))``."""

@@ -37,7 +37,16 @@ import numpy as np
 from ..backend import Backend
 from ..cache import KVCache
 from ..errors import CacheMismatchError, KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
-from ..eviction import EvictionResult, EvictOnFull, OnEvict, Policy, SnapKV, check_press
+from ..eviction import (
+    EvictionResult,
+    EvictOnFull,
+    ExpectedAttention,
+    OnEvict,
+    Policy,
+    SnapKV,
+    check_press,
+    expected_queries,
+)
 from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
@@ -161,6 +170,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._pressed_cols: int | None = None  # columns at the press (None: the prefill is still to come)
         on_full = kv.on_full
         self._observe_always = isinstance(on_full, EvictOnFull) and on_full.policy.needs_scores
+        # ExpectedAttention: the RoPE its query statistics undo and carry on, and per row, per layer, those statistics
+        scorer = getattr(press, "press", press)
+        self._expected = scorer if isinstance(scorer, ExpectedAttention) else None
+        self._rope = None if self._expected is None else rope_of(config, kv.spec.head_dim)
+        self._queries: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
 
     @classmethod
     def from_model(
@@ -190,8 +204,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
         the model for the prefix cache (default: its class, name and config; pass one with the weights' digest
         before sharing blocks through tiers or snapshots).
 
-        Eviction: ``press`` (``SinkWindow``, ``H2O``, ``SnapKV``, ``AdaKV``) with ``keep`` (the fraction of each row's
-        prefill kept, in (0, 1]) compresses the prefill (see the class). ``observe_window`` (default: the
+        Eviction: ``press`` (``SinkWindow``, ``Knorm``, ``H2O``, ``SnapKV``, ``ExpectedAttention``, ``AdaKV``) with
+        ``keep`` (the fraction of each row's prefill kept, in (0, 1]) compresses the prefill (see the class;
+        ``ExpectedAttention`` takes its query statistics from the prefill's queries, its RoPE from the config). ``observe_window`` (default: the
         ``SnapKV`` press's window, else 32), ``on_full`` and ``on_evict`` go to ``KVCache``.
         """
         if not isinstance(model, PreTrainedModel):
@@ -412,6 +427,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._failed = None
         self.evictions = []
         self._pressed_cols = None
+        self._queries = []
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` columns (transformers' convention: a negative count)."""
@@ -542,6 +558,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
                     layer, q, seqs=self.seqs, q_lens=[n_new] * batch, scale=scale, window=window, observe=observe
                 )
                 out = to_like(o, query).view(batch, n_new, n_heads, head_dim)
+                if pressing and self._expected is not None:
+                    for b, s in enumerate(self.seqs):
+                        self._note_queries(b, s, layer, q[b * n_new : (b + 1) * n_new])
             else:
                 out = query.new_zeros((batch, n_new, n_heads, head_dim), dtype=torch.float32)
                 seqs, lens, picks, qs = [], [], [], []
@@ -563,6 +582,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
                     )
                     for (b, pick), part in zip(picks, o.split(lens)):
                         out[b, pick] = part
+                    if pressing and self._expected is not None:
+                        for s, (b, _), rows in zip(seqs, picks, qs):
+                            self._note_queries(b, s, layer, rows)
             if pressing and layer == len(self._cols) - 1:
                 self._compress()
         except BaseException as e:
@@ -572,15 +594,61 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._cols[layer] += n_new
         return out.to(query.dtype)
 
+    def _note_queries(self, b: int, seq: int, layer: int, q: torch.Tensor) -> None:
+        """ExpectedAttention: the statistics of row ``b``'s queries at ``layer`` (``[n, n_heads, head_dim]``, after
+        RoPE; they are the sequence's last ``n`` positions)."""
+        assert self._expected is not None and self._rope is not None
+        while len(self._queries) <= b:
+            self._queries.append({})
+        n, end = q.shape[0], self.kv.seq_len(seq, layer)
+        x = q.detach().to(device="cpu", dtype=torch.float64).numpy()
+        e = self._expected
+        self._queries[b][layer] = expected_queries(x, np.arange(end - n, end), *self._rope, e.n_sink, e.n_future)
+
     def _compress(self) -> None:
         """After the prefill's last layer: evict every row to ``int(keep * its tokens)`` with the press."""
         assert self.press is not None and self.keep is not None
         results = []
-        for s in self.seqs:
+        for b, s in enumerate(self.seqs):
             n = self.kv.seq_len(s)
-            results.append(self.kv.evict(s, self.press, int(n * self.keep)))
+            press = self.press
+            if self._expected is not None:
+                stats = self._queries[b] if b < len(self._queries) else {}
+                press = press.with_queries([stats[layer] for layer in range(len(self._cols)) if layer in stats])
+            results.append(self.kv.evict(s, press, int(n * self.keep)))
         self.evictions = results
         self._pressed_cols = self._real.shape[1]
+        self._queries = []
+
+
+def rope_of(config: Any, head_dim: int) -> tuple[np.ndarray, float]:
+    """The model's RoPE from its config: the frequencies ``[head_dim / 2]`` and the factor on cos and sin, as
+    transformers' rotary embedding computes them (``rope_parameters``: its ``rope_type`` through
+    ``ROPE_INIT_FUNCTIONS``, "default" from ``rope_theta``)."""
+    params = getattr(config, "rope_parameters", None)
+    if config is None or not isinstance(params, dict) or "rope_theta" not in params:
+        raise SpecError(
+            "press=ExpectedAttention needs the model's RoPE (rope_parameters with rope_theta in its config): "
+            "build the cache with KVHalCache.from_model(model, ...)"
+        )
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (float(params["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        scale = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if kind not in ROPE_INIT_FUNCTIONS:
+            raise UnsupportedError(f"press=ExpectedAttention does not know rope_type {kind!r}")
+        freq, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        inv_freq = freq.double().numpy()
+    if inv_freq.shape != (head_dim // 2,):
+        raise UnsupportedError(
+            f"press=ExpectedAttention takes RoPE over every channel (head_dim {head_dim}); this model rotates "
+            f"{2 * len(inv_freq)} of them"
+        )
+    return inv_freq, float(scale)
 
 
 def kvhal_attention(

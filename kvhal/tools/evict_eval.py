@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KVHalError, SpecError
-from ..eviction import H2O, AdaKV, Knorm, Policy, SinkWindow, SnapKV
+from ..eviction import H2O, AdaKV, ExpectedAttention, Knorm, Policy, SinkWindow, SnapKV
 
 QUESTION = "\n\nQuestion: Who was the first keeper of the lighthouse at Carrow Point, and when did he arrive?\nAnswer:"
 DEFAULT_TOKENS = 1628
@@ -51,7 +51,24 @@ def policies(n: int, keep: float) -> dict[str, Policy]:
         f"H2O({k // 2}, {k - k // 2})": H2O(heavy=k // 2, recent=k - k // 2),
         "Knorm": Knorm(),
         "AdaKV(SnapKV(64, 5))": AdaKV(SnapKV(window=64, kernel=5)),
+        "ExpectedAttention": ExpectedAttention(),
+        "AdaKV(ExpectedAttention)": AdaKV(ExpectedAttention()),
+        # every head its own best `keep`: kvpress's ExpectedAttentionPress choice (per layer and head), pages freed
+        "AdaKV(ExpectedAttn, 1, 1)": AdaKV(ExpectedAttention(), ceiling=1.0, safeguard=1.0),
     }
+
+
+def chosen(n: int, keep: float, names: str | None) -> dict[str, Policy]:
+    """``policies`` whose labels start with one of the comma-separated ``names`` (all when None)."""
+    every = policies(n, keep)
+    if names is None:
+        return every
+    wanted = [x.strip() for x in names.split(",") if x.strip()]
+    out = {label: p for label, p in every.items() if any(label.startswith(w) for w in wanted)}
+    missing = [w for w in wanted if not any(label.startswith(w) for label in every)]
+    if missing or not out:
+        raise SpecError(f"--policies {names!r}: {missing or wanted} name none of {list(every)}")
+    return out
 
 
 def _load(model: str | None) -> tuple[Any, Any, str]:
@@ -85,6 +102,7 @@ def run(
     v_format: str = "f16",
     backend: str = "auto",
     block_size: int = 16,
+    names: str | None = None,
 ) -> dict[str, Any]:
     import torch
     import transformers
@@ -134,7 +152,7 @@ def run(
     before = plain.kv.stats().blocks_used
     rows = [_row("none", plain, ref, answer_logp(plain), tokens, before, t_plain, t_plain)]
     times = [t_plain]
-    for label, press in policies(tokens, keep).items():
+    for label, press in chosen(tokens, keep, names).items():
         cache, t = prefill(press)
         _, t_again = prefill(None)  # the plain prefill again, right after: the load drifts on a shared machine
         times.append(t_again)
@@ -192,6 +210,8 @@ def cli(args: Any) -> int:
     if tokens < 1 or block_size < 1:
         raise SpecError(f"--tokens and --block-size take positive integers, got {args.tokens!r}, {args.block_size!r}")
     k_format, _, v_format = args.evict_format.partition("/")
-    res = run(args.model, tokens, keep, k_format, v_format or k_format, args.backend, block_size)
+    names = getattr(args, "policies", None)
+    chosen(tokens, keep, names)  # a bad --policies fails before the model loads
+    res = run(args.model, tokens, keep, k_format, v_format or k_format, args.backend, block_size, names)
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0

@@ -637,6 +637,12 @@ def add_parser(sub: Any) -> None:
     )
     pe.add_argument("--keep", default="0.5", help="--evict: the fraction of the context kept (default 0.5)")
     pe.add_argument("--evict-format", default="f16", help="--evict: the cache's K/V formats, K[/V] (default f16)")
+    pe.add_argument(
+        "--policies",
+        default=None,
+        help="--evict: the policies to run, a comma list of their names' prefixes (e.g. 'SnapKV,Expected'; "
+        "default all)",
+    )
     pe.add_argument("--offset", type=str, default="0", help="start the passage at this token (a second passage)")
     pe.add_argument(
         "--calibrate",

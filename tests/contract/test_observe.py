@@ -14,12 +14,12 @@ import pytest
 import kvhal
 
 
-def f64_mass(cache, seqs, q, q_lens, scale, window, tail):
+def f64_mass(cache, seqs, q, q_lens, scale, window, tail, layer=0):
     """Per sequence: ``(all queries, last tail queries)`` mass ``[n_kv_heads, n]``, softmax in float64."""
     out, start = [], 0
     group = q.shape[1] // cache.spec.n_kv_heads
     for s, n_q in zip(seqs, q_lens):
-        k, _ = cache.load(s, 0)
+        k, _ = cache.load(s, layer)
         k = np.repeat(np.asarray(cache.backend.to_numpy(k), np.float64), group, axis=1)
         n = k.shape[0]
         qs = q[start : start + n_q].astype(np.float64)

@@ -317,15 +317,94 @@ def test_eval_evict_on_the_packaged_model(capsys):
 
     assert main(["eval", "--evict", "--tokens", "192", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    rows = {r["policy"].split("(")[0]: r for r in res["rows"]}
-    assert list(rows) == ["none", "SinkWindow", "SnapKV", "H2O", "Knorm", "AdaKV"] and res["context_tokens"] == 192
+    rows = {r["policy"]: r for r in res["rows"]}
+    names = ["SinkWindow(sinks=4)", "SnapKV(window=64, kernel=5)", "H2O(48, 48)", "Knorm", "AdaKV(SnapKV(64, 5))",
+             "ExpectedAttention", "AdaKV(ExpectedAttention)", "AdaKV(ExpectedAttn, 1, 1)"]  # fmt: skip
+    assert list(rows) == ["none", *names] and res["context_tokens"] == 192
     assert rows["none"]["kl"] < 1e-4 and rows["none"]["pages_freed"] == 0  # f16 pages vs a float32 DynamicCache
-    for name in ("SinkWindow", "SnapKV", "H2O", "Knorm", "AdaKV"):
+    for name in names:
         r = rows[name]
         assert r["kl"] > rows["none"]["kl"] and r["bytes_held"] < rows["none"]["bytes_held"]
-        if name != "AdaKV":
+        if not name.startswith("AdaKV") or name.endswith("1, 1)"):  # every head keeps 96 (ceiling 1)
             assert r["kept_tokens"] == 96 and (r["blocks_before"], r["blocks_after"]) == (12, 6)
-    ada = rows["AdaKV"]  # the longest head holds at most 1.1 x 96 rows: the pages of 105 tokens at most
-    assert 96 <= ada["kept_tokens"] <= 105 and ada["blocks_after"] == -(-ada["kept_tokens"] // 16) <= 7
+        else:  # the longest head holds at most 1.1 x 96 rows: the pages of 105 tokens at most
+            assert 96 <= r["kept_tokens"] <= 105 and r["blocks_after"] == -(-r["kept_tokens"] // 16) <= 7
     assert main(["eval", "--evict", "--keep", "1.5"]) == 2
     assert "--keep takes a fraction in (0, 1]" in capsys.readouterr().err
+    assert main(["eval", "--evict", "--policies", "Nope"]) == 2
+    assert "--policies 'Nope'" in capsys.readouterr().err
+
+
+def expected_attention_transcription(model, row_ids, keep: float, n_future: int = 512, n_sink: int = 4) -> list[int]:
+    """kvpress's ExpectedAttentionPress scores transcribed in torch from the layers' input hidden states and
+    ``q_proj`` (not from the queries kvhal sees), RoPE from the model's own rotary embedding; summed over layers
+    and KV heads into one choice (kvhal's, as for SnapKV), the first ``n_sink`` always kept."""
+    model.set_attn_implementation("sdpa")
+    hidden = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: hidden.__setitem__(i, kwargs["hidden_states"][0].double()), with_kwargs=True
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.inference_mode():
+        cache = transformers.DynamicCache(config=model.config)
+        model(row_ids[None], cache=cache)
+    for h in hooks:
+        h.remove()
+    n = row_ids.shape[0]
+    cfg = model.config
+    d, n_heads, n_kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float64), torch.arange(n, n + n_future)[None])
+    P = torch.zeros(d, d, dtype=torch.float64)
+    P[d // 2 :, : d // 2], P[: d // 2, d // 2 :] = torch.eye(d // 2), -torch.eye(d // 2)
+    R = (cos[0].double()[:, :, None] * torch.eye(d) + sin[0].double()[:, :, None] * P).mean(0)
+    total = torch.zeros(n, dtype=torch.float64)
+    for i, layer in enumerate(model.model.layers):
+        h = hidden[i][n_sink:]
+        W = layer.self_attn.q_proj.weight.double()
+        mu = (h.mean(0) @ W.T).view(n_heads, d) @ R.T
+        c = (h - h.mean(0)).T @ (h - h.mean(0)) / h.shape[0]
+        cov = (W @ c @ W.T).view(n_heads, d, n_heads, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+        cov = R @ cov @ R.T
+        k = cache.layers[i].keys[0, :, n_sink:].double().repeat_interleave(n_heads // n_kv, 0)  # [Hq, m, d]
+        v = cache.layers[i].values[0, :, n_sink:].double()
+        s = torch.einsum("hd,hmd->hm", mu, k) / d**0.5 + torch.einsum("hmi,hij,hmj->hm", k, cov, k) / d / 2
+        s = torch.softmax(s, -1).view(n_kv, n_heads // n_kv, -1).mean(1) * v.norm(dim=-1)
+        total[n_sink:] += s.sum(0)
+    total[:n_sink] = float("inf")
+    return sorted(torch.topk(total, int(n * keep)).indices.tolist())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_expected_attention_press_keeps_kvpress_scores_and_decodes_as_a_cut_cache(model, backend_info, batch):
+    from kvhal.eviction import ExpectedAttention
+
+    ids, mask = prompts(batch)
+    cache = pressed_cache(model, backend_info.name, ExpectedAttention())
+    out = generate(model, cache, ids, mask)
+    for b in range(batch):
+        row = ids[b][mask[b].bool()]
+        want = expected_attention_transcription(model, row, 0.5)
+        assert cache.evictions[b].kept.tolist() == want, b
+        tokens, logits = oracle_decode(model, row, want)
+        assert out.sequences[b, LEN:].tolist() == tokens, b
+        assert max(float((out.logits[t][b] - logits[t]).abs().max()) for t in range(NEW)) < 1e-4
+    with pytest.raises(kvhal.SpecError, match="query statistics"):
+        kv = cache.kv
+        s = kv.new_seq()
+        kv.store(s, 0, torch.ones(8, 2, 32), torch.ones(8, 2, 32))
+        kv.evict(s, ExpectedAttention(), 4)
+
+
+@pytest.mark.parametrize("press", ["snapkv", "h2o"])
+def test_press_with_an_f16_tail_keeps_the_policys_tokens(model, backend_info, press):
+    """A spec with an f16 tail (f32 pages, the newest 8 tokens f16): the prefill's scores include the tail rows, and
+    each row keeps what the policy picks from the eager float64 probabilities (the f16 tail moves no choice here)."""
+    ids, mask = prompts(3)
+    cache = pressed_cache(model, backend_info.name, POLICIES[press], tail=8)
+    generate(model, cache, ids, mask, new=3)
+    for b in range(3):
+        row = ids[b][mask[b].bool()]
+        assert cache.evictions[b].kept.tolist() == oracle_keep(POLICIES[press], eager_probs(model, row), 0.5), b
+        assert cache.kv.seq_len(cache.seqs[b]) == len(cache.evictions[b].kept) + 2

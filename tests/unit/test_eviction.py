@@ -166,3 +166,107 @@ def test_eviction_argument_validation():
     with pytest.raises(kvhal.SpecError):
         SinkWindow(sinks=-1)
     assert c.stats() == before
+
+
+@pytest.mark.parametrize("kw", [{"k_format": "q8_0", "tail": 8}, {"k_format": "kivi4"}])
+def test_on_full_with_a_tail_evicts_during_decode(kw):
+    """A decode whose tail flush finds no free block evicts the longest sequence, itself included, laid out as
+    ``evict`` lays it out (the transcription in tests/contract/test_evict_tail.py); the decode then goes on."""
+    from tests.contract.test_evict_tail import after_evict
+
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, v_format="q4_0", block_size=8, **kw)
+    seen = []
+    policy = EvictOnFull(SinkWindow(sinks=4), keep_tokens=20)
+    c = kvhal.KVCache(spec, 64, backend="reference", on_full=policy, on_evict=seen.append)
+    rng = np.random.default_rng(0)
+    a, b = c.new_seq(), c.new_seq()
+    for s, n in ((a, 52), (b, 20)):
+        for layer in (0, 1):
+            x = rng.standard_normal((2, n, 2, 32), dtype=np.float32)
+            c.store(s, layer, x[0], x[1])
+    free = c.stats().blocks_free
+    held = {layer: [np.asarray(x) for x in c.load(a, layer)] for layer in (0, 1)}
+    paged = list(c.seq_table.get(a).pages())
+    steps = 0
+    while not seen:  # decode b until a flush of its tail needs a block that is not there
+        steps += 1
+        for layer in (0, 1):
+            x = rng.standard_normal((2, 1, 2, 32), dtype=np.float32)
+            c.store(b, layer, x[0], x[1])
+    assert steps > free * 8 - 8  # no eviction while blocks were free
+    [r] = seen
+    assert (r.seq, r.cause) == (a, "on_full") and r.kept.tolist() == [0, 1, 2, 3, *range(36, 52)]
+    for layer in (0, 1):
+        for got, want in zip(c.load(a, layer), after_evict(spec, *held[layer], paged[layer], r.kept)):
+            np.testing.assert_array_equal(got, want)
+    assert c.seq_len(b) == 20 + steps and c.seq_len(a) == 20
+    assert c.stats().evicted_tokens_on_full == 32
+
+
+def test_per_head_eviction_with_a_tail_is_refused():
+    from kvhal.eviction import AdaKV, check_press
+
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="q8_0", v_format="q8_0", block_size=4, tail=4)
+    c = kvhal.KVCache(spec, 256, backend="reference", observe_window=4)
+    s = c.new_seq()
+    kv = np.random.default_rng(0).standard_normal((20, 2, 32), dtype=np.float32)
+    for layer in (0, 1):
+        c.store(s, layer, kv, kv)
+        c.attention(layer, np.ones((20, 4, 32), np.float32), [s], [20], observe=True)
+    loads, st = [c.load(s, layer) for layer in (0, 1)], c.stats()
+    with pytest.raises(kvhal.UnsupportedError, match="f16 tail"):
+        c.evict(s, AdaKV(SnapKV(window=4)), keep_tokens=10)
+    assert c.stats() == st
+    for layer in (0, 1):
+        for x, y in zip(c.load(s, layer), loads[layer]):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(kvhal.UnsupportedError, match="f16 tail"):
+        check_press(AdaKV(SnapKV(window=4)), 0.5, 4, spec, c.backend)
+    assert check_press(SnapKV(window=4), 0.5, 4, spec, c.backend)[1] == 0.5  # a scoring press is taken
+
+
+def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
+    """``expected_queries`` against rotation matrices built position by position (RoPE's definition)."""
+    from kvhal.eviction import ExpectedAttention, expected_queries
+
+    rng = np.random.default_rng(1)
+    n, heads, d = 30, 3, 8
+    inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    pos = np.arange(5, 5 + n)
+
+    def rot(p: float) -> np.ndarray:  # transformers' rotate-half: channel i pairs with i + d/2
+        r = np.zeros((d, d))
+        for i, f in enumerate(inv_freq):
+            c, s = np.cos(p * f), np.sin(p * f)
+            r[i, i], r[i, i + d // 2], r[i + d // 2, i], r[i + d // 2, i + d // 2] = c, -s, s, c
+        return r
+
+    pre = rng.standard_normal((n, heads, d))
+    post = np.stack([pre[i] @ rot(p).T * 1.5 for i, p in enumerate(pos)])  # rope_scale 1.5 on cos and sin
+    mean, cov = expected_queries(post, pos, inv_freq, 1.5, n_sink=8, n_future=16)
+    used = pre[pos >= 8]
+    r = np.mean([rot(t) for t in range(pos[-1] + 1, pos[-1] + 17)], axis=0) * 1.5
+    want_cov = np.stack([r @ np.cov(used[:, h].T, bias=True) @ r.T for h in range(heads)])
+    np.testing.assert_allclose(mean, used.mean(axis=0) @ r.T, atol=1e-12)
+    np.testing.assert_allclose(cov, want_cov, atol=1e-12)
+    for bad in ((post[:, :, :7], pos, inv_freq), (post, pos[:-1], inv_freq), (post, pos, inv_freq[:2])):
+        with pytest.raises(kvhal.SpecError, match="expected_queries takes"):
+            expected_queries(*bad)
+    with pytest.raises(kvhal.SpecError, match="n_sink"):
+        expected_queries(post, pos, inv_freq, n_sink=100)
+    for kw in ({"n_future": 0}, {"n_sink": -1}, {"covariance": 1}, {"epsilon": -1.0}, {"queries": ((mean,),)}):
+        with pytest.raises(kvhal.SpecError):
+            ExpectedAttention(**kw)
+    c, s, _, _ = filled(20)
+    with pytest.raises(kvhal.SpecError, match="query statistics"):
+        c.evict(s, ExpectedAttention(), 10)
+    for bad in (5, [(mean,)], [("a", "b")]):
+        with pytest.raises(kvhal.SpecError, match="ExpectedAttention"):
+            ExpectedAttention().with_queries(bad)
+    with pytest.raises(kvhal.SpecError, match="takes no query statistics"):
+        SinkWindow().with_queries([(mean, cov)])
+    # a direct evict with the statistics: every layer's (4 query heads over the cache's 2 KV heads, head_dim 32)
+    q = rng.standard_normal((20, 4, 32))
+    stats = [expected_queries(q, np.arange(20), 1.0 / 10000 ** (np.arange(0, 32, 2) / 32)) for _ in (0, 1)]
+    res = c.evict(s, ExpectedAttention().with_queries(stats), 10)
+    assert len(res.kept) == 10 and res.kept[:4].tolist() == [0, 1, 2, 3] and c.seq_len(s) == 10  # sinks kept

@@ -359,12 +359,22 @@ def test_tail_lifecycle(rng, tmp_path):
     np.testing.assert_array_equal(kvhal.to_numpy(c.attention(1, q, [cp])), want)
     c.seq_rm(cp, 40, -1)
     assert c.seq_len(cp) == 40 and c.seq_len(s) == 45
-    for call in (lambda: c.seq_rm(cp, 10, 20), lambda: c.seq_rm(cp, 30, -1), lambda: c.seq_cp(s, 16, 32),
-                 lambda: c.evict(s, kvhal.eviction.SinkWindow(4), 20),
-                 lambda: c.attention(1, q, [s], observe=True)):  # fmt: skip
+    for call in (lambda: c.seq_rm(cp, 10, 20), lambda: c.seq_rm(cp, 30, -1), lambda: c.seq_cp(s, 16, 32)):
         with pytest.raises(kvhal.UnsupportedError):
             call()
     assert c.seq_len(cp) == 40
+    # scoring and eviction through the transforms: the kept rows as they were (those leaving the pages for the
+    # f16 tail rounded to f16 in the stored, transformed form), attention over them
+    before = [np.asarray(kvhal.to_numpy(x)) for x in c.load(cp, 1)]
+    c.attention(1, rng.standard_normal((40, 2, 64)).astype(np.float32), [cp], observe=True)
+    kept = c.evict(cp, kvhal.eviction.H2O(heavy=12, recent=8), 20).kept
+    assert len(kept) == 20 and c.seq_table.get(cp).pages() == [0, 0] and c.seq_len(cp) == 20
+    after = [np.asarray(kvhal.to_numpy(x)) for x in c.load(cp, 1)]
+    for x, y in zip(after, before):
+        np.testing.assert_allclose(x, y[kept], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(kvhal.to_numpy(c.attention(1, q, [cp])), attention_f64(q, [after[0]], [after[1]], [1]),
+                               atol=2e-5)  # fmt: skip
+    c.free_seq(cp)
     # snapshots keep the tail and the calibrated scales; a fresh "calibrate" cache adopts them
     c.save(tmp_path / "a.kvs", [s])
     fresh = kvhal.KVCache(spec, 256, backend="reference", fingerprint=fp)

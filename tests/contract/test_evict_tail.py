@@ -1,0 +1,175 @@
+"""Scoring and eviction with an f16 tail (``tail > 0``, per-channel K formats) on every backend.
+
+The observed mass is checked against a float64 softmax over ``load`` (pages and tail together); after ``evict``
+each kept row is checked against a transcription of the documented layout: the newest rows in the f16 tail,
+whole pages before them, page rows that stay paged keep their values, tail rows that enter the pages are
+quantized from f16 by the numpy format reference, per-channel K pages not moved whole are re-quantized from their
+rows' f16 values, page rows that enter the tail are their values rounded to f16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvhal
+from kvhal import formats
+from kvhal.eviction import H2O, Knorm, SinkWindow, SnapKV
+from tests.contract.test_observe import f64_mass
+from tests.oracle import attention_f64
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def tail_specs(info: kvhal.BackendInfo) -> list[kvhal.CacheSpec]:
+    """A per-token format with ``tail=12``, and a per-channel K format (its open page in the tail) where the
+    backend runs one as K."""
+    plain = [f for f in ("q4_0", "q8_0", "f16") if f in info.formats]
+    if not plain:
+        pytest.skip(f"{info.name} claims none of q4_0, q8_0, f16")
+    base = dict(n_layers=2, n_kv_heads=2, head_dim=64, block_size=8, v_format=plain[0])
+    specs = [kvhal.CacheSpec(k_format=plain[-1], tail=12, **base)]
+    for fk in ("kivi4", "kivi2"):
+        if fk in info.formats:
+            spec = kvhal.CacheSpec(k_format=fk, **base)
+            try:
+                kvhal.KVCache(spec, 64, backend=info.name)
+            except kvhal.UnsupportedError:  # the backend runs it as V only
+                continue
+            specs.append(spec)
+            break
+    return specs
+
+
+def filled(info: kvhal.BackendInfo, spec: kvhal.CacheSpec, n: int, seed: int, cap: int = 512, **kw):
+    rng = np.random.default_rng(seed)
+    c = kvhal.KVCache(spec, cap, backend=info.name, **kw)
+    s = c.new_seq()
+    for layer in range(spec.n_layers):
+        k = rng.standard_normal((n, 2, 64), dtype=np.float32)
+        k[:, :, 3] *= 8  # an outlier channel, as real keys have
+        c.store(s, layer, k, rng.standard_normal((n, 2, 64), dtype=np.float32))
+    return c, s
+
+
+def held(c: kvhal.KVCache, s: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    k, v = c.load(s, layer)
+    return np.asarray(kvhal.to_numpy(k), np.float32), np.asarray(kvhal.to_numpy(v), np.float32)
+
+
+def after_evict(spec: kvhal.CacheSpec, k: np.ndarray, v: np.ndarray, paged: int, kept: np.ndarray):
+    """K, V that ``load`` returns after ``evict`` kept old positions ``kept`` of rows held as ``k``/``v``, of which
+    the first ``paged`` were in the pages: the transcription of the layout in the module docstring."""
+    bs, m = spec.block_size, len(kept)
+    new_paged = max(0, m - spec.tail) // bs * bs
+    src = kept[:new_paged]
+    was_paged = (src < paged)[:, None, None]
+    fk, fv = formats.get(spec.k_format), formats.get(spec.v_format)
+    ek, ev = f16(k[kept]), f16(v[kept])
+    ev[:new_paged] = np.where(was_paged, v[src], fv.dequantize(fv.quantize(f16(v[src]))))
+    if fk.k_page is None:
+        ek[:new_paged] = np.where(was_paged, k[src], fk.dequantize(fk.quantize(f16(k[src]))))
+        return ek, ev
+    for a in range(0, new_paged, bs):
+        rows = src[a : a + bs]
+        if rows[0] % bs == 0 and rows[-1] < paged and np.array_equal(rows, np.arange(rows[0], rows[0] + bs)):
+            ek[a : a + bs] = k[rows]  # a whole page moved: its bytes
+        else:
+            x = f16(k[rows]).transpose(1, 0, 2)  # [H, bs, D]
+            page = fk.k_page.dequantize_page(fk.k_page.quantize_page(np.ascontiguousarray(x)), bs)
+            ek[a : a + bs] = page.reshape(x.shape).transpose(1, 0, 2)
+    return ek, ev
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info, window):
+    for spec in tail_specs(backend_info):
+        c, s = filled(backend_info, spec, 75, seed=1, observe_window=24)
+        plain, p = filled(backend_info, spec, 75, seed=1)
+        q = np.random.default_rng(2).standard_normal((75, 4, 64), dtype=np.float32)
+        total = [np.zeros((2, 75)), np.zeros((2, 75))]
+        for layer in (0, 1):
+            for q_len in (75, 1):  # a prefill, then a decode query (the mass accumulates)
+                out = c.attention(layer, q[-q_len:], [s], [q_len], window=window, observe=True)
+                want_out = plain.attention(layer, q[-q_len:], [p], [q_len], window=window)
+                np.testing.assert_array_equal(kvhal.to_numpy(out), kvhal.to_numpy(want_out))
+                [(t, w)] = f64_mass(c, [s], q[-q_len:], [q_len], 64**-0.5, window, 24, layer)
+                total[layer] += t
+            rec = c.seq_table.get(s)
+            np.testing.assert_allclose(rec.mass[layer], total[layer], rtol=1e-9, atol=1e-12)
+            np.testing.assert_allclose(rec.window_mass[layer], w, rtol=1e-9, atol=1e-12)  # the last call's window
+            assert rec.mass[layer].sum() == pytest.approx(76 * 4)  # every query row's weights sum to 1
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "knorm", "sink_window", "window"])
+def test_evict_with_a_tail_keeps_the_policy_rows_as_documented(backend_info, policy):
+    n, keep = 61, 29 if policy == "window" else 27  # "window": whole pages move to page boundaries
+    for spec in tail_specs(backend_info):
+        c, s = filled(backend_info, spec, n, seed=3, observe_window=16)
+        q = np.random.default_rng(4).standard_normal((n, 4, 64), dtype=np.float32)
+        before = [held(c, s, layer) for layer in (0, 1)]
+        paged = list(c.seq_table.get(s).pages())
+        scores = np.zeros(n)
+        for layer in (0, 1):
+            c.attention(layer, q, [s], [n], observe=True)
+            [(t, w)] = f64_mass(c, [s], q, [n], 64**-0.5, None, 16, layer)
+            scores += (t if policy == "h2o" else w).sum(axis=0)
+        if policy == "h2o":
+            pol, recent = H2O(heavy=keep - 9, recent=9), 9
+            want = sorted(sorted(range(n - recent), key=lambda j: (-scores[j], j))[: keep - recent])
+            want += list(range(n - recent, n))
+        elif policy == "snapkv":
+            pol, win = SnapKV(window=16, kernel=5), 16
+            pooled = np.convolve(np.pad(scores[: n - win], 2), np.ones(5) / 5, "valid")  # avg_pool1d, pad counted
+            want = sorted(sorted(range(n - win), key=lambda j: (-pooled[j], j))[: keep - win]) + list(range(n - win, n))
+        elif policy == "knorm":
+            pol = Knorm()
+            norm = sum(np.linalg.norm(k.astype(np.float64), axis=-1).sum(axis=1) for k, _ in before)
+            want = sorted(sorted(range(n), key=lambda j: (norm[j], j))[:keep])
+        else:
+            sinks = 4 if policy == "sink_window" else 0
+            pol, want = SinkWindow(sinks=sinks), list(range(sinks)) + list(range(n - keep + sinks, n))
+        blocks_before = len(c.block_ids(s))
+        res = c.evict(s, pol, keep_tokens=keep)
+        assert res.kept.tolist() == want, spec
+        kept = res.kept
+        rec = c.seq_table.get(s)
+        new_paged = max(0, keep - spec.tail) // spec.block_size * spec.block_size
+        assert rec.pages() == [new_paged] * 2 and c.seq_len(s) == keep
+        assert res.blocks_freed == blocks_before - new_paged // spec.block_size == blocks_before - len(c.block_ids(s))
+        rng = np.random.default_rng(5)
+        for layer in (0, 1):
+            ek, ev = after_evict(spec, *before[layer], paged[layer], kept)
+            gk, gv = held(c, s, layer)
+            np.testing.assert_array_equal(gk, ek)
+            np.testing.assert_array_equal(gv, ev)
+            # decode after the eviction: one more token (its store pages a tail block, as a store does: the same
+            # transcription, every row kept), attended as over those rows
+            x = rng.standard_normal((2, 1, 2, 64), dtype=np.float32)
+            c.store(s, layer, x[0], x[1])
+            ek, ev = after_evict(spec, np.r_[ek, f16(x[0])], np.r_[ev, f16(x[1])], new_paged, np.arange(keep + 1))
+            for got, want in zip(held(c, s, layer), (ek, ev)):
+                np.testing.assert_array_equal(got, want)
+            qd = rng.standard_normal((1, 4, 64), dtype=np.float32)
+            got = kvhal.to_numpy(c.attention(layer, qd, [s], [1]))
+            np.testing.assert_allclose(got, attention_f64(qd, [ek], [ev], [1]), atol=c.backend.attention_tolerance)
+
+
+def test_evict_with_a_tail_that_fails_changes_nothing(backend_info):
+    for spec in tail_specs(backend_info):
+        cap = 64  # 8 blocks: the 61 tokens' pages and a copy sharing all of them leave none free
+        c, s = filled(backend_info, spec, 61, seed=6, cap=cap)
+        c.seq_cp(s)
+        fill = np.ones((c.stats().blocks_free * spec.block_size + spec.tail, 2, 64), np.float32)
+        c.store(c.new_seq(), 0, fill, fill)  # pages every free block (its last spec.tail rows stay in the tail)
+        assert c.stats().blocks_free == 0
+        before = [held(c, s, layer) for layer in (0, 1)]
+        ids, st = c.block_ids(s), c.stats()
+        with pytest.raises(kvhal.CapacityError):  # moving rows needs a private copy of a shared page
+            c.evict(s, SinkWindow(sinks=4), keep_tokens=30)
+        assert c.block_ids(s) == ids and c.stats() == st
+        for layer in (0, 1):
+            for x, y in zip(held(c, s, layer), before[layer]):
+                np.testing.assert_array_equal(x, y)
