@@ -15,9 +15,9 @@ the queries that read them):
   row, no per-token scale), by reverse water-filling: greedy on ``lam_i (d(b) - d(b+1))``, ``d`` the
   Gaussian Lloyd-Max distortion (optimal for a convex ``d``);
 - per layer, one Lloyd-Max codebook per bit width on the normalized coefficients ``c_i / sqrt(lam_i)`` of
-  every head's coefficients of that width, initialised from the ``p^(1/3)`` point density (a histogram of
-  ``HIST_BINS`` bins), ``LLOYD_ITERS`` iterations; a width with fewer than ``MIN_SAMPLES`` per level takes the
-  Gaussian one.
+  every head's coefficients of that width: Lloyd's iteration on their kernel density estimate, initialised
+  from its ``p^(1/3)`` point density (``fit_codebook``), so the levels reach every sample, sink-like outliers
+  included.
 
 A row (one token of one KV head) is ``bits * head_dim / 8`` bytes: coefficient ``i`` in index order takes
 ``b_i`` bits, code ``j`` = index of the nearest codebook level (ties: the lower), written LSB-first into a
@@ -43,7 +43,7 @@ MAX_BITS = 12  # bits per coefficient (at 8, 39% of SmolLM2's coefficients hit t
 MAX_BUDGET = 8.0  # bits per value
 HIST_BINS = 4096
 LLOYD_ITERS = 40
-MIN_SAMPLES = 8  # per level of a codebook fitted on data
+KDE_REACH = 4.0  # kernel bandwidths: the codebook density reaches this far past the extreme samples
 RIDGE = 1e-3  # of E[qq^T]'s mean eigenvalue, so W^-1 stays bounded
 BUDGETS = tuple(x / 2 for x in range(4, 17))  # 2.0, 2.5, ..., 8.0 bits per value
 PREFIX = "kltq"
@@ -104,12 +104,24 @@ def lloyd(
 
 
 def fit_codebook(z: np.ndarray, bits: int) -> np.ndarray:
-    """Lloyd-Max levels for samples ``z``: started from the ``p^(1/3)`` point density of a ``HIST_BINS``-bin
-    histogram, then ``LLOYD_ITERS`` Lloyd iterations on the samples themselves."""
-    z = np.sort(np.asarray(z, np.float64).ravel())
-    hist, edges = np.histogram(z, bins=HIST_BINS)
-    start = lloyd((edges[1:] + edges[:-1]) / 2, hist.astype(np.float64), 1 << bits, iters=0)
-    return lloyd(z, np.ones_like(z), 1 << bits, start=start)
+    """Lloyd-Max levels for samples ``z`` on their kernel density estimate: a ``HIST_BINS``-bin histogram over
+    the samples' range widened by ``KDE_REACH`` bandwidths, smoothed by a Gaussian kernel of Silverman's
+    bandwidth, then ``LLOYD_ITERS`` Lloyd iterations on it started from its ``p^(1/3)`` point density. The
+    levels span every sample (a cluster of sink-like keys at 5 sigma is not clipped) whatever the number of
+    samples per level; fewer than two distinct samples take the Gaussian codebook."""
+    z = np.asarray(z, np.float64).ravel()
+    iqr = float(np.subtract(*np.percentile(z, [75, 25]))) if z.size else 0.0
+    spread = min(float(z.std()), iqr / 1.34) if iqr > 0 else float(z.std()) if z.size else 0.0
+    if z.size < 2 or not spread > 0:
+        return gaussian_codebook(bits)
+    bw = 0.9 * spread * z.size**-0.2  # Silverman's rule
+    lo, hi = float(z.min()) - KDE_REACH * bw, float(z.max()) + KDE_REACH * bw
+    hist, edges = np.histogram(z, bins=HIST_BINS, range=(lo, hi))
+    x = (edges[1:] + edges[:-1]) / 2
+    reach = int(math.ceil(KDE_REACH * bw / (x[1] - x[0])))
+    kernel = np.exp(-0.5 * (np.arange(-reach, reach + 1) * (x[1] - x[0]) / bw) ** 2)
+    w = np.convolve(hist.astype(np.float64), kernel, mode="same")
+    return lloyd(x, w, 1 << bits, start=lloyd(x, w, 1 << bits, iters=0))
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -348,11 +360,7 @@ def calibrate(
                                                            sigma[layer, h][alloc[layer, h] == b], 1.0)
                 for h in range(H)
             ]  # fmt: skip
-            zs = np.concatenate([x.ravel() for x in z])
-            if zs.size >= MIN_SAMPLES << b:
-                books[layer, b, : 1 << b] = fit_codebook(zs, b)
-            else:
-                books[layer, b, : 1 << b] = gaussian_codebook(b)
+            books[layer, b, : 1 << b] = fit_codebook(np.concatenate([x.ravel() for x in z]), b)
     f32 = np.float32
     return Side(bits, q is not None, mean.astype(f32), T.astype(f32), S.astype(f32), sigma.astype(f32), alloc,
                 books.astype(f32))  # fmt: skip

@@ -44,6 +44,22 @@ def test_gaussian_lloyd_max_matches_the_textbook_values():
     assert kltq.gaussian_codebook(1)[1] == pytest.approx(math.sqrt(2 / math.pi), rel=1e-3)
 
 
+def test_codebooks_reach_outlier_clusters_and_keep_gaussian_distortion():
+    """A fitted codebook spans a sink-like cluster at 5.5 sigma however few samples per level there are (the
+    Gaussian codebook clips it at 4.6), and on Gaussian samples its distortion is Max's (the oracle)."""
+    rng = np.random.default_rng(11)
+    z = np.concatenate([rng.standard_normal(1000), 5.5 + 0.05 * rng.standard_normal(8)])
+    for book in (kltq.fit_codebook(z, 8), kltq.gaussian_codebook(8)):
+        assert np.all(np.diff(book) > 0)
+    worst = lambda book: float(np.abs(z[:, None] - book[None]).min(axis=1).max())  # noqa: E731
+    assert worst(kltq.gaussian_codebook(8)) > 0.5 and worst(kltq.fit_codebook(z, 8)) < 0.05
+    fresh = rng.standard_normal(200_000)
+    for b in (2, 3):
+        book = kltq.fit_codebook(rng.standard_normal(20_000), b)
+        mse = float((np.abs(fresh[:, None] - book[None]).min(axis=1) ** 2).mean())
+        assert mse == pytest.approx(kltq.gaussian_distortion(b), rel=0.05)
+
+
 def test_allocation_is_reverse_water_filling():
     """Greedy allocation against brute force over every allocation of the budget (the oracle)."""
     import itertools
