@@ -6,16 +6,25 @@ reads a question about the passage. The figure is the KL divergence of the first
 from the one an uncompressed float32 ``DynamicCache`` gives (transformers' SDPA), as kvpress's evaluation
 measures it; beside it, the pages the compression freed and the prefill's time against the same prefill
 without eviction (scoring included: ``observe=True`` on every layer), measured side by side in this run.
+
+``--kvpress PYTHON`` runs kvpress's presses on the same protocol beside them: PYTHON is the interpreter of an
+environment where kvpress is installed (it pins transformers < 5.3, so it has its own); it runs
+``kvpress_side.py`` (which imports no kvhal) on the model this side saved with ``save_pretrained`` (the same float32
+weights), the same token ids, and this side's reference distribution, so both columns' KL share one reference.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +34,21 @@ from ..eviction import H2O, AdaKV, ExpectedAttention, Knorm, Policy, SinkWindow,
 
 QUESTION = "\n\nQuestion: Who was the first keeper of the lighthouse at Carrow Point, and when did he arrive?\nAnswer:"
 DEFAULT_TOKENS = 1628
+# the environment --kvpress PYTHON needs (torch==2.13.0: the CPU build where pip finds it locally)
+KVPRESS_PIP = "pip install kvpress==0.5.5 'transformers<5.3' torch==2.13.0 numpy"
+KVPRESS_VENV = f"python -m venv kvpress-venv && kvpress-venv/bin/{KVPRESS_PIP}"
+SIDE = Path(__file__).with_name("kvpress_side.py")
+# a kvhal policy's label (its longest matching prefix) -> the kvpress press with the same rule (kvpress_side.PRESSES)
+KVPRESS_PAIRS = {
+    "SinkWindow": "StreamingLLMPress",
+    "SnapKV": "SnapKVPress",
+    "H2O": "ObservedAttentionPress",
+    "Knorm": "KnormPress",
+    "AdaKV(SnapKV": "AdaKVPress(SnapKVPress)",
+    "ExpectedAttention": "ExpectedAttentionPress",
+    "AdaKV(ExpectedAttention)": "AdaKVPress(ExpectedAttentionPress)",
+    "AdaKV(ExpectedAttn, 1, 1)": "ExpectedAttentionPress",  # per layer and head, kvpress's own choice
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +95,64 @@ def chosen(n: int, keep: float, names: str | None) -> dict[str, Policy]:
     return out
 
 
+def kvpress_pair(label: str) -> str | None:
+    """The kvpress press paired with kvhal's policy ``label`` (``"none"`` with ``"none"``), or None."""
+    if label == "none":
+        return "none"
+    keys = [k for k in KVPRESS_PAIRS if label.startswith(k)]
+    return KVPRESS_PAIRS[max(keys, key=len)] if keys else None
+
+
+def check_kvpress(python: str) -> str:
+    """``python`` as an interpreter that imports kvpress, transformers, torch and numpy: its kvpress version."""
+    how = f"make one with: {KVPRESS_VENV}, then pass --kvpress kvpress-venv/bin/python"
+    if not isinstance(python, str) or not python:
+        raise SpecError(f"--kvpress takes the path of a Python interpreter, got {python!r}; {how}")
+    path = Path(python)
+    if not path.is_file():
+        raise SpecError(f"--kvpress {python!r} is not a file; {how}")
+    probe = "import kvpress, numpy, torch, transformers, importlib.metadata as m; print(m.version('kvpress'))"
+    try:
+        p = subprocess.run([str(path), "-I", "-c", probe], capture_output=True, text=True, timeout=600)
+    except OSError as e:
+        raise SpecError(f"--kvpress {python!r} does not run ({e}); {how}") from None
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SpecError(f"--kvpress {python!r} cannot import kvpress, numpy, torch and transformers ({last}); {how}")
+    return p.stdout.strip().splitlines()[-1]
+
+
+def run_kvpress(
+    python: str, lm: Any, context_ids: list[int], question_ids: list[int], keep: float, presses: list[str],
+    ref: np.ndarray,
+) -> dict[str, Any]:  # fmt: skip
+    """kvpress's rows: ``kvpress_side.py`` under ``python`` on ``lm``'s weights, saved to a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="kvhal-kvpress-") as tmp:
+        # a GGUF-loaded model refuses save_pretrained (its config names the GGUF quantization), though its weights
+        # are dense float32 here: copy them into a model of the same config without it
+        config = copy.deepcopy(lm.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        dense = type(lm)(config)
+        dense.load_state_dict(lm.state_dict())
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            dense.save_pretrained(f"{tmp}/model")
+        del dense
+        np.save(f"{tmp}/reference.npy", ref)
+        req = {"model_dir": f"{tmp}/model", "context_ids": context_ids, "question_ids": question_ids,
+               "keep": keep, "presses": presses, "reference": f"{tmp}/reference.npy"}  # fmt: skip
+        p = subprocess.run([python, "-I", str(SIDE)], input=json.dumps(req), capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        tail = "\n".join(p.stderr.strip().splitlines()[-15:])
+        raise KVHalError(f"kvpress's side ({python} {SIDE.name}) failed with exit status {p.returncode}:\n{tail}\n"
+                         f"its environment needs: {KVPRESS_PIP}")  # fmt: skip
+    out: dict[str, Any] = json.loads(lines[-1])
+    out["python"] = python
+    return out
+
+
 def _load(model: str | None) -> tuple[Any, Any, str]:
     from pathlib import Path
 
@@ -103,6 +185,7 @@ def run(
     backend: str = "auto",
     block_size: int = 16,
     names: str | None = None,
+    kvpress: str | None = None,
 ) -> dict[str, Any]:
     import torch
     import transformers
@@ -130,6 +213,11 @@ def run(
     with torch.inference_mode():
         lm(ctx, cache=ref_cache)
     ref = answer_logp(ref_cache)
+    labels = ["none", *chosen(tokens, keep, names)]
+    side = None
+    if kvpress is not None:
+        presses = list(dict.fromkeys(p for p in map(kvpress_pair, labels) if p is not None))
+        side = run_kvpress(kvpress, lm, ctx[0].tolist(), question[0].tolist(), keep, presses, ref)
     lm.set_attn_implementation("kvhal")
 
     def prefill(press: Policy | None) -> tuple[Any, float]:
@@ -166,6 +254,8 @@ def run(
         "keep": keep,
         "plain_prefill_s": times,
         "rows": [asdict(r) for r in rows],
+        # kvpress's rows and the kvhal policy each pairs with
+        **({} if side is None else {"kvpress": side, "pairs": {label: kvpress_pair(label) for label in labels}}),
     }
 
 
@@ -183,18 +273,32 @@ def _row(
 
 
 def table(res: dict[str, Any]) -> str:
+    side = res.get("kvpress")
+    head = f"  {'policy':<28} {'KL first token':>14} {'top-1':>6} {'kept':>5} {'pages freed':>12} {'prefill':>8} " \
+        f"{'vs plain':>8}"  # fmt: skip
     lines = [
         f"kvhal eval --evict: {res['model']}, {res['backend']} {res['format']}, {res['context_tokens']}-token "
         f"context kept at {res['keep']}, {res['question_tokens']}-token question",
         f"  plain prefill (no eviction) {', '.join(f'{t:.1f}' for t in res['plain_prefill_s'])} s",
-        f"  {'policy':<28} {'KL first token':>14} {'top-1':>6} {'kept':>5} {'pages freed':>12} {'prefill':>8} "
-        f"{'vs plain':>8}",
     ]
+    if side is not None:
+        v = side["versions"]
+        lines.insert(1, f"  beside kvpress {v['kvpress']} (transformers {v['transformers']}, torch {v['torch']}), "
+                        f"compression_ratio={1 - res['keep']:g}, the same reference")  # fmt: skip
+        head += f"  | {'kvpress':<34} {'KL first token':>14} {'top-1':>6}"
+        theirs = {r["press"]: r for r in side["rows"]}
+    lines.append(head)
     for r in res["rows"]:
-        lines.append(
+        line = (
             f"  {r['policy']:<28} {r['kl']:>14.3e} {'same' if r['top1_same'] else 'diff':>6} {r['kept_tokens']:>5} "
             f"{r['pages_freed']:>11.1%} {r['prefill_s']:>7.1f}s {r['prefill_ratio']:>7.2f}x"
         )
+        if side is not None:
+            t = theirs.get(res["pairs"].get(r["policy"]) or "")
+            line += "  | " + (
+                f"{t['press']:<34} {t['kl']:>14.3e} {'same' if t['top1_same'] else 'diff':>6}" if t else f"{'-':<34}"
+            )
+        lines.append(line.rstrip())
     return "\n".join(lines)
 
 
@@ -212,6 +316,9 @@ def cli(args: Any) -> int:
     k_format, _, v_format = args.evict_format.partition("/")
     names = getattr(args, "policies", None)
     chosen(tokens, keep, names)  # a bad --policies fails before the model loads
-    res = run(args.model, tokens, keep, k_format, v_format or k_format, args.backend, block_size, names)
+    kvpress = getattr(args, "kvpress", None)
+    if kvpress is not None:
+        check_kvpress(kvpress)  # and a bad --kvpress too
+    res = run(args.model, tokens, keep, k_format, v_format or k_format, args.backend, block_size, names, kvpress)
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0

@@ -643,6 +643,13 @@ def add_parser(sub: Any) -> None:
         help="--evict: the policies to run, a comma list of their names' prefixes (e.g. 'SnapKV,Expected'; "
         "default all)",
     )
+    pe.add_argument(
+        "--kvpress",
+        metavar="PYTHON",
+        help="--evict: also run kvpress's matching presses beside each policy, under PYTHON, the interpreter of an "
+        "environment with kvpress (it pins transformers < 5.3: python -m venv kvpress-venv && kvpress-venv/bin/pip "
+        "install kvpress==0.5.5 'transformers<5.3' torch==2.13.0 numpy)",
+    )
     pe.add_argument("--offset", type=str, default="0", help="start the passage at this token (a second passage)")
     pe.add_argument(
         "--calibrate",
