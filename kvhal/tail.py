@@ -190,15 +190,16 @@ class TailStore:
         total: np.ndarray,
         window: np.ndarray,
     ) -> None:
-        """Add to ``total``/``window`` ``[H, T]`` the float64 mass ``exp(q.k * scale - lse)`` keys ``k [T, H, D]``
-        got from query rows ``q [n_q, Hq, D]`` (``seen [n_q, T]``: which keys each row sees; None: all), summed
-        over each KV head's query heads; ``window``: from rows ``split..`` only."""
+        """Add to ``total``/``window`` ``[H, T]`` the mass ``exp(q.k * scale - lse)`` keys ``k [T, H, D]`` got from
+        query rows ``q [n_q, Hq, D]`` (``seen [n_q, T]``: which keys each row sees; None: all), summed over each KV
+        head's query heads; ``window``: from rows ``split..`` only. ``q.k`` one float32 GEMM per KV head (as the
+        pages' pass scores; float64 GEMMs here take ~100x longer), the rest float64."""
         n_q, n_heads, d = q.shape
         H, T = k.shape[1], k.shape[0]
         g = n_heads // H
-        qr = q.astype(np.float64).reshape(n_q, H, g, d).transpose(1, 0, 2, 3).reshape(H, n_q * g, d)
-        e = np.matmul(qr, k.astype(np.float64).transpose(1, 2, 0)).reshape(H, n_q, g, T) * scale
-        e -= lse.reshape(n_q, H, g).transpose(1, 0, 2)[..., None]
+        qr = q.reshape(n_q, H, g, d).transpose(1, 0, 2, 3).reshape(H, n_q * g, d)
+        e = np.matmul(qr, np.ascontiguousarray(k.transpose(1, 2, 0), np.float32)).astype(np.float64) * scale
+        e = e.reshape(H, n_q, g, T) - lse.reshape(n_q, H, g).transpose(1, 0, 2)[..., None]
         if seen is not None:
             e = np.where(seen[None, :, None, :], e, -np.inf)
         per_row = np.exp(e).sum(axis=2)  # [H, n_q, T]
