@@ -159,10 +159,12 @@ class TailStore:
                         )
                         total[:, S:P] += t
                         window[:, S:P] += w
-            if L > P:
-                seen = np.arange(P, L)[None, :] <= pos if batch.causal else None
-                self._rows_mass(qh[rows], lse[rows], self.rows(s, layer, 0, L - P)[0], seen, batch.scale, split,
-                                total[:, P:], window[:, P:])  # fmt: skip
+            if L > P:  # causal: only the queries from position P on see a tail key
+                r0 = max(0, P - (L - n_q)) if batch.causal else 0
+                seen = np.arange(P, L)[None, :] <= pos[r0:] if batch.causal else None
+                r = slice(start + r0, start + n_q)
+                self._rows_mass(qh[r], lse[r], self.rows(s, layer, 0, L - P)[0], seen, batch.scale,
+                                max(0, split - r0), total[:, P:], window[:, P:])  # fmt: skip
             out.append((total, window))
             start += n_q
         return out
