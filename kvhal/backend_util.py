@@ -257,14 +257,15 @@ def logsumexp(lses: np.ndarray) -> np.ndarray:
     return np.where(np.isneginf(top), -np.inf, total)
 
 
-def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Attention over the union of disjoint key sets from each set's ``(out, lse)``: the log-sum-exp rule.
-    0 where no part saw a key; a NaN part (a NaN in q or K) makes the row NaN, as one kernel call would."""
+def merge_lse(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Attention over the union of disjoint key sets from each set's ``(out, lse)``: the log-sum-exp rule, and
+    the union's log-sum-exp (float64). 0 where no part saw a key; a NaN part (a NaN in q or K) makes the row NaN,
+    as one kernel call would."""
     lses = np.stack([lse for _, lse in parts])  # [P, n_q, H]
     total = logsumexp(lses)
     w = np.exp(lses - np.where(np.isfinite(total), total, 0.0))  # 0 for parts a row did not see
     out = sum(np.asarray(o, np.float64) * wi[..., None] for (o, _), wi in zip(parts, w))
-    return np.where(np.isneginf(total)[..., None], 0.0, out).astype(np.float32)
+    return np.where(np.isneginf(total)[..., None], 0.0, out).astype(np.float32), total
 
 
 def attention_mass_lse(

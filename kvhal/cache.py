@@ -533,15 +533,15 @@ class KVCache:
         if spec.k_codec:  # pages score q in coefficient space; an f16 tail scores q itself
             q_pages, offset = self.codec.coefficient_query(self.backend, layer, q)
             if spec.uses_tail:
-                out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window, (q_pages, offset))
+                out, lse = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window, (q_pages, offset))
                 if observe:
-                    self.evictor.observe_tail(seq_objs, layer, q, batch)
+                    self.evictor.observe_tail(seq_objs, layer, q, batch, lse, (q_pages, offset))
                 return self.backend.asarray(out, "out")
             q = q_pages
         if spec.uses_tail:
-            out = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
+            out, lse = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
             if observe:
-                self.evictor.observe_tail(seq_objs, layer, q, batch)
+                self.evictor.observe_tail(seq_objs, layer, q, batch, lse)
         elif offloaded:
             out = self.streamer.attention(layer, q, seq_objs, qls, scale, causal)
         elif observe:

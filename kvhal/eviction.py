@@ -537,10 +537,18 @@ class Evictor:
         self._accumulate(seqs, layer, mass)
         return out
 
-    def observe_tail(self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch) -> None:
-        """With an f16 tail, after ``TailStore.attention``: the mass over pages and tail together (``TailStore.mass``,
-        float64 on the host), accumulated as ``observe`` does."""
-        self._accumulate(seqs, layer, self.tail.mass(seqs, layer, q, batch, self.observe_window))
+    def observe_tail(
+        self,
+        seqs: list[Seq],
+        layer: int,
+        q: Any,
+        batch: AttentionBatch,
+        lse: np.ndarray,
+        pages_q: tuple[Any, np.ndarray] | None = None,
+    ) -> None:
+        """With an f16 tail, after ``TailStore.attention`` (its ``lse``, and the ``pages_q`` it took): the mass over
+        pages and tail together (``TailStore.mass``), accumulated as ``observe`` does."""
+        self._accumulate(seqs, layer, self.tail.mass(seqs, layer, q, batch, self.observe_window, lse, pages_q))
 
     def _accumulate(self, seqs: list[Seq], layer: int, mass: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for s, (total, tail) in zip(seqs, mass):

@@ -138,6 +138,6 @@ class Streamer:
                 parts.append(self.backend.attention_lse(rows, self.pools, layer, batch))
             if s.host is not None:
                 parts += s.host.attention_parts(self.pools, arena, rows, layer, n_q, scale)
-            out[start : start + n_q] = merge_lse(parts)
+            out[start : start + n_q] = merge_lse(parts)[0]
             start += n_q
         return out

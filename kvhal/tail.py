@@ -117,11 +117,102 @@ class TailStore:
         return k, v
 
     def mass(
+        self,
+        seqs: list[Seq],
+        layer: int,
+        q: Any,
+        batch: AttentionBatch,
+        tail: int,
+        lse: np.ndarray,
+        pages_q: tuple[Any, np.ndarray] | None = None,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``Backend.attention_mass`` over sinks, pages and tail together, after ``attention`` gave ``lse`` (each
+        row's log-sum-exp over all its keys; ``pages_q`` as ``attention`` took it): key ``j`` gets
+        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (and no window),
+        the pages' part is that pass given ``lse`` (the same sub-batches ``attention`` ran the kernel on), and
+        only the f16 sink and tail rows are scored here (``_rows_mass``); otherwise ``mass_f64``. The last
+        ``tail`` queries are summed apart too."""
+        if "attention_mass" not in self.backend.fused or batch.window is not None or batch.holes is not None:
+            return self.mass_f64(seqs, layer, q, batch, tail)
+        spec = self.spec
+        qh = np.asarray(self.backend.to_numpy(q), np.float32)
+        qp = qh if pages_q is None else np.asarray(self.backend.to_numpy(pages_q[0]), np.float32)
+        lse_p = lse if pages_q is None else lse - pages_q[1] * batch.scale  # kltq pages leave out q . mu
+        out, start = [], 0
+        for s, n_q in zip(seqs, batch.q_lens.tolist()):
+            L, P = s.lens[layer], s.pages()[layer]
+            S, b, a, pages = self.pages(s, layer, n_q, batch.causal, batch.scale)
+            pos, split = np.arange(L - n_q, L)[:, None], max(0, n_q - tail)
+            rows = slice(start, start + n_q)
+            total, window = np.zeros((spec.n_kv_heads, L)), np.zeros((spec.n_kv_heads, L))
+            if S:
+                seen = np.arange(S)[None, :] <= pos if batch.causal else None
+                self._rows_mass(qh[rows], lse[rows], self.sink_rows(s, layer)[0][:S], seen, batch.scale, split,
+                                total[:, :S], window[:, :S])  # fmt: skip
+            if P > S:
+                for c0, c1, causal in ((b, b + a, True), (b + a, n_q, False)):
+                    if c1 > c0:
+                        sub = pages.with_(q_lens=np.array([c1 - c0], np.int32), causal=causal)
+                        r = slice(start + c0, start + c1)
+                        [(t, w)] = self.backend.attention_mass(
+                            qp[r], self.pools, layer, sub, max(0, c1 - max(c0, split)), lse_p[r]
+                        )
+                        total[:, S:P] += t
+                        window[:, S:P] += w
+            if L > P:  # causal: only the queries from position P on see a tail key
+                r0 = max(0, P - (L - n_q)) if batch.causal else 0
+                seen = np.arange(P, L)[None, :] <= pos[r0:] if batch.causal else None
+                r = slice(start + r0, start + n_q)
+                self._rows_mass(qh[r], lse[r], self.rows(s, layer, 0, L - P)[0], seen, batch.scale,
+                                max(0, split - r0), total[:, P:], window[:, P:])  # fmt: skip
+            out.append((total, window))
+            start += n_q
+        return out
+
+    def pages(self, s: Seq, layer: int, n_q: int, causal: bool, scale: float) -> tuple[int, int, int, AttentionBatch]:
+        """Where the last ``n_q`` positions of ``s`` meet the keys the kernel attends at ``layer``, page positions
+        ``[S, P)`` (``[0, S)``: the f16 sink rows instead): ``(S, b, a, batch)``, queries ``[0, b)`` precede those
+        keys (sink positions), ``[b, b + a)`` sit among them (the kernel's own causal mask), the rest follow them
+        (all 0 when not ``causal``: every query sees every key); ``batch`` over them, its ``q_lens`` to set."""
+        L, P, bs = s.lens[layer], s.pages()[layer], self.spec.block_size
+        S = min(self.spec.sink_tokens, P)
+        a = max(0, P - max(L - n_q, S)) if causal else 0
+        b = max(0, P - (L - n_q)) - a if causal else 0
+        table = s.table()[None, S // bs : P // bs]
+        return S, b, a, AttentionBatch(table, np.array([P - S], np.int32), np.array([0], np.int32), scale)
+
+    @staticmethod
+    def _rows_mass(
+        q: np.ndarray,
+        lse: np.ndarray,
+        k: np.ndarray,
+        seen: np.ndarray | None,
+        scale: float,
+        split: int,
+        total: np.ndarray,
+        window: np.ndarray,
+    ) -> None:
+        """Add to ``total``/``window`` ``[H, T]`` the mass ``exp(q.k * scale - lse)`` keys ``k [T, H, D]`` got from
+        query rows ``q [n_q, Hq, D]`` (``seen [n_q, T]``: which keys each row sees; None: all), summed over each KV
+        head's query heads; ``window``: from rows ``split..`` only. ``q.k`` one float32 GEMM per KV head (as the
+        pages' pass scores; float64 GEMMs here take ~100x longer), the rest float64."""
+        n_q, n_heads, d = q.shape
+        H, T = k.shape[1], k.shape[0]
+        g = n_heads // H
+        qr = q.reshape(n_q, H, g, d).transpose(1, 0, 2, 3).reshape(H, n_q * g, d)
+        e = np.matmul(qr, np.ascontiguousarray(k.transpose(1, 2, 0), np.float32)).astype(np.float64) * scale
+        e = e.reshape(H, n_q, g, T) - lse.reshape(n_q, H, g).transpose(1, 0, 2)[..., None]
+        if seen is not None:
+            e = np.where(seen[None, :, None, :], e, -np.inf)
+        per_row = np.exp(e).sum(axis=2)  # [H, n_q, T]
+        total += per_row.sum(axis=1)
+        window += per_row[:, split:].sum(axis=1)
+
+    def mass_f64(
         self, seqs: list[Seq], layer: int, q: Any, batch: AttentionBatch, tail: int, chunk: int = 256
     ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``Backend.attention_mass`` over pages and tail together: a float64 softmax of ``q`` against ``values``'
-        keys, masked as ``attention`` masks them, in chunks of ``chunk`` queries; the last ``tail`` queries summed
-        apart too."""
+        """``mass`` on any backend: a float64 softmax of ``q`` against ``values``' keys, masked as ``attention``
+        masks them, in chunks of ``chunk`` queries; the last ``tail`` queries summed apart too."""
         H = self.spec.n_kv_heads
         qh = np.asarray(self.backend.to_numpy(q), np.float64)
         group, d = qh.shape[1] // H, qh.shape[2]
@@ -251,13 +342,13 @@ class TailStore:
         causal: bool,
         window: int | None,
         pages_q: tuple[Any, np.ndarray] | None = None,
-    ) -> np.ndarray:
-        """Attention over the quantized pages (the backend's kernel) merged with float64 attention over the tail.
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Attention over the quantized pages (the backend's kernel) merged with float64 attention over the tail,
+        and each query row's log-sum-exp over all the keys it saw (float64 ``[n_q, H]``: what ``mass`` takes).
 
         ``pages_q``: for a K format scored in its own coefficient space (kltq), the queries the pages take and
         the score term they leave out per query row and head (``q . mu``), added back to their log-sum-exp."""
-        bs, pools = self.spec.block_size, self.pools
-        sink = self.spec.sink_tokens
+        pools, sink = self.pools, self.spec.sink_tokens
         if sink and window is not None:
             raise UnsupportedError(
                 "attention with a window over a cache with f16 sinks (CacheSpec.sinks) is not supported; pass "
@@ -267,14 +358,13 @@ class TailStore:
         qp, offset = (qh, None) if pages_q is None else (np.asarray(self.backend.to_numpy(pages_q[0]), np.float32),
                                                           pages_q[1] * scale)  # fmt: skip
         group = qh.shape[1] // self.spec.n_kv_heads
-        out = np.empty(qh.shape, np.float32)
+        out, lse_all = np.empty(qh.shape, np.float32), np.empty(qh.shape[:2])
         start = 0
         for s, n_q in zip(seqs, q_lens):
             rows, prow = qh[start : start + n_q], qp[start : start + n_q]
             L, P = s.lens[layer], s.pages()[layer]
             pos = np.arange(L - n_q, L)
-            S = min(sink, P)  # page positions [0, S) are attended in f16 from the sink rows instead
-            a = max(0, P - max(L - n_q, S))  # queries that sit in the kernel's paged region [S, P)
+            S, b, a, pages = self.pages(s, layer, n_q, causal, scale)
             parts = []
             if S:
                 ks, vs = self.sink_rows(s, layer)
@@ -288,9 +378,6 @@ class TailStore:
             if P > S:
                 o = np.zeros(rows.shape, np.float32)
                 lse = np.full(rows.shape[:2], -np.inf)
-                pages = AttentionBatch(
-                    s.table()[None, S // bs : P // bs], np.array([P - S], np.int32), np.array([0], np.int32), scale
-                )
 
                 def run(
                     r: np.ndarray, causal_: bool, win: int | None, pages: AttentionBatch = pages
@@ -298,9 +385,6 @@ class TailStore:
                     batch = pages.with_(q_lens=np.array([len(r)], np.int32), causal=causal_, window=win)
                     return self.backend.attention_lse(r, pools, layer, batch)
 
-                b = max(0, P - (L - n_q)) - a  # paged-region queries before S (sink queries): no page key
-                if not causal:  # every query sees every page key
-                    b, a = 0, 0
                 if a:  # the last `a` positions of the pages: the kernel's own masking
                     o[b : b + a], lse[b : b + a] = run(prow[b : b + a], causal, window)
                 if b + a < n_q and window is None:  # every page key precedes these queries
@@ -324,6 +408,6 @@ class TailStore:
                 scores = np.where(((j >= lo) & (j < hi))[None], scores, -np.inf)
                 p, lse_t = softmax(scores)
                 parts.append((np.einsum("hqk,khd->qhd", p, vt).astype(np.float32), lse_t.T))
-            out[start : start + n_q] = merge_lse(parts)
+            out[start : start + n_q], lse_all[start : start + n_q] = merge_lse(parts)
             start += n_q
-        return out
+        return out, lse_all

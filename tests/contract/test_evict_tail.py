@@ -98,9 +98,70 @@ def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info, window):
                 [(t, w)] = f64_mass(c, [s], q[-q_len:], [q_len], 64**-0.5, window, 24, layer)
                 total[layer] += t
             rec = c.seq_table.get(s)
-            np.testing.assert_allclose(rec.mass[layer], total[layer], rtol=1e-9, atol=1e-12)
-            np.testing.assert_allclose(rec.window_mass[layer], w, rtol=1e-9, atol=1e-12)  # the last call's window
-            assert rec.mass[layer].sum() == pytest.approx(76 * 4)  # every query row's weights sum to 1
+            tol = fused_tol(c, window)
+            np.testing.assert_allclose(rec.mass[layer], total[layer], **tol)
+            np.testing.assert_allclose(rec.window_mass[layer], w, **tol)  # the last call's window
+            assert rec.mass[layer].sum() == pytest.approx(76 * 4, rel=tol["rtol"])  # each row's weights sum to 1
+
+
+def fused_tol(c: kvhal.KVCache, window: int | None) -> dict[str, float]:
+    """The float64 host path is exact to rounding; a backend's fused mass pass scores in float32 (test_observe)."""
+    fused = "attention_mass" in c.backend.fused and window is None
+    return dict(rtol=1e-4, atol=1e-5) if fused else dict(rtol=1e-9, atol=1e-12)
+
+
+def test_the_tail_mass_takes_the_fused_pass_for_the_pages(backend_info, monkeypatch):
+    """With sinks and a tail, two sequences in one call: a whole prefill (queries before, among and after the
+    pages), a chunk straddling the pages' end, and a decode query. Where the backend fuses ``attention_mass``, the
+    pages' part is that pass given the rows' log-sum-exp over all their keys, and only the f16 rows are scored on
+    the host; either way the mass is the float64 softmax over ``load``."""
+    fmt = next((f for f in ("q8_0", "q4_0") if f in backend_info.formats), None)
+    if fmt is None:
+        pytest.skip(f"{backend_info.name} claims neither q8_0 nor q4_0")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8, sinks=5,
+                           tail=12)  # fmt: skip
+    c = kvhal.KVCache(spec, 128, backend=backend_info.name, observe_window=7)
+    calls = []
+    real = c.backend.attention_mass
+
+    def spy(q, pools, layer, batch, tail, lse=None):
+        calls.append((len(q), int(batch.seq_lens[0]), bool(batch.causal), tail, lse is not None))
+        return real(q, pools, layer, batch, tail, lse)
+
+    monkeypatch.setattr(c.backend, "attention_mass", spy)
+    rng = np.random.default_rng(7)
+    s, t = c.new_seq(), c.new_seq()
+    kv = {x: [rng.standard_normal((n, 2, 64), dtype=np.float32) for _ in "kv"] for x, n in ((s, 61), (t, 45))}
+    c.store(t, 0, kv[t][0][:30], kv[t][1][:30])
+    total = {s: np.zeros((2, 61)), t: np.zeros((2, 45))}
+    for step, (seqs, q_lens) in enumerate((([s, t], [61, 30]), ([t], [15]), ([s, t], [1, 1]))):
+        if step == 0:
+            c.store(s, 0, *kv[s])
+        elif step == 1:
+            c.store(t, 0, kv[t][0][30:], kv[t][1][30:])
+        q = rng.standard_normal((sum(q_lens), 4, 64), dtype=np.float32)
+        c.attention(0, q, seqs, q_lens, observe=True)
+        for x, (m, w) in zip(seqs, f64_mass(c, seqs, q, q_lens, 64**-0.5, None, 7)):
+            total[x][:, : m.shape[1]] += m
+            rec = c.seq_table.get(x)
+            np.testing.assert_allclose(rec.mass[0], total[x][:, : m.shape[1]], **fused_tol(c, None))
+            np.testing.assert_allclose(rec.window_mass[0], w, **fused_tol(c, None))
+    if "attention_mass" not in c.backend.fused:
+        assert calls == []  # the float64 host path
+        return
+    # (queries, page keys, causal, window queries, lse given): s has 61 tokens, 48 paged (the first 8 sinks): its
+    # prefill's queries 0..7 see no page key, 8..47 sit among them (causal), 48..60 follow them (the last 7 the
+    # window); t has 30 tokens (16 paged), then 45 (32 paged: its queries at 30, 31 sit among them)
+    assert calls == [
+        (40, 40, True, 0, True),
+        (13, 40, False, 7, True),
+        (8, 8, True, 0, True),
+        (14, 8, False, 7, True),
+        (2, 24, True, 0, True),
+        (13, 24, False, 7, True),
+        (1, 40, False, 1, True),
+        (1, 24, False, 1, True),
+    ]
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "knorm", "sink_window", "window"])
