@@ -323,6 +323,42 @@ class TailStore:
                 kb[a : a + bs] = codec.quantize_page(x).reshape(spec.n_kv_heads, bs, -1).transpose(1, 0, 2)
         return kb, vb
 
+    def _tail_part(
+        self,
+        s: Seq,
+        layer: int,
+        rows: np.ndarray,
+        pos: np.ndarray,
+        P: int,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(out, lse) of float64 attention of query ``rows`` (at positions ``pos``) over the tail rows ``[P, L)``:
+        only the queries that see a tail key are scored (causal: those at or after ``P``), one GEMM per KV head
+        for the group's query heads (no copy of K/V per query head)."""
+        n_q, Hq, D = rows.shape
+        H = self.spec.n_kv_heads
+        g, L = Hq // H, s.lens[layer]
+        out, lse = np.zeros(rows.shape, np.float32), np.full((n_q, Hq), -np.inf)
+        r0 = int(np.searchsorted(pos, P)) if causal else 0  # earlier queries see no tail key
+        m = n_q - r0
+        if m <= 0:
+            return out, lse
+        kt = s.tail_k[layer].astype(np.float64).transpose(1, 2, 0)  # [H, D, T]
+        vt = s.tail_v[layer].astype(np.float64).transpose(1, 0, 2)  # [H, T, D]
+        qh = rows[r0:].astype(np.float64).reshape(m, H, g, D).transpose(1, 0, 2, 3).reshape(H, m * g, D)
+        scores = np.matmul(qh, kt).reshape(H, m, g, L - P) * scale
+        j, at = np.arange(P, L)[None, :], pos[r0:, None]
+        lo = at - window + 1 if window is not None else np.full((m, 1), P)
+        hi = at + 1 if causal else np.full((m, 1), L)
+        scores = np.where(((j >= lo) & (j < hi))[None, :, None], scores, -np.inf)
+        p, lse_t = softmax(scores)  # [H, m, g, T], [H, m, g]
+        o = np.matmul(p.reshape(H, m * g, L - P), vt).reshape(H, m, g, D)
+        out[r0:] = o.transpose(1, 0, 2, 3).reshape(m, Hq, D)
+        lse[r0:] = lse_t.transpose(1, 0, 2).reshape(m, Hq)
+        return out, lse
+
     def sink_rows(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Stored-form f32 rows of the f16 sink positions ``[0, min(sink_tokens, stored))``."""
         empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float16)
@@ -399,15 +435,7 @@ class TailStore:
                     lse = lse + offset[start : start + n_q]
                 parts.append((o, lse))
             if L > P:
-                kt = np.repeat(s.tail_k[layer].astype(np.float64), group, axis=1)  # [T, Hq, D]
-                vt = np.repeat(s.tail_v[layer].astype(np.float64), group, axis=1)
-                scores = np.einsum("qhd,khd->hqk", rows.astype(np.float64), kt) * scale
-                j = np.arange(P, L)[None, :]
-                lo = pos[:, None] - window + 1 if window is not None else np.full((n_q, 1), P)
-                hi = pos[:, None] + 1 if causal else np.full((n_q, 1), L)
-                scores = np.where(((j >= lo) & (j < hi))[None], scores, -np.inf)
-                p, lse_t = softmax(scores)
-                parts.append((np.einsum("hqk,khd->qhd", p, vt).astype(np.float32), lse_t.T))
+                parts.append(self._tail_part(s, layer, rows, pos, P, scale, causal, window))
             out[start : start + n_q], lse_all[start : start + n_q] = merge_lse(parts)
             start += n_q
         return out, lse_all
