@@ -85,7 +85,6 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
     const int64_t r = ((s->slots[n] / L->bs) * H + h) * L->bs + s->slots[n] % L->bs;
     kltq_isa(L->isa)->quantize(L->vfmt, s->v + (n * H + h) * D, s->vpool + r * L->vrow, D);
     uint8_t *row = s->pool + r * L->krow;
-    memset(row, 0, (size_t)L->krow);
     const float *mu = L->mean + h * D, *T = L->analysis + (int64_t)h * D * D, *sg = L->sigma + h * D;
     const uint8_t *al = L->alloc + h * D;
     const int32_t *st = L->start + h * D;
@@ -102,25 +101,28 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
                 for (int j = 0; j < D; j++) c += (double)T[i * D + j] * y[j];
             cs[i] = c;
         }
+    /* the codes into a local copy of the record (a 32-bit OR per code, which may run 3 bytes past it), then
+     * the record */
+    uint8_t rec[512 * 12 / 8 + 8];
+    memset(rec, 0, (size_t)L->krow + 8);
     for (int i = 0; i < D; i++) {
         const int b = al[i];
         if (!b) continue;
         const double z = cs[i] / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
         const float *lv = L->books + b * 4096;
-        int lo = 0, hi = (1 << b) - 1; /* the number of midpoints below z */
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (((double)lv[mid] + (double)lv[mid + 1]) / 2 < z)
-                lo = mid + 1;
-            else
-                hi = mid;
+        /* the number of midpoints below z, branch-free: lo + step - 1 is the midpoint between levels lo + step
+         * - 1 and lo + step */
+        int lo = 0;
+        for (int step = 1 << (b - 1); step; step >>= 1) {
+            const int mid = lo + step - 1;
+            lo += ((double)lv[mid] + (double)lv[mid + 1]) / 2 < z ? step : 0;
         }
-        for (int k = 0; k < b; k++)
-            if ((lo >> k) & 1) {
-                const int p = st[i] + k;
-                row[p >> 3] |= (uint8_t)(1u << (p & 7));
-            }
+        uint32_t w;
+        memcpy(&w, rec + (st[i] >> 3), 4);
+        w |= (uint32_t)lo << (st[i] & 7);
+        memcpy(rec + (st[i] >> 3), &w, 4);
     }
+    memcpy(row, rec, (size_t)L->krow);
 }
 
 KV_EXPORT int kvc_kltq_store(const kltq_layer *L, const float *x, const float *v, const int64_t *slots, int64_t n,
