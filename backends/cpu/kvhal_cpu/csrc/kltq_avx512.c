@@ -519,6 +519,25 @@ void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al,
     }
 }
 
+void kv_kltq_codes_avx512(const double *mids, const int32_t *moff, const double *z, const uint8_t *al, int D,
+                          int32_t *code) {
+    for (int i = 0; i < D; i++) {
+        const int b = al[i];
+        const double *m = mids + moff[b];
+        if (b <= 7) { /* count the midpoints below z, 8 per compare (width 0: a table of +inf, 0) */
+            const __m512d zv = _mm512_set1_pd(z[i]);
+            int n = 0;
+            for (int k = 0; k < moff[b + 1] - moff[b]; k += 8)
+                n += __builtin_popcount(_mm512_cmp_pd_mask(_mm512_loadu_pd(m + k), zv, _CMP_LT_OQ));
+            code[i] = n;
+        } else {
+            int32_t lo = 0;
+            for (int32_t step = 1 << (b - 1); step; step >>= 1) lo += m[lo + step - 1] < z[i] ? step : 0;
+            code[i] = lo;
+        }
+    }
+}
+
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
     (void)worker;
     kattn_ctx *a = (kattn_ctx *)ctx;
