@@ -1,6 +1,8 @@
-/* kltq attention with AVX-512 (see kltq.c): each record's codes by two gathers per 16 coefficients (the 32-bit
- * window at the coefficient's byte, shifted and masked, then its scaled level), scores and the output row by
- * 16-lane FMAs. A window load reads up to 63 bytes past a record; the cpu backend pads a kltq K pool by 128 bytes.
+/* kltq attention with AVX-512 (see kltq.c). Two kernels: keys in lanes (attn_task_t, below; AVX-512 VBMI, heads
+ * whose 8-code groups each span <= 8 bytes), else keys one at a time (attn_task: each record's code windows by
+ * a byte permute, or a gather without VBMI, per 16 coefficients, levels by permutes or gathers, scores by
+ * 16-lane FMAs and horizontal sums). Window loads read up to 127 bytes past a record; the cpu backend pads a
+ * kltq K pool by 128 bytes.
  */
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
