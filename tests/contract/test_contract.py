@@ -944,3 +944,26 @@ def test_kltq_matches_the_numpy_spec_and_float64(backend_info, rng, sinks):
             got = kvhal.to_numpy(c.attention(layer, q, [s]))
             oracle = attention_f64(q, [kl], [vl], [n_q])
             assert float(np.abs(got - oracle).max()) <= c.backend.tolerance(n_q) + 1e-5
+
+
+@pytest.mark.parametrize("budget", [4.5, 7])
+def test_kltq_attention_with_every_code_width(backend_info, rng, budget):
+    """kltq attention where the allocation spreads over every width (keys with a decaying spectrum: widths 0 to
+    11 at 4.5 bits, to 12 at 7), a query group of 4 heads, decode and a few causal rows: within the backend's
+    tolerance of float64 attention on the loaded K/V (the cpu kernels pick their lookup per width)."""
+    fmt = f"kltq:{budget}"
+    if fmt not in backend_info.formats:
+        pytest.skip(f"{backend_info.name} does not run kltq")
+    n, d = 200, 128
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    k = ((rng.standard_normal((n, 2, d)) * 10 * np.exp(-np.arange(d) / 16)) @ basis.T).astype(np.float32)
+    v = rng.standard_normal((n, 2, d)).astype(np.float32)
+    c = kvhal.KVCache(kvhal.CacheSpec(1, 2, d, k_format=fmt, v_format="q8_0"), 256, backend=backend_info.name)
+    s = c.new_seq()
+    c.store(s, 0, k, v)
+    assert int(c.resolved_spec.k_side.alloc.max()) > 8 and int(c.resolved_spec.k_side.alloc.min()) <= 1
+    kl, vl = (kvhal.to_numpy(x) for x in c.load(s, 0))
+    for n_q in (1, 3):
+        q = rng.standard_normal((n_q, 8, d), dtype=np.float32)
+        got = kvhal.to_numpy(c.attention(0, q, [s]))
+        assert float(np.abs(got - attention_f64(q, [kl], [vl], [n_q])).max()) <= c.backend.tolerance(n_q) + 1e-5

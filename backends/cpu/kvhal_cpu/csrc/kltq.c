@@ -72,7 +72,17 @@ typedef struct {
     const float *x, *v;
     const int64_t *slots;
     uint8_t *pool, *vpool;
+    const double *mids; /* width b's codebook midpoints in double from mids + moff[b], +inf after them */
+    int32_t moff[KLTQ_BMAX + 2];
 } kstore_ctx;
+
+/* the number of midpoints below z (mids ascending): a branch-free binary search; at midpoint lo + step - 1
+ * lie the levels lo + step - 1 and lo + step */
+KV_INLINE int32_t kltq_search(const double *mids, int b, double z) {
+    int32_t lo = 0;
+    for (int32_t step = 1 << (b - 1); step; step >>= 1) lo += mids[lo + step - 1] < z ? step : 0;
+    return lo;
+}
 
 static void kstore_task(void *ctx, int64_t t, int worker) {
     (void)worker;
@@ -85,10 +95,8 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
     const int64_t r = ((s->slots[n] / L->bs) * H + h) * L->bs + s->slots[n] % L->bs;
     kltq_isa(L->isa)->quantize(L->vfmt, s->v + (n * H + h) * D, s->vpool + r * L->vrow, D);
     uint8_t *row = s->pool + r * L->krow;
-    memset(row, 0, (size_t)L->krow);
     const float *mu = L->mean + h * D, *T = L->analysis + (int64_t)h * D * D, *sg = L->sigma + h * D;
     const uint8_t *al = L->alloc + h * D;
-    const int32_t *st = L->start + h * D;
     double y[512], cs[512];
     for (int j = 0; j < D; j++) y[j] = (double)x[j] - (double)mu[j];
 #if defined(__x86_64__) || defined(_M_X64)
@@ -102,32 +110,45 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
                 for (int j = 0; j < D; j++) c += (double)T[i * D + j] * y[j];
             cs[i] = c;
         }
+    /* the codes into a local copy of the record (the last write may run 7 bytes past it), then the record */
+    uint8_t rec[512 * 12 / 8 + 8];
+    memset(rec, 0, (size_t)L->krow + 8);
+    double z[512];
+    int32_t code[512];
+    for (int i = 0; i < D; i++) z[i] = cs[i] / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kltq_isa(L->isa) == &kv_isa_avx512)
+        kv_kltq_codes_avx512(s->mids, s->moff, z, al, D, code);
+    else
+#endif
+        for (int i = 0; i < D; i++) code[i] = al[i] ? kltq_search(s->mids + s->moff[al[i]], al[i], z[i]) : 0;
+    /* the codes in order (start[i] is the sum of the widths before i), 32 bits written at a time */
+    uint64_t acc = 0;
+    int nb = 0;
+    uint8_t *p = rec;
     for (int i = 0; i < D; i++) {
-        const int b = al[i];
-        if (!b) continue;
-        const double z = cs[i] / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
-        const float *lv = L->books + b * 4096;
-        int lo = 0, hi = (1 << b) - 1; /* the number of midpoints below z */
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (((double)lv[mid] + (double)lv[mid + 1]) / 2 < z)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        for (int k = 0; k < b; k++)
-            if ((lo >> k) & 1) {
-                const int p = st[i] + k;
-                row[p >> 3] |= (uint8_t)(1u << (p & 7));
-            }
+        acc |= (uint64_t)code[i] << nb, nb += al[i];
+        if (nb >= 32) memcpy(p, &acc, 4), p += 4, acc >>= 32, nb -= 32;
     }
+    memcpy(p, &acc, 8);
+    memcpy(row, rec, (size_t)L->krow);
 }
 
 KV_EXPORT int kvc_kltq_store(const kltq_layer *L, const float *x, const float *v, const int64_t *slots, int64_t n,
                              uint8_t *kpool, uint8_t *vpool) {
     if (L->D > 512) return -3;
-    kstore_ctx c = {L, x, v, slots, kpool, vpool};
+    kstore_ctx c = {L, x, v, slots, kpool, vpool, NULL, {0}};
+    for (int b = 0; b <= KLTQ_BMAX; b++) c.moff[b + 1] = c.moff[b] + (b < 3 ? 8 : 1 << b);
+    double *mids = (double *)malloc(sizeof(double) * (size_t)c.moff[KLTQ_BMAX + 1]);
+    if (!mids) return -2;
+    for (int b = 0; b <= KLTQ_BMAX; b++) {
+        const float *lv = L->books + b * 4096;
+        for (int k = 0; k < c.moff[b + 1] - c.moff[b]; k++)
+            mids[c.moff[b] + k] = b && k < (1 << b) - 1 ? ((double)lv[k] + (double)lv[k + 1]) / 2 : INFINITY;
+    }
+    c.mids = mids;
     kv_pool_run(kstore_task, &c, n * L->H, L->threads);
+    free(mids);
     return 0;
 }
 

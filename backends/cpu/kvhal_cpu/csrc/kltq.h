@@ -4,6 +4,8 @@
 
 #include "kvcpu.h"
 
+#define KLTQ_BMAX 12 /* the widest code (kvhal.formats.kltq.MAX_BITS) */
+
 typedef struct {
     int32_t H, D, bs, vfmt, isa, threads;
     int64_t krow, vrow;
@@ -29,5 +31,10 @@ typedef struct {
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker);
 /* c[i] = T[i] . y (double) for every coefficient with bits (al[i] > 0; al NULL: every one), D a multiple of 16 */
 void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c);
+
+/* code[i] = the number of width al[i]'s midpoints (mids + moff[al[i]], +inf padded to 8) below z[i]; 0 where
+ * al[i] is 0 */
+void kv_kltq_codes_avx512(const double *mids, const int32_t *moff, const double *z, const uint8_t *al, int D,
+                          int32_t *code);
 
 #endif

@@ -1,12 +1,17 @@
-/* kltq attention with AVX-512 (see kltq.c): each record's codes by two gathers per 16 coefficients (the 32-bit
- * window at the coefficient's byte, shifted and masked, then its scaled level), scores and the output row by
- * 16-lane FMAs. A window load reads up to 63 bytes past a record; the cpu backend pads a kltq K pool by 128 bytes.
+/* kltq attention with AVX-512 (see kltq.c). Two kernels: keys in lanes (attn_task_t, below; AVX-512 VBMI, heads
+ * whose 8-code groups each span <= 8 bytes), else keys one at a time (attn_task: each record's code windows by
+ * a byte permute, or a gather without VBMI, per 16 coefficients, levels by permutes or gathers, scores by
+ * 16-lane FMAs and horizontal sums). Window loads read up to 127 bytes past a record; the cpu backend pads a
+ * kltq K pool by 128 bytes.
  */
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef KLTQ_DEBUG
+#include <stdio.h>
+#endif
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi"))), apply_to = function)
@@ -226,6 +231,280 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
     free(buf);
 }
 
+/* -- the token-lane path: lanes are 16 keys, one coefficient at a time ---------------------------------
+ * Every key of a head has the same bit layout, so a coefficient's level table is the same in all 16 lanes: a
+ * tile's codes become bytes (one two-register byte permute, one multishift and one mask per 64 coefficients of a
+ * record: each qword of 8 codes from the <= 8 bytes they span), a 16x16 dword transpose turns them into one
+ * vector per 4 coefficients (lane u: key u's 4 code bytes), and each coefficient's 16 levels are one permute of
+ * its 32-entry scaled table (widths <= 5), two and a blend (6), or a gather (7, 8); a score row is then
+ * sum_i q_i * level_i, 16 keys per FMA, with no horizontal sums. Codes over 8 bits are read one key at a time.
+ * A head whose 8-code groups span more than 8 bytes (wide budgets) takes attn_task above. */
+
+#define KLTQ_RB 8 /* score rows per pass (registers) */
+
+typedef struct {
+    int ok, nch, nA, nB, nC, nW;
+    int32_t base[KLTQ_DMAX / 64];
+    uint8_t idx[KLTQ_DMAX / 64][64], shf[KLTQ_DMAX / 64][64], msk[KLTQ_DMAX / 64][64];
+    int16_t A[KLTQ_DMAX], B[KLTQ_DMAX], C[KLTQ_DMAX], W[KLTQ_DMAX]; /* coefficients by lookup kind */
+} tplan;
+
+static void tplan_build(tplan *P, const int32_t *st, const int32_t *wd, int D) {
+    P->ok = 0, P->nch = (D + 63) / 64, P->nA = P->nB = P->nC = P->nW = 0;
+    memset(P->idx, 0, sizeof P->idx), memset(P->shf, 0, sizeof P->shf), memset(P->msk, 0, sizeof P->msk);
+    for (int c = 0; c < P->nch; c++) {
+        P->base[c] = st[64 * c] >> 3;
+        for (int q = 0; q < 8 && 64 * c + 8 * q < D; q++) {
+            int lo = -1, hi = -1;
+            for (int k = 8 * (8 * c + q); k < 8 * (8 * c + q) + 8 && k < D; k++)
+                if (wd[k] > 0 && wd[k] <= 8) {
+                    if (lo < 0) lo = st[k] >> 3;
+                    hi = (st[k] + wd[k] - 1) >> 3;
+                }
+            if (lo < 0) continue;
+            if (hi - lo >= 8 || lo - P->base[c] + 7 >= 128) return;
+            for (int b = 0; b < 8; b++) P->idx[c][8 * q + b] = (uint8_t)(lo - P->base[c] + b);
+            for (int k = 8 * (8 * c + q); k < 8 * (8 * c + q) + 8 && k < D; k++)
+                if (wd[k] > 0 && wd[k] <= 8)
+                    P->shf[c][k - 64 * c] = (uint8_t)(st[k] - 8 * lo), P->msk[c][k - 64 * c] = (uint8_t)((1u << wd[k]) - 1u);
+        }
+    }
+    for (int i = 0; i < D; i++) {
+        if (wd[i] <= 5)
+            P->A[P->nA++] = (int16_t)i; /* width 0: code 0 of a zero table */
+        else if (wd[i] == 6)
+            P->B[P->nB++] = (int16_t)i;
+        else if (wd[i] <= 8)
+            P->C[P->nC++] = (int16_t)i;
+        else
+            P->W[P->nW++] = (int16_t)i;
+    }
+    P->ok = 1;
+}
+
+/* 16 rows of 16 dwords transposed in place */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int k = 0; k < 8; k++) t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]), t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 2; b++) {
+            r[4 * k + 2 * b] = _mm512_unpacklo_epi64(t[4 * k + b], t[4 * k + 2 + b]);
+            r[4 * k + 2 * b + 1] = _mm512_unpackhi_epi64(t[4 * k + b], t[4 * k + 2 + b]);
+        }
+    /* r[4k + m] lane-block L: rows 4k..4k+3 of columns 4L + m */
+    for (int k = 0; k < 2; k++)
+        for (int m = 0; m < 4; m++) {
+            t[8 * k + m] = _mm512_shuffle_i32x4(r[8 * k + m], r[8 * k + 4 + m], 0x88);
+            t[8 * k + 4 + m] = _mm512_shuffle_i32x4(r[8 * k + m], r[8 * k + 4 + m], 0xDD);
+        }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xDD);
+        r[4 + m] = _mm512_shuffle_i32x4(t[4 + m], t[12 + m], 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(t[4 + m], t[12 + m], 0xDD);
+    }
+}
+
+/* the 16-key score vectors of nr rows (q rows qp[0..nr-1]) from the tile's transposed codes ct */
+static inline __attribute__((always_inline)) void score_rows(const tplan *P, const int32_t *ct, const int32_t *wc,
+                                                             const float *tab, const float *lvl, const int32_t *of,
+                                                             const float *const *qp, const int nr, __m512 *out) {
+    __m512 a0[KLTQ_RB], a1[KLTQ_RB];
+    for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    int n = 0;
+    for (; n + 2 <= P->nA; n += 2) {
+        const int i = P->A[n], j = P->A[n + 1];
+        const __m512i x = _mm512_srli_epi32(_mm512_load_si512(ct + 16 * (i >> 2)), 8 * (i & 3));
+        const __m512i y = _mm512_srli_epi32(_mm512_load_si512(ct + 16 * (j >> 2)), 8 * (j & 3));
+        const __m512 lx = _mm512_permutex2var_ps(_mm512_load_ps(tab + 32 * i), x, _mm512_load_ps(tab + 32 * i + 16));
+        const __m512 ly = _mm512_permutex2var_ps(_mm512_load_ps(tab + 32 * j), y, _mm512_load_ps(tab + 32 * j + 16));
+        for (int r = 0; r < nr; r++) {
+            a0[r] = _mm512_fmadd_ps(lx, _mm512_set1_ps(qp[r][i]), a0[r]);
+            a1[r] = _mm512_fmadd_ps(ly, _mm512_set1_ps(qp[r][j]), a1[r]);
+        }
+    }
+    for (; n < P->nA; n++) {
+        const int i = P->A[n];
+        const __m512i x = _mm512_srli_epi32(_mm512_load_si512(ct + 16 * (i >> 2)), 8 * (i & 3));
+        const __m512 lx = _mm512_permutex2var_ps(_mm512_load_ps(tab + 32 * i), x, _mm512_load_ps(tab + 32 * i + 16));
+        for (int r = 0; r < nr; r++) a0[r] = _mm512_fmadd_ps(lx, _mm512_set1_ps(qp[r][i]), a0[r]);
+    }
+    for (n = 0; n < P->nB; n++) {
+        const int i = P->B[n];
+        const float *t = lvl + of[i];
+        const __m512i x = _mm512_srli_epi32(_mm512_load_si512(ct + 16 * (i >> 2)), 8 * (i & 3));
+        const __m512 lo = _mm512_permutex2var_ps(_mm512_loadu_ps(t), x, _mm512_loadu_ps(t + 16));
+        const __m512 hi = _mm512_permutex2var_ps(_mm512_loadu_ps(t + 32), x, _mm512_loadu_ps(t + 48));
+        const __m512 lx = _mm512_mask_blend_ps(_mm512_test_epi32_mask(x, _mm512_set1_epi32(32)), lo, hi);
+        for (int r = 0; r < nr; r++) a1[r] = _mm512_fmadd_ps(lx, _mm512_set1_ps(qp[r][i]), a1[r]);
+    }
+    for (n = 0; n < P->nC; n++) {
+        const int i = P->C[n];
+        const __m512i x = _mm512_and_si512(_mm512_srli_epi32(_mm512_load_si512(ct + 16 * (i >> 2)), 8 * (i & 3)),
+                                           _mm512_set1_epi32(255));
+        const __m512 lx = _mm512_i32gather_ps(x, lvl + of[i], 4);
+        for (int r = 0; r < nr; r++) a0[r] = _mm512_fmadd_ps(lx, _mm512_set1_ps(qp[r][i]), a0[r]);
+    }
+    for (n = 0; n < P->nW; n++) {
+        const int i = P->W[n];
+        const __m512 lx = _mm512_i32gather_ps(_mm512_load_si512(wc + 16 * n), lvl + of[i], 4);
+        for (int r = 0; r < nr; r++) a1[r] = _mm512_fmadd_ps(lx, _mm512_set1_ps(qp[r][i]), a1[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_add_ps(a0[r], a1[r]);
+}
+
+static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int64_t t, const tplan *P, const int nv) {
+    const kltq_layer *L = a->L;
+    const int H = L->H, D = L->D, G = a->Hq / H;
+    const int s = (int)(t / H), h = (int)(t % H);
+    const int n_kv = a->seq_lens[s], n_q = a->q_lens[s];
+    const int64_t q0 = a->q_start[s];
+    const int R = n_q * G;
+    if (!R) return;
+    const int Dp = P->nch * 64;
+    /* o [R][D], m, l [R], scores [R][16], V tile [16][D], codes [Dp/4][16], wide codes [nW][16], tables [D][32] */
+    const size_t no = ((size_t)R * (D + 2) + 15) / 16 * 16, nsc = (size_t)R * 16, nvt = (size_t)KLTQ_T * D;
+    const size_t nct = (size_t)Dp / 4 * 16, nwc = (size_t)P->nW * 16, ntab = (size_t)D * 32;
+    float *buf = (float *)aligned_alloc(64, sizeof(float) * (no + nsc + nvt + nct + nwc + ntab));
+    if (!buf) {
+        a->failed = 1;
+        return;
+    }
+    float *o = buf, *m = o + (size_t)R * D, *l = m + R, *sc = buf + no, *vt = sc + nsc;
+    int32_t *ct = (int32_t *)(vt + nvt), *wc = ct + nct;
+    float *tab = (float *)(wc + nwc);
+    const int32_t *st = L->start + h * D, *wd = L->width + h * D, *of = L->off + h * D;
+    memset(tab, 0, sizeof(float) * ntab);
+    for (int i = 0; i < D; i++)
+        if (wd[i] > 0 && wd[i] <= 5) memcpy(tab + 32 * i, L->levels + of[i], sizeof(float) << wd[i]);
+    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)R * D);
+    int hi_all = 0;
+    for (int i = 0; i < n_q; i++) {
+        const int pos = n_kv - n_q + i, hi = a->causal ? pos : n_kv - 1;
+        hi_all = hi > hi_all ? hi : hi_all;
+    }
+    const kv_isa *isa = &kv_isa_avx512;
+    const float **qp = (const float **)malloc(sizeof(float *) * (size_t)R);
+    if (!qp) {
+        free(buf);
+        a->failed = 1;
+        return;
+    }
+    for (int i = 0; i < n_q; i++)
+        for (int g = 0; g < G; g++) qp[i * G + g] = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
+    for (int j0 = 0; j0 <= hi_all && j0 < n_kv; j0 += KLTQ_T) {
+        const int nt = (hi_all + 1 - j0 < KLTQ_T ? hi_all + 1 - j0 : KLTQ_T);
+        const uint8_t *rec[KLTQ_T];
+        for (int u = 0; u < KLTQ_T; u++) {
+            const int j = j0 + (u < nt ? u : 0); /* keys past the tile: key j0 again, masked off below */
+            const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
+            const int64_t row = ((int64_t)blk * H + h) * L->bs + j % L->bs;
+            rec[u] = a->kpool + row * L->krow;
+            const int jn = j + KLTQ_T;
+            if (u < nt && jn <= hi_all) {
+                const int32_t bn = a->block_table[(int64_t)s * a->max_blocks + jn / L->bs];
+                const int64_t rn = ((int64_t)bn * H + h) * L->bs + jn % L->bs;
+                _mm_prefetch((const char *)(a->kpool + rn * L->krow), _MM_HINT_T0);
+                for (int64_t b = 0; b < L->vrow; b += 64) _mm_prefetch((const char *)(a->vpool + rn * L->vrow + b), _MM_HINT_T0);
+            }
+            if (u >= nt) continue;
+            const uint8_t *vb = a->vpool + row * L->vrow;
+            float *vu = vt + (size_t)u * D;
+            if (L->vfmt == KV_Q8_0) { /* ggml's q8_0 inline: {f16 d; int8 q[32]} -> d * q */
+                for (int b = 0; b < nv / 2; b++) {
+                    uint16_t dh;
+                    memcpy(&dh, vb + 34 * b, 2);
+                    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+                    for (int half = 0; half < 2; half++) {
+                        const __m128i q = _mm_loadu_si128((const __m128i *)(vb + 34 * b + 2 + 16 * half));
+                        _mm512_store_ps(vu + 32 * b + 16 * half, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+                    }
+                }
+            } else {
+                isa->dequantize(L->vfmt, vb, vu, D);
+            }
+        }
+        for (int c = 0; c < P->nch; c++) {
+            const __m512i ix = _mm512_load_si512(P->idx[c]), sh = _mm512_load_si512(P->shf[c]), mk = _mm512_load_si512(P->msk[c]);
+            __m512i r[16];
+            for (int u = 0; u < 16; u++) {
+                const uint8_t *p = rec[u] + P->base[c];
+                const __m512i w = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), ix, _mm512_loadu_si512(p + 64));
+                r[u] = _mm512_and_si512(_mm512_multishift_epi64_epi8(sh, w), mk);
+            }
+            transpose16(r);
+            for (int k = 0; k < 16; k++) _mm512_store_si512(ct + 256 * c + 16 * k, r[k]);
+        }
+        for (int n = 0; n < P->nW; n++) {
+            const int i = P->W[n];
+            for (int u = 0; u < 16; u++) {
+                uint32_t w;
+                memcpy(&w, rec[u] + (st[i] >> 3), 4);
+                wc[16 * n + u] = (int32_t)((w >> (st[i] & 7)) & ((1u << wd[i]) - 1u));
+            }
+        }
+        for (int r0 = 0; r0 < R; r0 += KLTQ_RB) {
+            const int nr = R - r0 < KLTQ_RB ? R - r0 : KLTQ_RB;
+            __m512 sv[KLTQ_RB];
+            switch (nr) {
+            case 1: score_rows(P, ct, wc, tab, L->levels, of, qp + r0, 1, sv); break;
+            case 2: score_rows(P, ct, wc, tab, L->levels, of, qp + r0, 2, sv); break;
+            case 4: score_rows(P, ct, wc, tab, L->levels, of, qp + r0, 4, sv); break;
+            case 8: score_rows(P, ct, wc, tab, L->levels, of, qp + r0, 8, sv); break;
+            default: score_rows(P, ct, wc, tab, L->levels, of, qp + r0, nr, sv);
+            }
+            for (int r = 0; r < nr; r++) _mm512_store_ps(sc + 16 * (size_t)(r0 + r), sv[r]);
+        }
+        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        const __mmask16 in_tile = (__mmask16)((1u << nt) - 1u);
+        for (int i = 0; i < n_q; i++) {
+            const int pos = n_kv - n_q + i;
+            const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
+            const __mmask16 vis = in_tile & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32(lo)) &
+                                  _mm512_cmple_epi32_mask(jv, _mm512_set1_epi32(hi));
+            if (!vis) continue;
+            for (int g = 0; g < G; g++) {
+                const int r = i * G + g;
+                __m512 ov[KLTQ_DMAX / 16];
+                const __m512 svr = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_load_ps(sc + 16 * (size_t)r),
+                                                      _mm512_set1_ps(a->scale));
+                const float mt = _mm512_mask_reduce_max_ps(vis, svr);
+                float *orow = o + (size_t)r * D;
+                for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
+                if (mt > m[r]) {
+                    const float f = expf(m[r] - mt); /* 0 from -inf */
+                    l[r] *= f;
+                    const __m512 fv = _mm512_set1_ps(f);
+                    for (int e = 0; e < nv; e++) ov[e] = _mm512_mul_ps(ov[e], fv);
+                    m[r] = mt;
+                }
+                const __m512 pv = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(svr, _mm512_set1_ps(m[r]))));
+                l[r] += _mm512_reduce_add_ps(pv);
+                float pa[16] __attribute__((aligned(64)));
+                _mm512_store_ps(pa, pv);
+                for (int u = 0; u < nt; u++) {
+                    const __m512 pu = _mm512_set1_ps(pa[u]);
+                    const float *v = vt + (size_t)u * D;
+                    for (int e = 0; e < nv; e++) ov[e] = _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), ov[e]);
+                }
+                for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
+            }
+        }
+    }
+    for (int i = 0; i < n_q; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const int64_t qrow = q0 + i, head = h * G + g;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *dst = a->out + (qrow * a->Hq + head) * D;
+            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
+            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
+        }
+    free(qp);
+    free(buf);
+}
+
 void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al, int D, double *c) {
     for (int i = 0; i < D; i++) {
         if (al && !al[i]) {
@@ -242,9 +521,52 @@ void kv_kltq_analysis_avx512(const float *T, const double *y, const uint8_t *al,
     }
 }
 
+void kv_kltq_codes_avx512(const double *mids, const int32_t *moff, const double *z, const uint8_t *al, int D,
+                          int32_t *code) {
+    for (int i = 0; i < D; i++) {
+        const int b = al[i];
+        const double *m = mids + moff[b];
+        if (b <= 7) { /* count the midpoints below z, 8 per compare (width 0: a table of +inf, 0) */
+            const __m512d zv = _mm512_set1_pd(z[i]);
+            int n = 0;
+            for (int k = 0; k < moff[b + 1] - moff[b]; k += 8)
+                n += __builtin_popcount(_mm512_cmp_pd_mask(_mm512_loadu_pd(m + k), zv, _CMP_LT_OQ));
+            code[i] = n;
+        } else {
+            int32_t lo = 0;
+            for (int32_t step = 1 << (b - 1); step; step >>= 1) lo += m[lo + step - 1] < z[i] ? step : 0;
+            code[i] = lo;
+        }
+    }
+}
+
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
     (void)worker;
     kattn_ctx *a = (kattn_ctx *)ctx;
+    if (__builtin_cpu_supports("avx512vbmi")) {
+        const kltq_layer *L = a->L;
+        const int h = (int)(t % L->H);
+        tplan *P = (tplan *)aligned_alloc(64, (sizeof(tplan) + 63) / 64 * 64);
+        if (!P) {
+            a->failed = 1;
+            return;
+        }
+        tplan_build(P, L->start + h * L->D, L->width + h * L->D, L->D);
+        if (P->ok) {
+            switch (L->D) {
+            case 64: attn_task_t(a, t, P, 4); break;
+            case 128: attn_task_t(a, t, P, 8); break;
+            case 256: attn_task_t(a, t, P, 16); break;
+            default: attn_task_t(a, t, P, L->D / 16);
+            }
+            free(P);
+            return;
+        }
+#ifdef KLTQ_DEBUG
+        fprintf(stderr, "fallback h%d\n", h);
+#endif
+        free(P);
+    }
     switch (a->L->D) {
     case 64: attn_task(a, t, 4); break;
     case 128: attn_task(a, t, 8); break;
