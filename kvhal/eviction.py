@@ -73,7 +73,7 @@ class Policy(ABC):
     def head_scores(self, n: int, keep: int, scores: Scores, layer: int) -> np.ndarray:
         """Per KV head of ``layer``, each position's score ``[n_kv_heads, n]`` (+inf: always kept), comparable across
         heads. What ``AdaKV`` ranks."""
-        raise SpecError(f"{type(self).__name__} has no per-head scores; AdaKV takes SnapKV or H2O")
+        raise SpecError(f"{type(self).__name__} has no per-head scores; AdaKV takes SnapKV, H2O or ExpectedAttention")
 
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
         """Per layer, per KV head, ascending positions to keep (``per_head`` policies)."""
