@@ -260,15 +260,7 @@ static void kattn_task(void *ctx, int64_t t, int worker) {
             }
         }
     }
-    for (int i = 0; i < n_q; i++)
-        for (int g = 0; g < G; g++) {
-            const int r = i * G + g;
-            const int64_t qrow = q0 + i, head = h * G + g;
-            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            float *dst = a->out + (qrow * a->Hq + head) * D;
-            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
-            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
-        }
+    kltq_write_out(a, q0, h, n_q, G, D, o, m, l);
     free(buf);
 }
 

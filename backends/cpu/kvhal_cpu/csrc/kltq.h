@@ -3,6 +3,7 @@
 #define KV_KLTQ_H
 
 #include "kvcpu.h"
+#include <math.h>
 
 #define KLTQ_BMAX 12 /* the widest code (kvhal.formats.kltq.MAX_BITS) */
 
@@ -26,6 +27,21 @@ typedef struct {
     int32_t Hq, max_blocks, causal, window, failed;
     float scale;
 } kattn_ctx;
+
+/* the finished rows of one (sequence, KV head) item: each query row r = i * G + g's accumulated output o[r]
+ * divided by its softmax sum l[r] (0 where it saw no key), and its log-sum-exp m[r] + log l[r] where asked */
+static inline void kltq_write_out(const kattn_ctx *a, int64_t q0, int h, int n_q, int G, int D, const float *o,
+                                  const float *m, const float *l) {
+    for (int i = 0; i < n_q; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const int64_t qrow = q0 + i, head = (int64_t)h * G + g;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *dst = a->out + (qrow * a->Hq + head) * D;
+            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
+            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
+        }
+}
 
 /* one (sequence, KV head) item of attention with the AVX-512 kernels (kltq_avx512.c; x86-64 only) */
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker);

@@ -58,6 +58,33 @@ static inline __m512 vexp(__m512 x) {
 
 /* the task for nv = head_dim / 16 vectors; inlined with nv a constant for the usual head_dims (unrolled loops,
  * q and the output row in registers) */
+/* One tile of up to 16 keys for one query row: the online softmax over its scaled, masked scores ``sv`` (lanes
+ * outside ``vis`` are not seen) and P.V into the row's output ``orow`` (nv vectors of 16), from the tile's
+ * decoded V rows ``vt`` (nt rows of D floats, 64-byte aligned); ``*m``, ``*l``: the row's running max and sum. */
+static inline __attribute__((always_inline)) void tile_step(__m512 sv, __mmask16 vis, int nt, int nv, int D,
+                                                            const float *vt, float *orow, float *m, float *l) {
+    __m512 ov[KLTQ_DMAX / 16];
+    const float mt = _mm512_mask_reduce_max_ps(vis, sv);
+    for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
+    if (mt > *m) {
+        const float f = expf(*m - mt); /* 0 from -inf */
+        *l *= f;
+        const __m512 fv = _mm512_set1_ps(f);
+        for (int e = 0; e < nv; e++) ov[e] = _mm512_mul_ps(ov[e], fv);
+        *m = mt;
+    }
+    const __m512 pv = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(*m))));
+    *l += _mm512_reduce_add_ps(pv);
+    float pa[16] __attribute__((aligned(64)));
+    _mm512_store_ps(pa, pv);
+    for (int u = 0; u < nt; u++) {
+        const __m512 pu = _mm512_set1_ps(pa[u]);
+        const float *v = vt + (size_t)u * D;
+        for (int e = 0; e < nv; e++) ov[e] = _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), ov[e]);
+    }
+    for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
+}
+
 static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_t t, const int nv) {
     const kltq_layer *L = a->L;
     const int H = L->H, D = L->D, G = a->Hq / H;
@@ -187,7 +214,7 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
             for (int g = 0; g < G; g++) {
                 const int r = i * G + g;
                 const float *qr = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
-                __m512 qv[KLTQ_DMAX / 16], ov[KLTQ_DMAX / 16];
+                __m512 qv[KLTQ_DMAX / 16];
                 for (int e = 0; e < nv; e++) qv[e] = _mm512_loadu_ps(qr + 16 * e);
                 __m512 acc[16];
                 for (int u = 0; u < 16; u++) {
@@ -196,38 +223,11 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                     for (int e = 1; e < nv; e++) acc[u] = _mm512_fmadd_ps(qv[e], _mm512_load_ps(c + 16 * e), acc[u]);
                 }
                 const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, sums16(acc), _mm512_set1_ps(a->scale));
-                const float mt = _mm512_mask_reduce_max_ps(vis, sv);
-                float *orow = o + (size_t)r * D;
-                for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
-                if (mt > m[r]) {
-                    const float f = expf(m[r] - mt); /* 0 from -inf */
-                    l[r] *= f;
-                    const __m512 fv = _mm512_set1_ps(f);
-                    for (int e = 0; e < nv; e++) ov[e] = _mm512_mul_ps(ov[e], fv);
-                    m[r] = mt;
-                }
-                const __m512 pv = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(m[r]))));
-                l[r] += _mm512_reduce_add_ps(pv);
-                float pa[16] __attribute__((aligned(64)));
-                _mm512_store_ps(pa, pv);
-                for (int u = 0; u < nt; u++) {
-                    const __m512 pu = _mm512_set1_ps(pa[u]);
-                    const float *v = vt + (size_t)u * D;
-                    for (int e = 0; e < nv; e++) ov[e] = _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), ov[e]);
-                }
-                for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
+                tile_step(sv, vis, nt, nv, D, vt, o + (size_t)r * D, &m[r], &l[r]);
             }
         }
     }
-    for (int i = 0; i < n_q; i++)
-        for (int g = 0; g < G; g++) {
-            const int r = i * G + g;
-            const int64_t qrow = q0 + i, head = h * G + g;
-            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            float *dst = a->out + (qrow * a->Hq + head) * D;
-            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
-            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
-        }
+    kltq_write_out(a, q0, h, n_q, G, D, o, m, l);
     free(buf);
 }
 
@@ -466,41 +466,13 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
             if (!vis) continue;
             for (int g = 0; g < G; g++) {
                 const int r = i * G + g;
-                __m512 ov[KLTQ_DMAX / 16];
                 const __m512 svr = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_load_ps(sc + 16 * (size_t)r),
                                                       _mm512_set1_ps(a->scale));
-                const float mt = _mm512_mask_reduce_max_ps(vis, svr);
-                float *orow = o + (size_t)r * D;
-                for (int e = 0; e < nv; e++) ov[e] = _mm512_loadu_ps(orow + 16 * e);
-                if (mt > m[r]) {
-                    const float f = expf(m[r] - mt); /* 0 from -inf */
-                    l[r] *= f;
-                    const __m512 fv = _mm512_set1_ps(f);
-                    for (int e = 0; e < nv; e++) ov[e] = _mm512_mul_ps(ov[e], fv);
-                    m[r] = mt;
-                }
-                const __m512 pv = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(svr, _mm512_set1_ps(m[r]))));
-                l[r] += _mm512_reduce_add_ps(pv);
-                float pa[16] __attribute__((aligned(64)));
-                _mm512_store_ps(pa, pv);
-                for (int u = 0; u < nt; u++) {
-                    const __m512 pu = _mm512_set1_ps(pa[u]);
-                    const float *v = vt + (size_t)u * D;
-                    for (int e = 0; e < nv; e++) ov[e] = _mm512_fmadd_ps(pu, _mm512_load_ps(v + 16 * e), ov[e]);
-                }
-                for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
+                tile_step(svr, vis, nt, nv, D, vt, o + (size_t)r * D, &m[r], &l[r]);
             }
         }
     }
-    for (int i = 0; i < n_q; i++)
-        for (int g = 0; g < G; g++) {
-            const int r = i * G + g;
-            const int64_t qrow = q0 + i, head = h * G + g;
-            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            float *dst = a->out + (qrow * a->Hq + head) * D;
-            for (int d = 0; d < D; d++) dst[d] = o[(size_t)r * D + d] * inv;
-            if (a->lse) a->lse[qrow * a->Hq + head] = l[r] > 0.0f ? (double)m[r] + log((double)l[r]) : -INFINITY;
-        }
+    kltq_write_out(a, q0, h, n_q, G, D, o, m, l);
     free(qp);
     free(buf);
 }
