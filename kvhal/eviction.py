@@ -448,8 +448,8 @@ def check_press(
     press: Any, keep: Any, observe_window: int, spec: CacheSpec, backend: Backend
 ) -> tuple[Policy | None, float | None]:
     """A prefill press (a policy run after the prefill) and the fraction ``keep`` of each row it keeps, checked
-    against the cache they will run on (its ``observe_window``, whether it has an f16 tail, whether its backend
-    masks per-head holes): both or neither."""
+    against the cache they will run on (its ``observe_window``, whether its backend masks per-head holes): both or
+    neither."""
     if press is None and keep is None:
         return None, None
     if press is None or keep is None:
@@ -476,17 +476,7 @@ def check_press(
         )
     if press.per_head and not backend.masks_heads_of(spec):
         raise UnsupportedError(no_head_masks(press, backend))
-    if press.per_head and spec.uses_tail:
-        raise UnsupportedError(no_tail_heads(press))
     return press, float(keep)
-
-
-def no_tail_heads(policy: Policy) -> str:
-    return (
-        f"{policy.name} keeps different positions per KV head, which a spec with an f16 tail (tail > 0, sinks or a "
-        "per-channel K format) cannot hold: the tail and the f16 sink rows are attended on the host with no per-head "
-        "masks; use SnapKV, H2O, Knorm or SinkWindow, or a spec with tail=0, sinks=0 and a per-token K format"
-    )
 
 
 def no_head_masks(policy: Policy, backend: Backend) -> str:
@@ -565,8 +555,6 @@ class Evictor:
         return self._compact(sid, s, kept, policy.name, "evict")
 
     def _evict_heads(self, sid: int, s: Seq, policy: Policy, keep_tokens: int) -> EvictionResult:
-        if self.spec.uses_tail:
-            raise UnsupportedError(no_tail_heads(policy))
         if not self.backend.masks_heads_of(self.spec):
             raise UnsupportedError(no_head_masks(policy, self.backend))
         n = max(s.lens)
@@ -576,7 +564,7 @@ class Evictor:
                 "layer: store every layer first"
             )
         heads = policy.select_heads(n, keep_tokens, self.scores(s, n), self.spec.n_layers)
-        freed = self.table.keep_heads(s, heads)
+        freed = (self.tail.keep_heads if self.spec.uses_tail else self.table.keep_heads)(s, heads)
         kept = np.unique(np.concatenate([k for layer in heads for k in layer]))
         dropped = np.setdiff1d(np.arange(n), kept)
         self.counts["evict"] += n - int(np.mean([len(k) for layer in heads for k in layer]))

@@ -420,12 +420,18 @@ class SeqTable:
         del s.blocks[n_keep:]
         s.changed()
         s.lens = [length] * len(s.lens)
+        self.relabel_heads(s, kept, n, length)
+        return self.allocator.n_free - free_before
+
+    @staticmethod
+    def relabel_heads(s: Seq, kept: list[list[np.ndarray]], n: int, length: int) -> None:
+        """After a per-head compaction of ``n`` positions to ``length`` (``kept[l][h]``: head ``h``'s old positions):
+        each head's hole past its kept rows, its observed mass; no token ids or hashes (heads differ)."""
         s.holes = {layer: np.array([[len(k), length] for k in heads], np.int64) for layer, heads in enumerate(kept)}
         s.tokens = s.tokens[n:]  # the heads hold different positions: no one token id per position any more
         s.hashes.clear()
         s.sealable = 0
         s.keep_mass_heads(kept, length)
-        return self.allocator.n_free - free_before
 
     def batch_table(self, seqs: list[Seq], n_pages: list[int]) -> np.ndarray:
         """The ``[n_seqs, max_pages]`` int32 block table (-1 padded) of the first ``n_pages`` of each."""

@@ -128,7 +128,7 @@ class TailStore:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """``Backend.attention_mass`` over sinks, pages and tail together, after ``attention`` gave ``lse`` (each
         row's log-sum-exp over all its keys; ``pages_q`` as ``attention`` took it): key ``j`` gets
-        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (and no window),
+        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (no window, no per-head holes),
         the pages' part is that pass given ``lse`` (the same sub-batches ``attention`` ran the kernel on), and
         only the f16 sink and tail rows are scored here (``_rows_mass``); otherwise ``mass_f64``. The last
         ``tail`` queries are summed apart too."""
@@ -173,13 +173,15 @@ class TailStore:
         """Where the last ``n_q`` positions of ``s`` meet the keys the kernel attends at ``layer``, page positions
         ``[S, P)`` (``[0, S)``: the f16 sink rows instead): ``(S, b, a, batch)``, queries ``[0, b)`` precede those
         keys (sink positions), ``[b, b + a)`` sit among them (the kernel's own causal mask), the rest follow them
-        (all 0 when not ``causal``: every query sees every key); ``batch`` over them, its ``q_lens`` to set."""
+        (all 0 when not ``causal``: every query sees every key); ``batch`` over them, its ``q_lens`` to set, with
+        the part of each KV head's hole (``Seq.holes``) among them."""
         L, P, bs = s.lens[layer], s.pages()[layer], self.spec.block_size
         S = min(self.spec.sink_tokens, P)
         a = max(0, P - max(L - n_q, S)) if causal else 0
         b = max(0, P - (L - n_q)) - a if causal else 0
         table = s.table()[None, S // bs : P // bs]
-        return S, b, a, AttentionBatch(table, np.array([P - S], np.int32), np.array([0], np.int32), scale)
+        holes = None if layer not in s.holes else np.clip(s.holes[layer] - S, 0, P - S).astype(np.int32)[None]
+        return S, b, a, AttentionBatch(table, np.array([P - S], np.int32), np.array([0], np.int32), scale, holes=holes)
 
     @staticmethod
     def _rows_mass(
@@ -217,8 +219,9 @@ class TailStore:
         qh = np.asarray(self.backend.to_numpy(q), np.float64)
         group, d = qh.shape[1] // H, qh.shape[2]
         out, start = [], 0
-        for s, n_q in zip(seqs, batch.q_lens.tolist()):
+        for i, (s, n_q) in enumerate(zip(seqs, batch.q_lens.tolist())):
             L = s.lens[layer]
+            hidden = batch.hidden(i, L)  # a per-head eviction's holes
             kt = np.ascontiguousarray(self.values(s, layer)[0].astype(np.float64).transpose(1, 2, 0))  # [H, D, L]
             total, window = np.zeros((H, L)), np.zeros((H, L))
             split = max(0, n_q - tail)
@@ -231,10 +234,13 @@ class TailStore:
                 seen = (j <= pos) if batch.causal else np.ones((b - a, k1 - k0), bool)
                 if batch.window is not None:
                     seen = seen & (j > pos - batch.window)
+                seen = seen[None]  # [1 or H * group, b - a, keys]
+                if hidden is not None:
+                    seen = seen & ~np.repeat(hidden[:, k0:k1], group, axis=0)[:, None, :]
                 rows = qh[start + a : start + b].reshape(b - a, H, group, d).transpose(1, 2, 0, 3)
                 scores = np.matmul(rows.reshape(H, group * (b - a), d), kt[:, :, k0:k1])  # one GEMM per KV head
                 scores = scores.reshape(H * group, b - a, k1 - k0) * batch.scale
-                t, _ = head_mass(softmax(np.where(seen[None], scores, -np.inf))[0], H, 0)
+                t, _ = head_mass(softmax(np.where(seen, scores, -np.inf))[0], H, 0)
                 total[:, k0:k1] += t
                 if a >= split:
                     window[:, k0:k1] += t
@@ -251,6 +257,35 @@ class TailStore:
         to a page boundary, otherwise re-quantized from their rows' values (dequantized page rows: quantized twice,
         error at most half a step of each page's scale per channel). All computed before anything changes.
         Returns the blocks freed."""
+        n, H = max(s.lens, default=0), self.spec.n_kv_heads
+        srcs = [np.broadcast_to(kept[:m], (H, m)) for m in np.searchsorted(kept, s.lens).tolist()]
+        freed, first = self._relayout(s, srcs)
+        self.table.relabel(s, kept, n, first)
+        return freed
+
+    def keep_heads(self, s: Seq, kept: list[list[np.ndarray]]) -> int:
+        """``SeqTable.keep_heads`` with a tail: KV head ``h`` of layer ``l`` keeps positions ``kept[l][h]``
+        (ascending) at its positions 0..; every layer's length becomes the longest kept set, ``K``, laid out as
+        ``keep_rows`` lays ``K`` rows out (pages, sink rows, tail; each row's bytes or values by the same rules, per
+        head), and a head that kept fewer leaves a hole ``[len(kept[l][h]), K)`` (``Seq.holes``) whose rows hold a
+        copy of that head's last kept row (a per-channel page's range stays its kept rows'). Positions never move
+        again, so the hole stays where it is as tail rows flush into the pages. Returns the blocks freed."""
+        n, H = max(s.lens, default=0), self.spec.n_kv_heads
+        length = max(len(k) for heads in kept for k in heads)
+        srcs = []
+        for heads in kept:
+            src = np.zeros((H, length), np.int64)
+            for h, k in enumerate(heads):
+                src[h, : len(k)] = k
+                src[h, len(k) :] = k[-1] if len(k) else 0
+            srcs.append(src)
+        freed, _ = self._relayout(s, srcs)
+        self.table.relabel_heads(s, kept, n, length)
+        return freed
+
+    def _relayout(self, s: Seq, srcs: list[np.ndarray]) -> tuple[int, int]:
+        """Per layer, new position ``i`` of KV head ``h`` takes old position ``srcs[l][h, i]``, laid out as
+        ``keep_rows`` says. Returns the blocks freed and the first new position whose row moved (in any layer)."""
         spec, table, bs = self.spec, self.table, self.spec.block_size
         if spec.k_codec:
             raise UnsupportedError(
@@ -258,22 +293,22 @@ class TailStore:
                 "on the host, which needs the cache's side data; use a spec with tail=0, or another K format"
             )
         assert s.paged is not None
-        n = max(s.lens, default=0)
-        moved = np.flatnonzero(kept != np.arange(len(kept)))
-        first = int(moved[0]) if moved.size else len(kept)  # rows before this stay where they are
-        w0 = first // bs * bs  # pages before this block are not written
-        new_lens = [int(np.searchsorted(kept, L)) for L in s.lens]
+        new_lens = [src.shape[1] for src in srcs]
         new_paged = [self.paged_after(m) for m in new_lens]
+        moved = [np.flatnonzero((src != np.arange(src.shape[1])).any(axis=0)) for src in srcs]
+        first = min((int(m[0]) for m in moved if m.size), default=max(new_lens, default=0))  # rows before stay
+        w0 = first // bs * bs  # pages before this block are not written
+        heads = np.arange(spec.n_kv_heads)
         writes, tails, sinks = {}, {}, {}
-        for layer, (m, P, newP) in enumerate(zip(new_lens, s.paged, new_paged)):
-            src = kept[:m]
+        for layer, (src, P, newP) in enumerate(zip(srcs, s.paged, new_paged)):
             k, v = (round_f16(x) for x in self.values(s, layer))  # page rows in the f16 tail are f16 too
-            tails[layer] = (k[src[newP:]].astype(np.float16), v[src[newP:]].astype(np.float16))
+            gk, gv = k[src.T, heads], v[src.T, heads]  # [m, H, D]: the rows at their new positions
+            tails[layer] = (gk[newP:].astype(np.float16), gv[newP:].astype(np.float16))
             if spec.sink_tokens:
-                S = min(spec.sink_tokens, m)
-                sinks[layer] = (k[src[:S]].astype(np.float16), v[src[:S]].astype(np.float16))
+                S = min(spec.sink_tokens, len(gk))
+                sinks[layer] = (gk[:S].astype(np.float16), gv[:S].astype(np.float16))
             if newP > w0:
-                writes[layer] = self._page_rows(s, layer, src[w0:newP], P, k, v)
+                writes[layer] = self._page_rows(s, layer, src[:, w0:newP].T, P, gk[w0:newP], gv[w0:newP])
         n_keep = -(-max(new_paged, default=0) // bs)
         touched = list(range(w0 // bs, n_keep)) if writes else []
         table.reserve(table.shared(s, touched))
@@ -289,8 +324,7 @@ class TailStore:
             s.tail_k[layer], s.tail_v[layer] = tk, tv
         for layer, (sk, sv) in sinks.items():
             s.sink_k[layer], s.sink_v[layer] = sk, sv
-        table.relabel(s, kept, n, min(first, *new_paged))  # pages past new_paged hold no rows now
-        return table.allocator.n_free - free_before
+        return table.allocator.n_free - free_before, min(first, *new_paged)  # pages past new_paged hold no rows now
 
     def paged_after(self, n: int) -> int:
         """The tokens in the pages of a sequence of ``n`` tokens stored at once: whole blocks, all but the last
@@ -300,27 +334,31 @@ class TailStore:
     def _page_rows(
         self, s: Seq, layer: int, src: np.ndarray, P: int, k: np.ndarray, v: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The stored bytes of new page rows taken from old positions ``src`` (a whole number of pages): the old
-        page rows' own bytes where they have them (``src < P``), else quantized from ``k``/``v`` (f16 values)."""
+        """The stored bytes of new page rows (a whole number of pages) whose KV head ``h`` takes old position
+        ``src[i, h]`` (``[rows, H]``) with f16 values ``k``/``v`` ``[rows, H, D]``: the old page rows' own bytes where
+        they have them (``src < P``), else quantized from ``k``/``v``; a per-channel K page per head: its old bytes
+        if it is a whole old page of that head, else quantized from its rows' values."""
         spec, bs = self.spec, self.spec.block_size
         kraw, vraw = self.table.read_rows(s, layer, 0, P)
+        rows, H = src.shape
+        heads = np.arange(H)
         paged = src < P
-        vb = np.empty((len(src), spec.n_kv_heads, spec.v_row_bytes), np.uint8)
-        vb[paged] = vraw[src[paged]]
-        vb[~paged] = spec.v_fmt.quantize(v[src[~paged]])
-        kb = np.empty((len(src), spec.n_kv_heads, spec.k_row_bytes), np.uint8)
+        at = np.where(paged, src, 0)
+        vb = np.empty((rows, H, spec.v_row_bytes), np.uint8)
+        kb = np.empty((rows, H, spec.k_row_bytes), np.uint8)
+        if paged.any():
+            vb[...], kb[...] = vraw[at, heads], kraw[at, heads]
+        vb[~paged] = spec.v_fmt.quantize(v[~paged])
         codec = spec.k_fmt.k_page
         if codec is None:
-            kb[paged] = kraw[src[paged]]
-            kb[~paged] = spec.k_fmt.quantize(k[src[~paged]])
+            kb[~paged] = spec.k_fmt.quantize(k[~paged])
             return kb, vb
-        for a in range(0, len(src), bs):
-            rows = src[a : a + bs]
-            if rows[0] % bs == 0 and rows[-1] < P and np.array_equal(rows, np.arange(rows[0], rows[0] + bs)):
-                kb[a : a + bs] = kraw[rows]  # a whole page: its bytes (a page's rows are a reshape of it)
-            else:
-                x = np.ascontiguousarray(k[rows].transpose(1, 0, 2))  # [H, bs, D]
-                kb[a : a + bs] = codec.quantize_page(x).reshape(spec.n_kv_heads, bs, -1).transpose(1, 0, 2)
+        pages = src.reshape(-1, bs, H).transpose(0, 2, 1)  # [pages, H, bs]: old positions per head
+        whole = (pages[..., 0] % bs == 0) & (pages[..., -1] < P) & (pages == pages[..., :1] + np.arange(bs)).all(-1)
+        p, h = np.nonzero(~whole)  # the others keep their bytes (a page's rows are a reshape of it), gathered above
+        if p.size:
+            x = np.ascontiguousarray(k.reshape(-1, bs, H, spec.head_dim)[p, :, h])  # [n, bs, D]
+            kb.reshape(-1, bs, H, spec.k_row_bytes)[p, :, h] = codec.quantize_page(x).reshape(len(p), bs, -1)
         return kb, vb
 
     def _tail_part(
@@ -353,11 +391,19 @@ class TailStore:
         lo = at - window + 1 if window is not None else np.full((m, 1), P)
         hi = at + 1 if causal else np.full((m, 1), L)
         scores = np.where(((j >= lo) & (j < hi))[None, :, None], scores, -np.inf)
+        if layer in s.holes:  # a per-head eviction's hole among the tail rows
+            scores = np.where(self.hidden(s, layer, P, L)[:, None, None, :], -np.inf, scores)
         p, lse_t = softmax(scores)  # [H, m, g, T], [H, m, g]
         o = np.matmul(p.reshape(H, m * g, L - P), vt).reshape(H, m, g, D)
         out[r0:] = o.transpose(1, 0, 2, 3).reshape(m, Hq, D)
         lse[r0:] = lse_t.transpose(1, 0, 2).reshape(m, Hq)
         return out, lse
+
+    @staticmethod
+    def hidden(s: Seq, layer: int, lo: int, hi: int) -> np.ndarray:
+        """Bool ``[n_kv_heads, hi - lo]``: which of positions ``[lo, hi)`` each KV head does not attend (its hole)."""
+        j, holes = np.arange(lo, hi)[None, :], s.holes[layer]
+        return (j >= holes[:, :1]) & (j < holes[:, 1:])
 
     def sink_rows(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Stored-form f32 rows of the f16 sink positions ``[0, min(sink_tokens, stored))``."""
@@ -409,6 +455,9 @@ class TailStore:
                 scores = np.einsum("qhd,khd->hqk", rows.astype(np.float64), kt) * scale
                 if causal:
                     scores = np.where((np.arange(S)[None, :] <= pos[:, None])[None], scores, -np.inf)
+                if layer in s.holes:  # a per-head eviction's hole among the sink rows
+                    hidden = np.repeat(self.hidden(s, layer, 0, S), group, axis=0)
+                    scores = np.where(hidden[:, None, :], -np.inf, scores)
                 p, lse_s = softmax(scores)
                 parts.append((np.einsum("hqk,khd->qhd", p, vt).astype(np.float32), lse_s.T))
             if P > S:

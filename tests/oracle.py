@@ -46,3 +46,25 @@ def attention_f64(
             rows.append(heads)
         out.append(np.asarray(rows))
     return np.concatenate(out, axis=0)
+
+
+def adakv_transcription(wm: np.ndarray, n: int, keep: int, window: int, kernel: int, ceil: float, safe: float) -> list:
+    """AdaKV over SnapKV (kvpress's AdaKVPress, plus the ceiling), as a greedy loop over float64 window mass
+    ``wm [KV heads, n]``: the last ``window`` positions score as every head's best, the rest their mass average-pooled
+    over ``kernel`` (zero padding counted, as torch's ``avg_pool1d``); each head first takes its int(safe * keep)
+    best; then the best remaining (score, head, position) whose head holds fewer than int(ceil * keep) is taken,
+    until the layer holds heads * keep positions."""
+    heads, win = wm.shape[0], min(window, keep, n)
+    pad = kernel // 2
+    pooled = np.array([np.convolve(np.pad(m[: n - win], pad), np.ones(kernel) / kernel, "valid") for m in wm])
+    cap, n_safe = min(n, int(ceil * keep)), int(safe * keep)
+    taken = [set(range(n - win, n)) for _ in range(heads)]
+    for h in range(heads):
+        taken[h] |= set(sorted(range(n - win), key=lambda j: (-pooled[h, j], j))[: max(0, n_safe - win)])
+    rest = sorted((-pooled[h, j], h, j) for h in range(heads) for j in range(n - win) if j not in taken[h])
+    for _, h, j in rest:
+        if sum(map(len, taken)) == heads * keep:
+            break
+        if len(taken[h]) < cap:
+            taken[h].add(j)
+    return [sorted(t) for t in taken]

@@ -186,7 +186,9 @@ def run(
     block_size: int = 16,
     names: str | None = None,
     kvpress: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``options``: more ``CacheSpec`` keywords (``tail``, ``sinks``: a descriptor's modifiers)."""
     import torch
     import transformers
 
@@ -230,6 +232,7 @@ def run(
             block_size=block_size,
             press=press,
             keep=None if press is None else keep,
+            **(options or {}),
         )
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -248,7 +251,7 @@ def run(
     return {
         "model": name,
         "backend": plain.kv.backend.name,
-        "format": f"{k_format}/{v_format}",
+        "format": f"{k_format}/{v_format}" + "".join(f":{k}={v}" for k, v in (options or {}).items()),
         "context_tokens": tokens,
         "question_tokens": n_q,
         "keep": keep,
@@ -266,8 +269,9 @@ def _row(
     p = np.exp(ref)
     kl = float(np.sum(p * (ref - got)))
     kept = cache.evictions[0].length if cache.evictions else n  # per-head (AdaKV): the longest head's
-    # the question's tokens were stored after the press: count the context's pages only
-    after = math.ceil(kept / cache.kv.spec.block_size)
+    # the question's tokens were stored after the press: count the context's pages only (an f16 tail's rows apart)
+    spec = cache.kv.spec
+    after = max(0, kept - spec.tail) // spec.block_size if spec.uses_tail else math.ceil(kept / spec.block_size)
     return EvictRow(label, kl, bool(ref.argmax() == got.argmax()), int(kept), before, after, 1 - after / before,
                     int(st.bytes_held), t, t / t0)  # fmt: skip
 
@@ -313,12 +317,15 @@ def cli(args: Any) -> int:
         raise SpecError(f"--keep takes a fraction in (0, 1], got {args.keep!r}")
     if tokens < 1 or block_size < 1:
         raise SpecError(f"--tokens and --block-size take positive integers, got {args.tokens!r}, {args.block_size!r}")
-    k_format, _, v_format = args.evict_format.partition("/")
+    from .fidelity import parse_descriptor
+
+    choice = parse_descriptor(args.evict_format)
     names = getattr(args, "policies", None)
     chosen(tokens, keep, names)  # a bad --policies fails before the model loads
     kvpress = getattr(args, "kvpress", None)
     if kvpress is not None:
         check_kvpress(kvpress)  # and a bad --kvpress too
-    res = run(args.model, tokens, keep, k_format, v_format or k_format, args.backend, block_size, names, kvpress)
+    res = run(args.model, tokens, keep, choice.k_format, choice.v_format, args.backend, block_size, names, kvpress,
+              choice.kwargs)  # fmt: skip
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0

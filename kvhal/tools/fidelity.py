@@ -636,7 +636,11 @@ def add_parser(sub: Any) -> None:
         "KL of the first answer token against an uncompressed cache, pages freed, prefill time vs plain",
     )
     pe.add_argument("--keep", default="0.5", help="--evict: the fraction of the context kept (default 0.5)")
-    pe.add_argument("--evict-format", default="f16", help="--evict: the cache's K/V formats, K[/V] (default f16)")
+    pe.add_argument(
+        "--evict-format",
+        default="f16",
+        help="--evict: the cache's formats, K[/V] and --formats' modifiers (e.g. q8_0:tail32:sink4; default f16)",
+    )
     pe.add_argument(
         "--policies",
         default=None,

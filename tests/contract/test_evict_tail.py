@@ -4,7 +4,9 @@ The observed mass is checked against a float64 softmax over ``load`` (pages and 
 each kept row is checked against a transcription of the documented layout: the newest rows in the f16 tail,
 whole pages before them, page rows that stay paged keep their values, tail rows that enter the pages are
 quantized from f16 by the numpy format reference, per-channel K pages not moved whole are re-quantized from their
-rows' f16 values, page rows that enter the tail are their values rounded to f16.
+rows' f16 values, page rows that enter the tail are their values rounded to f16. A per-head eviction (AdaKV)
+lays each head's kept rows out by the same rules, its hole rows copies of its last kept row; attention is checked
+against float64 attention over each head's own rows, also after decode steps flush hole rows into the pages.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import pytest
 
 import kvhal
 from kvhal import formats
-from kvhal.eviction import H2O, Knorm, SinkWindow, SnapKV
+from kvhal.eviction import H2O, AdaKV, Knorm, SinkWindow, SnapKV
 from tests.contract.test_observe import f64_mass
-from tests.oracle import attention_f64
+from tests.oracle import adakv_transcription, attention_f64
 
 
 def f16(x: np.ndarray) -> np.ndarray:
@@ -232,5 +234,90 @@ def test_evict_with_a_tail_that_fails_changes_nothing(backend_info):
             c.evict(s, SinkWindow(sinks=4), keep_tokens=30)
         assert c.block_ids(s) == ids and c.stats() == st
         for layer in (0, 1):
+            c.attention(layer, np.ones((61, 4, 64), np.float32), [s], [61], observe=True)
+        rec = c.seq_table.get(s)
+        mass = [m.copy() for m in rec.mass.values()]
+        # per head (AdaKV): the same; a backend that cannot mask a head's rows refuses first
+        error = kvhal.CapacityError if c.backend.masks_heads_of(spec) else kvhal.UnsupportedError
+        with pytest.raises(error):
+            c.evict(s, AdaKV(H2O(heavy=20, recent=10)), keep_tokens=30)
+        assert c.block_ids(s) == ids and c.stats() == st and not rec.holes and rec.lens == [61, 61]
+        assert all(np.array_equal(a, b) for a, b in zip(rec.mass.values(), mass))
+        for layer in (0, 1):
             for x, y in zip(held(c, s, layer), before[layer]):
                 np.testing.assert_array_equal(x, y)
+
+
+def head_specs(info: kvhal.BackendInfo) -> list[kvhal.CacheSpec]:
+    """A per-token format with ``tail=32`` and 4 f16 sinks (a page of them), and ``tail_specs``' per-channel K."""
+    fmt = next((f for f in ("q8_0", "q4_0", "f16") if f in info.formats), None)
+    if fmt is None:
+        pytest.skip(f"{info.name} claims none of q8_0, q4_0, f16")
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=16, tail=32,
+                           sinks=4)  # fmt: skip
+    return [spec, *tail_specs(info)[1:]]
+
+
+def test_adakv_with_a_tail_masks_each_heads_rows_through_flushes(backend_info):
+    """AdaKV(SnapKV) over sinks, pages and tail: each head's kept set is AdaKV's rule over the observed window mass,
+    its rows are laid out as ``after_evict`` transcribes them (per head; the f16 sink page over the pages), and
+    attention (observed too) equals float64 attention over each head's own rows, after the eviction and after
+    decode chunks whose stores flush hole rows from the tail into the pages. A backend that cannot mask a head's
+    rows refuses before changing anything."""
+    n, keep, win = 150, 60, 16
+    policy = AdaKV(SnapKV(window=win, kernel=3), ceiling=1.25, safeguard=0.5)
+    for spec in head_specs(backend_info):
+        c, s = filled(backend_info, spec, n, seed=8, observe_window=win)
+        rng = np.random.default_rng(9)
+        q = rng.standard_normal((n, 4, 64), dtype=np.float32)
+        for layer in (0, 1):
+            c.attention(layer, q, [s], [n], observe=True)
+        before = [held(c, s, layer) for layer in (0, 1)]
+        rec = c.seq_table.get(s)
+        paged, wm = list(rec.pages()), [rec.window_mass[layer].copy() for layer in (0, 1)]
+        blocks = len(c.block_ids(s))
+        if not c.backend.masks_heads_of(spec):
+            with pytest.raises(kvhal.UnsupportedError, match="positions per KV head"):
+                c.evict(s, policy, keep_tokens=keep)
+            assert c.seq_len(s) == n and len(c.block_ids(s)) == blocks and not rec.holes
+            for layer in (0, 1):
+                for x, y in zip(held(c, s, layer), before[layer]):
+                    np.testing.assert_array_equal(x, y)
+            continue
+        res = c.evict(s, policy, keep_tokens=keep)
+        assert res.heads is not None
+        length, bs = res.length, spec.block_size
+        new_paged = max(0, length - spec.tail) // bs * bs
+        assert rec.pages() == [new_paged] * 2 and c.seq_len(s) == length
+        assert res.blocks_freed == blocks - new_paged // bs == blocks - len(c.block_ids(s))
+        want: list[list[tuple[int, np.ndarray, np.ndarray]]] = []  # per layer, per head: (kept, K, V) as held
+        for layer in (0, 1):
+            assert [h.tolist() for h in res.heads[layer]] == adakv_transcription(wm[layer], n, keep, win, 3, 1.25, 0.5)
+            heads = []
+            for h, kept in enumerate(res.heads[layer]):
+                src = np.r_[kept, np.full(length - len(kept), kept[-1])]  # the hole: copies of the last kept row
+                ek, ev = (x[:, h] for x in after_evict(spec, *before[layer], paged[layer], src))
+                S = min(spec.sink_tokens, length)
+                ek[:S], ev[:S] = f16(before[layer][0][src[:S], h]), f16(before[layer][1][src[:S], h])
+                heads.append((len(kept), ek, ev))
+            want.append(heads)
+        for step in range(5):  # then decode chunks of 12 tokens: the tail flushes pages holding hole rows
+            for layer in (0, 1) if step else ():
+                x = rng.standard_normal((2, 12, 2, 64), dtype=np.float32)
+                p0 = rec.pages()[layer]
+                c.store(s, layer, x[0], x[1])
+                for h, (m, ek, ev) in enumerate(want[layer]):  # rows from p0 on paged as a store pages them
+                    k1, v1 = np.r_[ek, f16(x[0, :, h])][:, None], np.r_[ev, f16(x[1, :, h])][:, None]
+                    ek, ev = (y[:, 0] for y in after_evict(spec, k1, v1, p0, np.arange(len(k1))))
+                    want[layer][h] = (m, ek, ev)
+            n_q = 2 if step else 1  # (right after the eviction the last positions are some heads' hole)
+            for layer in (0, 1):
+                qd = rng.standard_normal((n_q, 4, 64), dtype=np.float32)
+                got = kvhal.to_numpy(c.attention(layer, qd, [s], [n_q], observe=bool(step % 2)))
+                for h, (m, ek, ev) in enumerate(want[layer]):
+                    rows = np.r_[np.arange(m), np.arange(length, len(ek))]  # the hole [m, length) unseen
+                    exp = attention_f64(qd[:, 2 * h : 2 * h + 2], [ek[rows, None]], [ev[rows, None]], [n_q])
+                    np.testing.assert_allclose(got[:, 2 * h : 2 * h + 2], exp, atol=c.backend.attention_tolerance)
+                    if step % 2:
+                        assert not rec.mass[layer][h, m:length].any()  # observed: nothing for the hole
+        assert min(rec.pages()) >= length > new_paged  # every hole row was flushed into the pages

@@ -203,28 +203,6 @@ def test_on_full_with_a_tail_evicts_during_decode(kw):
     assert c.stats().evicted_tokens_on_full == 32
 
 
-def test_per_head_eviction_with_a_tail_is_refused():
-    from kvhal.eviction import AdaKV, check_press
-
-    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="q8_0", v_format="q8_0", block_size=4, tail=4)
-    c = kvhal.KVCache(spec, 256, backend="reference", observe_window=4)
-    s = c.new_seq()
-    kv = np.random.default_rng(0).standard_normal((20, 2, 32), dtype=np.float32)
-    for layer in (0, 1):
-        c.store(s, layer, kv, kv)
-        c.attention(layer, np.ones((20, 4, 32), np.float32), [s], [20], observe=True)
-    loads, st = [c.load(s, layer) for layer in (0, 1)], c.stats()
-    with pytest.raises(kvhal.UnsupportedError, match="f16 tail"):
-        c.evict(s, AdaKV(SnapKV(window=4)), keep_tokens=10)
-    assert c.stats() == st
-    for layer in (0, 1):
-        for x, y in zip(c.load(s, layer), loads[layer]):
-            np.testing.assert_array_equal(x, y)
-    with pytest.raises(kvhal.UnsupportedError, match="f16 tail"):
-        check_press(AdaKV(SnapKV(window=4)), 0.5, 4, spec, c.backend)
-    assert check_press(SnapKV(window=4), 0.5, 4, spec, c.backend)[1] == 0.5  # a scoring press is taken
-
-
 def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
     """``expected_queries`` against rotation matrices built position by position (RoPE's definition)."""
     from kvhal.eviction import ExpectedAttention, expected_queries

@@ -13,7 +13,7 @@ import pytest
 
 import kvhal
 from kvhal.eviction import H2O, AdaKV, EvictOnFull, Knorm, SinkWindow, SnapKV
-from tests.oracle import attention_f64
+from tests.oracle import adakv_transcription, attention_f64
 
 SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="f32", v_format="f32", block_size=4)
 N, WIN, GROUP = 64, 8, 2
@@ -45,29 +45,6 @@ def window_mass(q: np.ndarray, k: np.ndarray) -> np.ndarray:
             p = np.exp(s - s.max())
             out[h // GROUP, : i + 1] += p / p.sum()
     return out
-
-
-def adakv_transcription(wm: np.ndarray, n: int, keep: int, window: int, kernel: int, ceil: float, safe: float) -> list:
-    """AdaKV over SnapKV (kvpress's AdaKVPress, plus the ceiling), as a greedy loop over float64 window mass
-    ``wm [KV heads, n]``: the observation window scores as every head's best; each head first takes its
-    int(safe * keep) best; then the best remaining (score, head, position) whose head holds fewer than
-    int(ceil * keep) is taken, until the layer holds heads * keep positions."""
-    torch = pytest.importorskip("torch")
-    heads, win = wm.shape[0], min(window, keep, n)
-    pooled = torch.nn.functional.avg_pool1d(
-        torch.tensor(wm[:, : n - win])[:, None], kernel, 1, kernel // 2, count_include_pad=True
-    )[:, 0].numpy()
-    cap, n_safe = min(n, int(ceil * keep)), int(safe * keep)
-    taken = [set(range(n - win, n)) for _ in range(heads)]
-    for h in range(heads):
-        taken[h] |= set(sorted(range(n - win), key=lambda j: (-pooled[h, j], j))[: max(0, n_safe - win)])
-    rest = sorted((-pooled[h, j], h, j) for h in range(heads) for j in range(n - win) if j not in taken[h])
-    for _, h, j in rest:
-        if sum(map(len, taken)) == heads * keep:
-            break
-        if len(taken[h]) < cap:
-            taken[h].add(j)
-    return [sorted(t) for t in taken]
 
 
 @pytest.mark.parametrize("backend", MASKING)
