@@ -164,3 +164,41 @@ def test_adakv_over_a_transform_codec(backend):
         want = attention_f64(q[-2:, GROUP * h : GROUP * h + GROUP], [kd[kept, h][:, None]], [vd[kept, h][:, None]], [2],
                              causal=False)  # fmt: skip
         np.testing.assert_allclose(out[:, GROUP * h : GROUP * h + GROUP], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", MASKING)
+def test_adakv_hole_among_the_f16_sink_rows(backend):
+    """A head that keeps fewer rows than the f16 sink page leaves a hole over sink rows too, masked there as in the
+    pages and the tail, also after decode steps flush rows into the pages (f16 pages: every value is its f16 rounding;
+    float64 attention over each head's own rows)."""
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=32, k_format="f16", v_format="f16", block_size=4,
+                           sinks=4, tail=4)  # fmt: skip
+    c = kvhal.KVCache(spec, 256, backend=backend, observe_window=WIN)
+    rng = np.random.default_rng(6)
+    n = 40
+    u = rng.standard_normal(32).astype(np.float32)
+    k = rng.standard_normal((n, 2, 32), dtype=np.float32) * 0.1
+    k[5, 0] = 2 * u  # head 0 attends to key 5 alone (sharp: a small budget), head 1 near uniformly
+    v = rng.standard_normal((n, 2, 32), dtype=np.float32)
+    q = np.repeat(u[None, None], n, axis=0).repeat(4, axis=1) + rng.standard_normal((n, 4, 32), dtype=np.float32)
+    s = c.new_seq()
+    c.store(s, 0, k, v)
+    c.attention(0, q, [s], [n], observe=True)
+    res = c.evict(s, AdaKV(H2O(heavy=8, recent=0), ceiling=1.9, safeguard=0.0), keep_tokens=8)
+    assert res.heads is not None
+    kept = res.heads[0]
+    assert 5 in kept[0] and len(kept[0]) < spec.sink_tokens < res.length  # head 0's hole starts among the sinks
+    f16 = lambda x: x.astype(np.float16).astype(np.float32)  # noqa: E731
+    new_k, new_v = (rng.standard_normal((6, 2, 32), dtype=np.float32) for _ in range(2))
+    for step in range(2):
+        if step:
+            c.store(s, 0, new_k, new_v)  # flushes the tail's rows (hole rows of head 0 among them) into pages
+        n_q = 2 if step else 1
+        qd = rng.standard_normal((n_q, 4, 32), dtype=np.float32)
+        out = np.asarray(kvhal.to_numpy(c.attention(0, qd, [s], [n_q])))
+        for h, rows in enumerate(kept):
+            kh, vh = k[rows, h], v[rows, h]
+            if step:
+                kh, vh = np.r_[kh, new_k[:, h]], np.r_[vh, new_v[:, h]]
+            want = attention_f64(qd[:, GROUP * h : GROUP * h + GROUP], [f16(kh)[:, None]], [f16(vh)[:, None]], [n_q])
+            np.testing.assert_allclose(out[:, GROUP * h : GROUP * h + GROUP], want, atol=1e-5)
