@@ -128,9 +128,9 @@ class TailStore:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """``Backend.attention_mass`` over sinks, pages and tail together, after ``attention`` gave ``lse`` (each
         row's log-sum-exp over all its keys; ``pages_q`` as ``attention`` took it): key ``j`` gets
-        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (no window, no per-head holes),
-        the pages' part is that pass given ``lse`` (the same sub-batches ``attention`` ran the kernel on), and
-        only the f16 sink and tail rows are scored here (``_rows_mass``); otherwise ``mass_f64``. The last
+        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (no window, no
+        per-head holes), the pages' part is that pass given ``lse`` (the same sub-batches ``attention`` ran the kernel
+        on), and only the f16 sink and tail rows are scored here (``_rows_mass``); otherwise ``mass_f64``. The last
         ``tail`` queries are summed apart too."""
         if "attention_mass" not in self.backend.fused or batch.window is not None or batch.holes is not None:
             return self.mass_f64(seqs, layer, q, batch, tail)
