@@ -278,8 +278,8 @@ class CpuBackend(HostPoolsBackend):
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """The weight each key received, from the rows' log-sum-exp (``lse``: ``attention_lse``'s of this very
         call; None: this runs the kernel for it): one more pass of the library's threads that scores ``q K^T``
-        tile by tile per KV head, reading K as attention does, and sums ``exp(s - lse)`` per key
-        (``kvc_attention_mass``). kltq K (scored on its coefficients) and per-channel K pages (kivi) take
+        tile by tile per KV head, reading K as attention does (a row format's rows, per-channel K pages: kivi), and
+        sums ``exp(s - lse)`` per key (``kvc_attention_mass``). kltq K (scored on its coefficients) takes
         ``backend_util.attention_mass_lse`` over ``load``."""
         spec = pools.spec
         if lse is None:
@@ -290,7 +290,7 @@ class CpuBackend(HostPoolsBackend):
             raise ShapeError(
                 f"lse must be [n_q, n_heads] = {list(q.shape[:2])} (attention_lse's), got {list(lse.shape)}"
             )
-        if spec.k_codec or spec.k_paged:  # not K rows the mass kernel reads
+        if spec.k_codec:  # not K rows the mass kernel reads
             return attention_mass_lse(self, q, pools, layer, batch, lse, tail)
         lens = [int(n) for n in batch.seq_lens]
         total, window = np.empty(spec.n_kv_heads * sum(lens)), np.empty(spec.n_kv_heads * sum(lens))

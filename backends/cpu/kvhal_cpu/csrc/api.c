@@ -694,7 +694,7 @@ static void mass_task(void *p, int64_t task, int worker) {
 }
 
 /* The attention mass of a call whose rows' log-sum-exp a->lse holds (kvc_attention's, with the same q, pages
- * and mask; K of a row format, not per-channel pages): per sequence s, per KV head h, the weight each key received summed over the KV head's query
+ * and mask; K of a row format or per-channel pages): per sequence s, per KV head h, the weight each key received summed over the KV head's query
  * heads, from all of s's queries into total and from its last `tail` queries into window, both
  * [n_kv_heads][seq_lens[s]] doubles at offset n_kv_heads * (seq_lens[0] + ... + seq_lens[s - 1]). Work items are
  * (sequence, KV head, KV_MASS_T keys): each writes its own keys' sums, so results do not change with threads. */
@@ -702,7 +702,7 @@ KV_EXPORT int kvc_attention_mass(const kv_args *a, int32_t tail, double *total, 
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
     const int n_seqs = a->n_seqs, H = a->n_kv_heads, D = a->head_dim;
-    if (n_seqs <= 0 || H <= 0 || a->n_heads % H || !a->lse || tail < 0 || a->kpaged) return KV_EARG;
+    if (n_seqs <= 0 || H <= 0 || a->n_heads % H || !a->lse || tail < 0) return KV_EARG;
     const int threads = a->threads < 1 ? 1 : a->threads;
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
     if (!q_start) return KV_ENOMEM;
