@@ -559,8 +559,8 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
 #error "KV_MASS_T must be a multiple of two vectors"
 #endif
 
-/* One kvc_attention_mass item: the tile's K rows made f32 (as attention reads them: a row format's dequantize, or
- * kpage_rows of per-channel K pages) and transposed to
+/* One kvc_attention_mass item: the tile's K rows made f32 (as attention reads them: a row format's dequantize,
+ * kpage_rows of per-channel K pages, a codec's kdecode) and transposed to
  * [D][KV_MASS_T], then for every query row of the sequence that sees some key of the tile and each of the KV
  * head's G query heads, 2^(q*scale*log2e . k - lse*log2e) per key: the softmax weight, no max pass, no V.
  * Per key, summed in double over the rows before the window and over the window's rows apart. A key a row
@@ -587,7 +587,9 @@ static void FN(mass_item)(const kv_call *c, const kv_mass_item *it, float *ws) {
         int run = bs - u0;
         if (run > nt - t) run = nt - t;
         const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j);
-        if (c->kpaged) /* per-channel K pages: the run's rows of the page, as attention reads them */
+        if (c->kdecode) /* a codec's records (kltq): their coefficients */
+            for (int u = 0; u < run; u++) c->kdecode(c->kdecode_ctx, h, kp + (int64_t)u * c->krow, rows + (size_t)(t + u) * D);
+        else if (c->kpaged) /* per-channel K pages: the run's rows of the page, as attention reads them */
             FN(kpage_rows)(c->kfmt, kp - u0 * c->krow, bs, D, u0, run, rows + (size_t)t * D, D);
         else
             for (int u = 0; u < run; u++) FN(dequantize)(c->kfmt, kp + (int64_t)u * c->krow, rows + (size_t)(t + u) * D, D);
