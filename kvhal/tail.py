@@ -128,11 +128,11 @@ class TailStore:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """``Backend.attention_mass`` over sinks, pages and tail together, after ``attention`` gave ``lse`` (each
         row's log-sum-exp over all its keys; ``pages_q`` as ``attention`` took it): key ``j`` gets
-        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (no window, no
-        per-head holes), the pages' part is that pass given ``lse`` (the same sub-batches ``attention`` ran the kernel
+        ``exp(s_j - lse)``, which needs no other key. Where the backend fuses ``attention_mass`` (and no per-head holes),
+        the pages' part is that pass given ``lse`` (the same sub-batches and windows ``attention`` ran the kernel
         on), and only the f16 sink and tail rows are scored here (``_rows_mass``); otherwise ``mass_f64``. The last
         ``tail`` queries are summed apart too."""
-        if "attention_mass" not in self.backend.fused or batch.window is not None or batch.holes is not None:
+        if "attention_mass" not in self.backend.fused or batch.holes is not None:
             return self.mass_f64(seqs, layer, q, batch, tail)
         spec = self.spec
         qh = np.asarray(self.backend.to_numpy(q), np.float32)
@@ -145,14 +145,30 @@ class TailStore:
             pos, split = np.arange(L - n_q, L)[:, None], max(0, n_q - tail)
             rows = slice(start, start + n_q)
             total, window = np.zeros((spec.n_kv_heads, L)), np.zeros((spec.n_kv_heads, L))
+
+            def seen(j0: int, j1: int, at: np.ndarray) -> np.ndarray | None:
+                """Which keys ``[j0, j1)`` the queries at positions ``at`` see (None: all)."""
+                j = np.arange(j0, j1)[None, :]
+                m = (j <= at) if batch.causal else None
+                if batch.window is not None:
+                    m = (j > at - batch.window) if m is None else m & (j > at - batch.window)
+                return m
+
             if S:
-                seen = np.arange(S)[None, :] <= pos if batch.causal else None
-                self._rows_mass(qh[rows], lse[rows], self.sink_rows(s, layer)[0][:S], seen, batch.scale, split,
-                                total[:, :S], window[:, :S])  # fmt: skip
+                self._rows_mass(qh[rows], lse[rows], self.sink_rows(s, layer)[0][:S], seen(0, S, pos), batch.scale,
+                                split, total[:, :S], window[:, :S])  # fmt: skip
             if P > S:
-                for c0, c1, causal in ((b, b + a, True), (b + a, n_q, False)):
+                # the queries among the pages (the kernel's causal mask and window), then those after them: all
+                # at once without a window, else one at a time with the window shortened to their position
+                parts = [(b, b + a, True, batch.window)]
+                if batch.window is None:
+                    parts.append((b + a, n_q, False, None))
+                else:
+                    parts += [(i, i + 1, False, wi) for i in range(b + a, n_q)
+                              if (wi := P - int(pos[i, 0]) + batch.window - 1) >= 1]  # fmt: skip
+                for c0, c1, causal, win in parts:
                     if c1 > c0:
-                        sub = pages.with_(q_lens=np.array([c1 - c0], np.int32), causal=causal)
+                        sub = pages.with_(q_lens=np.array([c1 - c0], np.int32), causal=causal, window=win)
                         r = slice(start + c0, start + c1)
                         [(t, w)] = self.backend.attention_mass(
                             qp[r], self.pools, layer, sub, max(0, c1 - max(c0, split)), lse_p[r]
@@ -161,9 +177,8 @@ class TailStore:
                         window[:, S:P] += w
             if L > P:  # causal: only the queries from position P on see a tail key
                 r0 = max(0, P - (L - n_q)) if batch.causal else 0
-                seen = np.arange(P, L)[None, :] <= pos[r0:] if batch.causal else None
                 r = slice(start + r0, start + n_q)
-                self._rows_mass(qh[r], lse[r], self.rows(s, layer, 0, L - P)[0], seen, batch.scale,
+                self._rows_mass(qh[r], lse[r], self.rows(s, layer, 0, L - P)[0], seen(P, L, pos[r0:]), batch.scale,
                                 max(0, split - r0), total[:, P:], window[:, P:])  # fmt: skip
             out.append((total, window))
             start += n_q

@@ -86,10 +86,19 @@ def after_evict(spec: kvhal.CacheSpec, k: np.ndarray, v: np.ndarray, paged: int,
 
 
 @pytest.mark.parametrize("window", [None, 37])
-def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info, window):
+def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info, window, monkeypatch):
+    """A prefill then a decode query, with and without a window: the mass against a float64 softmax over ``load``,
+    from the backend's fused pass over the pages where it has one (with the window too), else the host's."""
     for spec in tail_specs(backend_info):
         c, s = filled(backend_info, spec, 75, seed=1, observe_window=24)
         plain, p = filled(backend_info, spec, 75, seed=1)
+        calls: list[int | None] = []
+
+        def spy(*args, real=c.backend.attention_mass, calls=calls):
+            calls.append(args[3].window)
+            return real(*args)
+
+        monkeypatch.setattr(c.backend, "attention_mass", spy)
         q = np.random.default_rng(2).standard_normal((75, 4, 64), dtype=np.float32)
         total = [np.zeros((2, 75)), np.zeros((2, 75))]
         for layer in (0, 1):
@@ -100,15 +109,19 @@ def test_observed_mass_with_a_tail_equals_float64_softmax(backend_info, window):
                 [(t, w)] = f64_mass(c, [s], q[-q_len:], [q_len], 64**-0.5, window, 24, layer)
                 total[layer] += t
             rec = c.seq_table.get(s)
-            tol = fused_tol(c, window)
+            tol = fused_tol(c)
             np.testing.assert_allclose(rec.mass[layer], total[layer], **tol)
             np.testing.assert_allclose(rec.window_mass[layer], w, **tol)  # the last call's window
             assert rec.mass[layer].sum() == pytest.approx(76 * 4, rel=tol["rtol"])  # each row's weights sum to 1
+        if "attention_mass" in c.backend.fused:  # the pages' part is the backend's pass, given the window
+            assert calls and all((w is not None) == (window is not None) for w in calls)
+        else:
+            assert calls == []
 
 
-def fused_tol(c: kvhal.KVCache, window: int | None) -> dict[str, float]:
+def fused_tol(c: kvhal.KVCache) -> dict[str, float]:
     """The float64 host path is exact to rounding; a backend's fused mass pass scores in float32 (test_observe)."""
-    fused = "attention_mass" in c.backend.fused and window is None
+    fused = "attention_mass" in c.backend.fused
     return dict(rtol=1e-4, atol=1e-5) if fused else dict(rtol=1e-9, atol=1e-12)
 
 
@@ -146,8 +159,8 @@ def test_the_tail_mass_takes_the_fused_pass_for_the_pages(backend_info, monkeypa
         for x, (m, w) in zip(seqs, f64_mass(c, seqs, q, q_lens, 64**-0.5, None, 7)):
             total[x][:, : m.shape[1]] += m
             rec = c.seq_table.get(x)
-            np.testing.assert_allclose(rec.mass[0], total[x][:, : m.shape[1]], **fused_tol(c, None))
-            np.testing.assert_allclose(rec.window_mass[0], w, **fused_tol(c, None))
+            np.testing.assert_allclose(rec.mass[0], total[x][:, : m.shape[1]], **fused_tol(c))
+            np.testing.assert_allclose(rec.window_mass[0], w, **fused_tol(c))
     if "attention_mass" not in c.backend.fused:
         assert calls == []  # the float64 host path
         return

@@ -70,3 +70,31 @@ def test_observed_mass_equals_float64_softmax(backend_info, window, fmt, rotatio
         np.testing.assert_allclose(rec.mass[0], total, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(rec.window_mass[0], last, rtol=1e-4, atol=1e-5)
         assert rec.mass[0].sum() == pytest.approx(q_lens[seqs.index(s)] * 6, rel=1e-5)  # each row's weights sum to 1
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("tail", [0, 12])
+def test_observed_mass_of_kltq_k_equals_float64_softmax(backend_info, window, tail):
+    """kltq K (side data; the pages score q in coefficient space, their log-sum-exp leaves out ``q . mu``): the
+    mass of a prefill and a decode query against a float64 softmax over the K ``load`` gives back (``mu + S c'``),
+    without and with an f16 tail."""
+    fmt = "kltq:4.5"
+    if fmt not in backend_info.formats:
+        pytest.skip(f"{backend_info.name} does not claim {fmt}")
+    rng = np.random.default_rng(4)
+    spec = kvhal.CacheSpec(1, 2, 64, k_format=fmt, v_format="q8_0", block_size=16, tail=tail)
+    cache = kvhal.KVCache(spec, 256, backend=backend_info.name, observe_window=24)
+    s = cache.new_seq()
+    k = rng.standard_normal((150, 2, 64), dtype=np.float32)
+    k[:, :, 3] *= 8
+    cache.store(s, 0, k, rng.standard_normal((150, 2, 64), dtype=np.float32))
+    q = rng.standard_normal((150, 6, 64), dtype=np.float32)
+    total = np.zeros((2, 150))
+    for q_len in (150, 1):
+        cache.attention(0, q[-q_len:], [s], [q_len], window=window, observe=True)
+        [(t, last)] = f64_mass(cache, [s], q[-q_len:], [q_len], 64**-0.5, window, 24)
+        total += t
+    rec = cache.seq_table.get(s)
+    np.testing.assert_allclose(rec.mass[0], total, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rec.window_mass[0], last, rtol=1e-4, atol=1e-5)
+    assert rec.mass[0].sum() == pytest.approx(151 * 6, rel=1e-5)  # each row's weights sum to 1

@@ -22,7 +22,6 @@ from kvhal import formats
 from kvhal.backend import AttentionBatch, AttentionShape, HostPoolsBackend, Op, Pools, Probe
 from kvhal.backend_util import (
     Option,
-    attention_mass_lse,
     check_block_data,
     check_block_ids,
     format_id,
@@ -278,9 +277,10 @@ class CpuBackend(HostPoolsBackend):
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """The weight each key received, from the rows' log-sum-exp (``lse``: ``attention_lse``'s of this very
         call; None: this runs the kernel for it): one more pass of the library's threads that scores ``q K^T``
-        tile by tile per KV head, reading K as attention does, and sums ``exp(s - lse)`` per key
-        (``kvc_attention_mass``). kltq K (scored on its coefficients) and per-channel K pages (kivi) take
-        ``backend_util.attention_mass_lse`` over ``load``."""
+        tile by tile per KV head, reading K as attention does (a row format's rows, per-channel K pages: kivi; kltq
+        records: their coefficients, against ``q`` in coefficient space as attention takes it, with attention's
+        ``lse``, which leaves out ``q . mu`` as those scores do), and sums ``exp(s - lse)`` per key
+        (``kvc_attention_mass``, ``kvc_kltq_attention_mass``)."""
         spec = pools.spec
         if lse is None:
             lse = self.attention_lse(q, pools, layer, batch)[1]
@@ -290,11 +290,12 @@ class CpuBackend(HostPoolsBackend):
             raise ShapeError(
                 f"lse must be [n_q, n_heads] = {list(q.shape[:2])} (attention_lse's), got {list(lse.shape)}"
             )
-        if spec.k_codec or spec.k_paged:  # not K rows the mass kernel reads
-            return attention_mass_lse(self, q, pools, layer, batch, lse, tail)
         lens = [int(n) for n in batch.seq_lens]
         total, window = np.empty(spec.n_kv_heads * sum(lens)), np.empty(spec.n_kv_heads * sum(lens))
-        if total.size and q.size:
+        if total.size and q.size and spec.k_codec:  # kltq records: csrc/kltq.c, through the same driver
+            kltq.attention_mass(self._lib, pools, layer, ISAS.index(self.isa), self.threads, q, batch, lse, tail,
+                                total, window)  # fmt: skip
+        elif total.size and q.size:
             a, _keep = self._call_args(q, pools, layer, batch)
             a.lse = _ptr(lse)
             self._check(self._lib.kvc_attention_mass(a, tail, _ptr(total), _ptr(window)), "attention_mass")

@@ -20,7 +20,7 @@ from kvhal.formats import kltq
 from kvhal.reference import side as layer_side
 
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-SYMBOLS = ("kvc_kltq_store", "kvc_kltq_load", "kvc_kltq_attention")
+SYMBOLS = ("kvc_kltq_store", "kvc_kltq_load", "kvc_kltq_attention", "kvc_kltq_attention_mass")
 
 
 class Layer(ctypes.Structure):
@@ -44,6 +44,8 @@ def declare(lib: ctypes.CDLL) -> bool:
     lib.kvc_kltq_load.restype, lib.kvc_kltq_load.argtypes = _i32, [lp, _p, _i64, _p, _p, _p, _p]
     lib.kvc_kltq_attention.restype = _i32
     lib.kvc_kltq_attention.argtypes = [lp, _p, _p, _p, _p, _p, _p, _p, _p, *([_i32] * 5), _f32]
+    lib.kvc_kltq_attention_mass.restype = _i32
+    lib.kvc_kltq_attention_mass.argtypes = [lp, _p, _p, _p, _p, _p, _p, *([_i32] * 5), _f32, _i32, _p, _p]
     return True
 
 
@@ -110,6 +112,12 @@ def load(
     return k, v
 
 
+def _tables(batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The block table, seq_lens and q_lens of ``batch`` as the C calls take them."""
+    bt, sl, ql = (np.ascontiguousarray(x, dtype=np.int32) for x in (batch.block_table, batch.seq_lens, batch.q_lens))
+    return bt, sl, ql
+
+
 def attention(
     lib: Any, pools: Pools, index: int, isa: int, threads: int, q: np.ndarray, batch: AttentionBatch, with_lse: bool
 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -117,9 +125,7 @@ def attention(
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty(q.shape, np.float32)
     lse = np.empty(q.shape[:2], np.float64) if with_lse else None
-    bt = np.ascontiguousarray(batch.block_table, dtype=np.int32)
-    sl = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
-    ql = np.ascontiguousarray(batch.q_lens, dtype=np.int32)
+    bt, sl, ql = _tables(batch)
     rc = lib.kvc_kltq_attention(
         ctypes.byref(st), q.ctypes.data, out.ctypes.data, None if lse is None or not lse.size else lse.ctypes.data,
         pools.k[index].ctypes.data, pools.v[index].ctypes.data, bt.ctypes.data, sl.ctypes.data, ql.ctypes.data,
@@ -127,3 +133,19 @@ def attention(
     )  # fmt: skip
     _check(rc, "attention")
     return out, lse
+
+
+def attention_mass(
+    lib: Any, pools: Pools, index: int, isa: int, threads: int, q: np.ndarray, batch: AttentionBatch,
+    lse: np.ndarray, tail: int, total: np.ndarray, window: np.ndarray,
+) -> None:  # fmt: skip
+    """``kvc_attention_mass`` over the records (q in coefficient space, float32 contiguous; ``lse`` attention's,
+    float64 contiguous) into ``total`` and ``window``, laid out as that call lays them out."""
+    st = layer(pools, index, isa, threads)
+    bt, sl, ql = _tables(batch)
+    rc = lib.kvc_kltq_attention_mass(
+        ctypes.byref(st), q.ctypes.data, lse.ctypes.data, pools.k[index].ctypes.data, bt.ctypes.data, sl.ctypes.data,
+        ql.ctypes.data, sl.shape[0], bt.shape[1], q.shape[1], int(batch.causal), batch.window or 0, batch.scale, tail,
+        total.ctypes.data, window.ctypes.data,
+    )  # fmt: skip
+    _check(rc, "attention_mass")

@@ -420,6 +420,42 @@ def test_attention_mass_matches_float64_softmax(isa, fmt):
         np.testing.assert_array_equal(be.attention_mass(q, c.pools, 0, batch, tail)[0][0], got[0][0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if formats.get(f).k_page is not None])
+def test_attention_mass_of_kivi_k_pages_matches_float64_softmax(isa, fmt):
+    """The fused mass over per-channel K pages (kivi; kpage_rows as attention reads them) against a float64
+    softmax over the reference backend's dequantized pages, in the MASS_SHAPES masks over each sequence's
+    whole pages (the open page is the cache's f16 tail, not the pool's)."""
+    for shape, (n_heads, n_kv, dim, lens, q_lens, causal, window, bs, tail, holes) in MASS_SHAPES.items():
+        rng = np.random.default_rng(5)
+        bs = bs if 4 * dim % bs == 0 else 8  # a kivi page's block_size divides 4 * head_dim
+        pages = [n // bs * bs for n in lens]
+        q_lens = [min(m, p) for m, p in zip(q_lens, pages)]
+        spec = kvhal.CacheSpec(1, n_kv, dim, fmt, "q8_0", bs)
+        cap = sum(lens) + bs * len(lens)
+        ours, ref = (kvhal.KVCache(spec, cap, backend=b) for b in (CpuBackend(isa=isa), "reference"))
+        ks = []
+        for n in lens:
+            k, v = rng.standard_normal((2, n, n_kv, dim), dtype=np.float32)
+            k[:, :, 3] *= 8
+            for c in (ours, ref):
+                s = c.new_seq()
+                c.store(s, 0, k, v)
+            ks.append(kvhal.to_numpy(ref.load(s, 0, 0, n // bs * bs)[0]))
+        objs = [ours.seq_table.get(s) for s in range(len(lens))]
+        table = ours.seq_table.batch_table(objs, [p // bs for p in pages])
+        hole_arr = None if holes is None else np.asarray(holes, np.int32)
+        batch = kvhal.AttentionBatch(table, np.array(pages), np.array(q_lens), dim**-0.5, causal, window, hole_arr)
+        q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
+        be = ours.backend
+        _, lse = be.attention_lse(q, ours.pools, 0, batch)
+        got = be.attention_mass(q, ours.pools, 0, batch, tail, lse)
+        want = mass_f64(q, ks, q_lens, dim**-0.5, causal, window, hole_arr, tail)
+        for (total, last), (want_total, want_last) in zip(got, want, strict=True):
+            np.testing.assert_allclose(total, want_total, rtol=1e-4, atol=1e-5, err_msg=shape)
+            np.testing.assert_allclose(last, want_last, rtol=1e-4, atol=1e-5, err_msg=shape)
+
+
 def test_attention_mass_checks_lse_shape():
     be = CpuBackend()
     c = cache("q8_0", be)

@@ -694,26 +694,34 @@ static void mass_task(void *p, int64_t task, int worker) {
 }
 
 /* The attention mass of a call whose rows' log-sum-exp a->lse holds (kvc_attention's, with the same q, pages
- * and mask; K of a row format, not per-channel pages): per sequence s, per KV head h, the weight each key received summed over the KV head's query
- * heads, from all of s's queries into total and from its last `tail` queries into window, both
- * [n_kv_heads][seq_lens[s]] doubles at offset n_kv_heads * (seq_lens[0] + ... + seq_lens[s - 1]). Work items are
- * (sequence, KV head, KV_MASS_T keys): each writes its own keys' sums, so results do not change with threads. */
+ * and mask; K of a row format or per-channel pages): per sequence s, per KV head h, the weight each key received
+ * summed over the KV head's query heads, from all of s's queries into total and from its last `tail` queries
+ * into window, both [n_kv_heads][seq_lens[s]] doubles at offset n_kv_heads * (seq_lens[0] + ... +
+ * seq_lens[s - 1]). Work items are (sequence, KV head, KV_MASS_T keys): each writes its own keys' sums, so
+ * results do not change with threads. kltq K: kvc_kltq_attention_mass (kltq.c), through the same driver. */
 KV_EXPORT int kvc_attention_mass(const kv_args *a, int32_t tail, double *total, double *window) {
     const kv_isa *isa = get_isa(a->isa);
     if (!isa) return KV_EUNSUPPORTED;
-    const int n_seqs = a->n_seqs, H = a->n_kv_heads, D = a->head_dim;
-    if (n_seqs <= 0 || H <= 0 || a->n_heads % H || !a->lse || tail < 0 || a->kpaged) return KV_EARG;
-    const int threads = a->threads < 1 ? 1 : a->threads;
+    if (!a->lse) return KV_EARG;
+    kv_call c = {a->n_seqs, a->n_heads, a->n_kv_heads, a->head_dim, a->block_size, a->max_blocks, a->kfmt,
+                 a->vfmt, a->causal, a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, NULL,
+                 a->lse, a->kpool, a->vpool, a->block_table, a->seq_lens, a->q_lens, NULL, 0, a->kpaged, NULL, NULL};
+    return kv_attention_mass_run(c, isa, a->holes, a->threads, tail, total, window);
+}
+
+int kv_attention_mass_run(kv_call c, const kv_isa *isa, const int32_t *holes, int threads, int32_t tail,
+                          double *total, double *window) {
+    const int n_seqs = c.n_seqs, H = c.n_kv_heads, D = c.head_dim;
+    if (n_seqs <= 0 || H <= 0 || c.n_heads % H || !c.lse || tail < 0) return KV_EARG;
+    threads = threads < 1 ? 1 : threads;
     int64_t *q_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_seqs);
     if (!q_start) return KV_ENOMEM;
-    kv_call c = {n_seqs, a->n_heads, H, D, a->block_size, a->max_blocks, a->kfmt, a->vfmt, a->causal,
-                 a->window, a->krow, a->vrow, a->scale * 1.4426950408889634f, a->q, NULL, a->lse, a->kpool, a->vpool,
-                 a->block_table, a->seq_lens, a->q_lens, q_start, 0, a->kpaged};
+    c.q_start = q_start;
     int64_t acc = 0, n_items = 0;
     for (int s = 0; s < n_seqs; s++) {
         q_start[s] = acc;
-        acc += a->q_lens[s];
-        n_items += (int64_t)H * ((a->seq_lens[s] + KV_MASS_T - 1) / KV_MASS_T);
+        acc += c.q_lens[s];
+        n_items += (int64_t)H * ((c.seq_lens[s] + KV_MASS_T - 1) / KV_MASS_T);
     }
     kv_mass_item *items = (kv_mass_item *)malloc(sizeof(kv_mass_item) * (size_t)(n_items + 1));
     const size_t stride = (KV_MASS_SCRATCH(D) + 15) & ~(size_t)15;
@@ -722,9 +730,9 @@ KV_EXPORT int kvc_attention_mass(const kv_args *a, int32_t tail, double *total, 
     if (items && scratch) {
         int64_t ni = 0, off = 0;
         for (int s = 0; s < n_seqs; s++) {
-            const int n_kv = a->seq_lens[s], n_q = a->q_lens[s], split = n_q - tail > 0 ? n_q - tail : 0;
+            const int n_kv = c.seq_lens[s], n_q = c.q_lens[s], split = n_q - tail > 0 ? n_q - tail : 0;
             for (int h = 0; h < H; h++) {
-                const int32_t *x = a->holes ? a->holes + ((int64_t)s * H + h) * 2 : NULL;
+                const int32_t *x = holes ? holes + ((int64_t)s * H + h) * 2 : NULL;
                 const int h0 = x ? x[0] : 0, h1 = x ? x[1] : 0;
                 double *tot = total + off + (int64_t)h * n_kv, *win = window + off + (int64_t)h * n_kv;
                 for (int j0 = 0; j0 < n_kv; j0 += KV_MASS_T) {

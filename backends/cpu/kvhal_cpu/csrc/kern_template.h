@@ -559,7 +559,8 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
 #error "KV_MASS_T must be a multiple of two vectors"
 #endif
 
-/* One kvc_attention_mass item (K of a row format): the tile's K rows made f32 (as attention reads them) and transposed to
+/* One kvc_attention_mass item: the tile's K rows made f32 (as attention reads them: a row format's dequantize,
+ * kpage_rows of per-channel K pages, a codec's kdecode) and transposed to
  * [D][KV_MASS_T], then for every query row of the sequence that sees some key of the tile and each of the KV
  * head's G query heads, 2^(q*scale*log2e . k - lse*log2e) per key: the softmax weight, no max pass, no V.
  * Per key, summed in double over the rows before the window and over the window's rows apart. A key a row
@@ -571,12 +572,27 @@ static void FN(mass_item)(const kv_call *c, const kv_mass_item *it, float *ws) {
     const int n_kv = c->seq_lens[s], n_q = c->q_lens[s], j0 = it->j0, nt = it->nt, j1 = j0 + nt - 1;
     double *acc = (double *)(void *)ws; /* [2][T]: rows before split, rows from split */
     float *e = ws + 4 * T, *rows = e + P * T, *kt = rows + (size_t)T * D;
+    const int hx0 = it->hole0 > j0 ? it->hole0 : j0, hx1 = it->hole1 < j1 + 1 ? it->hole1 : j1 + 1;
+    const int holed = hx0 < hx1, first = n_kv - n_q;
+    /* rows see [lo, hi] with both ends non-decreasing in the row: from the first whose hi reaches j0 to the
+     * last whose lo does not pass j1 */
+    int i0 = c->causal && j0 - first > 0 ? j0 - first : 0, i1 = n_q;
+    if (c->window > 0 && j1 + c->window - first < i1) i1 = j1 + c->window - first; /* lo = pos - window + 1 <= j1 */
+    if (i0 >= i1) { /* no row sees a key of the tile (a window's far past): no K to read */
+        for (int t = 0; t < nt; t++) it->total[t] = it->window[t] = 0.0;
+        return;
+    }
     for (int t = 0; t < nt;) { /* the tile's K rows, a page run at a time */
         const int j = j0 + t, u0 = j % bs;
         int run = bs - u0;
         if (run > nt - t) run = nt - t;
         const uint8_t *kp = kv_row(c, c->kpool, c->krow, s, h, j);
-        for (int u = 0; u < run; u++) FN(dequantize)(c->kfmt, kp + (int64_t)u * c->krow, rows + (size_t)(t + u) * D, D);
+        if (c->kdecode) /* a codec's records (kltq): their coefficients */
+            for (int u = 0; u < run; u++) c->kdecode(c->kdecode_ctx, h, kp + (int64_t)u * c->krow, rows + (size_t)(t + u) * D);
+        else if (c->kpaged) /* per-channel K pages: the run's rows of the page, as attention reads them */
+            FN(kpage_rows)(c->kfmt, kp - u0 * c->krow, bs, D, u0, run, rows + (size_t)t * D, D);
+        else
+            for (int u = 0; u < run; u++) FN(dequantize)(c->kfmt, kp + (int64_t)u * c->krow, rows + (size_t)(t + u) * D, D);
         t += run;
     }
     for (int d = 0; d < D; d++) {
@@ -584,12 +600,6 @@ static void FN(mass_item)(const kv_call *c, const kv_mass_item *it, float *ws) {
         for (int t = nt; t < T; t++) kt[(size_t)d * T + t] = 0.0f; /* padding: masked below */
     }
     for (int t = 0; t < 2 * T; t++) acc[t] = 0.0;
-    const int hx0 = it->hole0 > j0 ? it->hole0 : j0, hx1 = it->hole1 < j1 + 1 ? it->hole1 : j1 + 1;
-    const int holed = hx0 < hx1, first = n_kv - n_q;
-    /* rows see [lo, hi] with both ends non-decreasing in the row: from the first whose hi reaches j0 to the
-     * last whose lo does not pass j1 */
-    int i0 = c->causal && j0 - first > 0 ? j0 - first : 0, i1 = n_q;
-    if (c->window > 0 && j1 + c->window - first < i1) i1 = j1 + c->window - first; /* lo = pos - window + 1 <= j1 */
     const VF sc = vset1(c->scale2);
     const float *qp[P];
     float lse2[P];

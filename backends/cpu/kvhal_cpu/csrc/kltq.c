@@ -283,3 +283,23 @@ KV_EXPORT int kvc_kltq_attention(const kltq_layer *L, const float *q, float *out
     free(q_start);
     return c.failed ? -2 : 0;
 }
+
+/* -- attention mass --------------------------------------------------------------------------------- */
+
+static void kltq_kdecode(const void *L, int h, const uint8_t *row, float *out) {
+    kltq_coeffs((const kltq_layer *)L, h, row, out);
+}
+
+/* kvc_attention_mass (api.c) over kltq records: the same driver and per-ISA mass items, each tile's K rows
+ * made their coefficients (kltq_coeffs, as attention scores them) and scored against q in coefficient space;
+ * lse: kvc_kltq_attention's, which leaves out q . mu as the scores do. total, window as kvc_attention_mass's. */
+KV_EXPORT int kvc_kltq_attention_mass(const kltq_layer *L, const float *q, double *lse, const uint8_t *kpool,
+                                      const int32_t *block_table, const int32_t *seq_lens, const int32_t *q_lens,
+                                      int32_t n_seqs, int32_t max_blocks, int32_t n_heads, int32_t causal,
+                                      int32_t window, float scale, int32_t tail, double *total, double *window_out) {
+    if (L->D > 512) return -3;
+    kv_call c = {n_seqs, n_heads, L->H, L->D, L->bs, max_blocks, KV_F32, L->vfmt, causal, window, L->krow, L->vrow,
+                 scale * 1.4426950408889634f, q, NULL, lse, kpool, NULL, block_table, seq_lens, q_lens, NULL, 0, 0,
+                 kltq_kdecode, L};
+    return kv_attention_mass_run(c, kltq_isa(L->isa), NULL, L->threads, tail, total, window_out);
+}

@@ -93,6 +93,10 @@ typedef struct {
     const int64_t *q_start; /* first q row of each sequence */
     int prefetch;           /* software prefetch of the rows ahead: the call's K/V outgrows the cache */
     int kpaged;             /* K per channel over whole pages: attention turns each tile into f32 rows first */
+    /* K records of a codec with side data (kltq, kltq.c): the stored row of KV head h -> its f32 coefficients,
+     * what the mass pass scores (q in coefficient space); NULL: K rows of kfmt (or kpaged pages) */
+    void (*kdecode)(const void *ctx, int h, const uint8_t *row, float *out);
+    const void *kdecode_ctx;
 } kv_call;
 
 /* One unit of work: query positions [pos0, pos0+npos) of one sequence and KV heads
@@ -144,6 +148,11 @@ typedef struct {
     /* one kvc_attention_mass item (c->lse holds the rows' log-sum-exp), with KV_MASS_SCRATCH floats of scratch */
     void (*mass_item)(const kv_call *c, const kv_mass_item *it, float *scratch);
 } kv_isa;
+
+/* kvc_attention_mass's driver (api.c) for a call c (q_start filled here) with `isa`'s mass_item: the items
+ * of every (sequence, KV head, KV_MASS_T keys) on `threads` threads; holes as kv_args' (NULL: none) */
+int kv_attention_mass_run(kv_call c, const kv_isa *isa, const int32_t *holes, int threads, int32_t tail,
+                          double *total, double *window);
 
 extern const kv_isa kv_isa_scalar;
 #if defined(__x86_64__) || defined(_M_X64)
