@@ -185,6 +185,8 @@ class CpuBackend(HostPoolsBackend):
         why = super().supports(spec, op, shape)
         if why is None and spec.k_codec and spec.head_dim > 512:
             why = f"its kltq kernels take head_dim up to 512, not {spec.head_dim}"
+        if why is None and spec.v_codec:
+            why = f"its kltq kernels take kltq for K only, not V ({spec.v_format}); reference runs kltq V"
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"
