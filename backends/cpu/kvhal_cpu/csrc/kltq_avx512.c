@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                     }
                 }
             } else {
-                isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
+                kltq_v_row(L, isa, h, a->vpool + row * L->vrow, vt + (size_t)u * D);
             }
         }
         if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
@@ -422,7 +422,7 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
                     }
                 }
             } else {
-                isa->dequantize(L->vfmt, vb, vu, D);
+                kltq_v_row(L, isa, h, vb, vu);
             }
         }
         for (int c = 0; c < P->nch; c++) {
