@@ -197,13 +197,14 @@ class CpuBackend(HostPoolsBackend):
             raise KVHalError(f"cpu backend {what} failed: {ERRORS.get(rc, f'error {rc}')}")
 
     def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
-        kshape = spec.pool_shape(n_blocks, "k")
-        if spec.k_codec:  # kltq: csrc/kltq_avx512.c reads up to 63 bytes past a record
-            pad = int(np.prod(kshape))
-            k = [_zeros((pad + 128,))[:pad].reshape(kshape) for _ in range(spec.n_layers)]
-        else:
-            k = [_zeros(kshape) for _ in range(spec.n_layers)]
-        v = [_zeros(spec.pool_shape(n_blocks, "v")) for _ in range(spec.n_layers)]
+        def pools(which: str, coded: bool) -> list[np.ndarray]:
+            shape = spec.pool_shape(n_blocks, which)
+            if not coded:
+                return [_zeros(shape) for _ in range(spec.n_layers)]
+            size = int(np.prod(shape))  # kltq: csrc/kltq_avx512.c reads up to 63 bytes past a record
+            return [_zeros((size + 128,))[:size].reshape(shape) for _ in range(spec.n_layers)]
+
+        k, v = pools("k", spec.k_codec), pools("v", spec.v_codec)
         isa = ISAS.index(self.isa)
         # per layer: the fields of kv_args that stay fixed for this cache; each call copies its layer's
         layers = [
