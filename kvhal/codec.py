@@ -172,12 +172,12 @@ class Codec:
             if sc is None:
                 sc = pending[(w, layer)] = self.calibrate(w, x)
             out.append(self.forward(w, x, sc) if self.spec.transformed else x)
-        for w, x in zip("kv", out):  # both checked before either calibrates (a failed store changes nothing)
-            if getattr(self.spec, f"{w}_fmt").side_data and self.side_list(w)[layer] is None:
-                self.check_calibration(w, len(x))
-        for w, x in zip("kv", out):
-            if getattr(self.spec, f"{w}_fmt").side_data and self.side_list(w)[layer] is None:
-                pending[(f"{w}_side", layer)] = self.calibrate_side(w, x)
+        coded = [(w, x) for w, x in zip("kv", out) if getattr(self.spec, f"{w}_fmt").side_data]
+        coded = [(w, x) for w, x in coded if self.side_list(w)[layer] is None]
+        for w, x in coded:  # both checked before either calibrates (a failed store changes nothing)
+            self.check_calibration(w, len(x))
+        for w, x in coded:
+            pending[(f"{w}_side", layer)] = self.calibrate_side(w, x)
         return out[0], out[1], pending
 
     def check_calibration(self, which: str, n: int) -> None:
