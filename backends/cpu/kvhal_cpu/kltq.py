@@ -94,9 +94,11 @@ def layer(pools: Pools, index: int, isa: int, threads: int) -> Layer:
     keep: list[Any] = []
 
     def struct(side: kltq.Side | None, row: int, kfmt: int, v: Any) -> Layer:
-        arrays = _side_arrays(side) if side is not None else []
+        # block K: zero widths (its kernels' per-head setup reads them), no side data
+        blank = [np.zeros((H, D), np.int32) for _ in range(3)] + [np.zeros(1, np.float32)]
+        arrays = _side_arrays(side) if side is not None else blank
         keep.extend(arrays)
-        ptrs = [int(a.ctypes.data) for a in arrays] or [None] * 10
+        ptrs = [int(a.ctypes.data) for a in arrays] + [None] * (10 - len(arrays))
         return Layer(H, D, spec.block_size, format_id(spec.v_format), isa, threads, row, spec.v_row_bytes, *ptrs,
                      kfmt, v)  # fmt: skip
 

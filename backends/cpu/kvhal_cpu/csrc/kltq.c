@@ -288,7 +288,7 @@ KV_EXPORT int kvc_kltq_attention(const kltq_layer *L, const float *q, float *out
                    causal, window, 0, scale};
     kv_task_fn task = kattn_task;
 #if defined(__x86_64__) || defined(_M_X64)
-    if (kltq_isa(L->isa) == &kv_isa_avx512 && L->D % 16 == 0 && L->kfmt < 0) task = kv_kltq_attn_task_avx512;
+    if (kltq_isa(L->isa) == &kv_isa_avx512 && L->D % 16 == 0) task = kv_kltq_attn_task_avx512;
 #endif
     kv_pool_run(task, &c, (int64_t)n_seqs * L->H, L->threads);
     free(q_start);

@@ -216,36 +216,40 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
             }
             const uint8_t *rec = a->kpool + row * L->krow;
             float *cu = ct + (size_t)u * D;
+            if (L->kfmt >= 0) { /* K in a block format beside kltq V: its row kernel, scored against q */
+                isa->dequantize(L->kfmt, rec, cu, D);
+            } else {
 #ifdef KLTQ_SCALAR_DECODE
-            for (int i = 0; i < D; i++) {
-                uint32_t w;
-                memcpy(&w, rec + boff[i], 4);
-                cu[i] = L->levels[of[i] + ((w >> sh[i]) & (uint32_t)mk[i])];
-            }
-            if (0)
-#endif
-            for (int e = 0; e < nv; e++) {
-                /* each coefficient's 32-bit window: one byte permute of the 64 bytes from the vector's first
-                 * window (16 coefficients of <= 12 bits span <= 27 bytes), or a gather without VBMI */
-                const __m512i w = vbmi ? _mm512_permutexvar_epi8(_mm512_load_si512(bp + 64 * e),
-                                                                 _mm512_loadu_si512(rec + boff[16 * e]))
-                                       : _mm512_i32gather_epi32(_mm512_load_si512(boff + 16 * e), (const void *)rec, 1);
-                const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_load_si512(sh + 16 * e)),
-                                                      _mm512_load_si512(mk + 16 * e));
-                /* the level from the layer's codebook of the coefficient's width, times its sigma (the spec's f32
-                 * product): widths <= 5 (32 levels) by a two-register permute per width in the vector, else a gather */
-                __m512 lv;
-                if (nw[e] > 0) {
-                    lv = _mm512_setzero_ps();
-                    for (int k = 0; k < nw[e]; k++) {
-                        const float *bk = L->books + wl[e][k] * 4096;
-                        lv = _mm512_mask_mov_ps(lv, wm[e][k],
-                                                _mm512_permutex2var_ps(_mm512_loadu_ps(bk), code, _mm512_loadu_ps(bk + 16)));
-                    }
-                } else {
-                    lv = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_load_si512(bo + 16 * e)), L->books, 4);
+                for (int i = 0; i < D; i++) {
+                    uint32_t w;
+                    memcpy(&w, rec + boff[i], 4);
+                    cu[i] = L->levels[of[i] + ((w >> sh[i]) & (uint32_t)mk[i])];
                 }
-                _mm512_store_ps(cu + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(sg + 16 * e)));
+                if (0)
+#endif
+                for (int e = 0; e < nv; e++) {
+                    /* each coefficient's 32-bit window: one byte permute of the 64 bytes from the vector's first
+                     * window (16 coefficients of <= 12 bits span <= 27 bytes), or a gather without VBMI */
+                    const __m512i w = vbmi ? _mm512_permutexvar_epi8(_mm512_load_si512(bp + 64 * e),
+                                                                     _mm512_loadu_si512(rec + boff[16 * e]))
+                                           : _mm512_i32gather_epi32(_mm512_load_si512(boff + 16 * e), (const void *)rec, 1);
+                    const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_load_si512(sh + 16 * e)),
+                                                          _mm512_load_si512(mk + 16 * e));
+                    /* the level from the layer's codebook of the coefficient's width, times its sigma (the spec's f32
+                     * product): widths <= 5 (32 levels) by a two-register permute per width in the vector, else a gather */
+                    __m512 lv;
+                    if (nw[e] > 0) {
+                        lv = _mm512_setzero_ps();
+                        for (int k = 0; k < nw[e]; k++) {
+                            const float *bk = L->books + wl[e][k] * 4096;
+                            lv = _mm512_mask_mov_ps(lv, wm[e][k],
+                                                    _mm512_permutex2var_ps(_mm512_loadu_ps(bk), code, _mm512_loadu_ps(bk + 16)));
+                        }
+                    } else {
+                        lv = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_load_si512(bo + 16 * e)), L->books, 4);
+                    }
+                    _mm512_store_ps(cu + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(sg + 16 * e)));
+                }
             }
             if (L->vfmt == KV_Q8_0) { /* ggml's q8_0 inline: {f16 d; int8 q[32]} -> d * q */
                 const uint8_t *vb = a->vpool + row * L->vrow;
@@ -585,7 +589,7 @@ void kv_kltq_codes_avx512(const double *mids, const int32_t *moff, const double 
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
     (void)worker;
     kattn_ctx *a = (kattn_ctx *)ctx;
-    if (__builtin_cpu_supports("avx512vbmi")) {
+    if (__builtin_cpu_supports("avx512vbmi") && a->L->kfmt < 0) { /* keys in lanes: kltq K only */
         const kltq_layer *L = a->L;
         const int h = (int)(t % L->H);
         tplan *P = (tplan *)aligned_alloc(64, (sizeof(tplan) + 63) / 64 * 64);
