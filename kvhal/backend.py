@@ -71,6 +71,9 @@ class Pools:
     # a kltq K format's side data per layer (one-layer ``kltq.Side``, None before the layer's first store): the
     # cache's list, set by the cache; what a backend's store/load/attention of such a format reads
     side: list[Any] = field(default_factory=list, repr=False)
+    # the same for a kltq V format (``Pools.v_side[layer]``); attention over such V weights its decoded
+    # coefficients (the cache maps the output back to values), load returns values
+    v_side: list[Any] = field(default_factory=list, repr=False)
 
 
 class Backend(ABC):

@@ -186,7 +186,7 @@ def _scores_f64(
         k, v = backend.load(pools, layer, batch.block_table[s, : -(-n_kv // spec.block_size)], n_kv)
         k = scored_keys(pools, layer, np.asarray(backend.to_numpy(k), np.float64))
         k = np.repeat(k, group, axis=1)  # [n_kv, Hq, D]
-        v = np.repeat(np.asarray(backend.to_numpy(v), np.float64), group, axis=1)
+        v = np.repeat(scored_keys(pools, layer, np.asarray(backend.to_numpy(v), np.float64), "v"), group, axis=1)
         scores = np.einsum("qhd,khd->hqk", qh[rows], k) * batch.scale
         j = np.arange(n_kv)[None, :]
         seen = ((j >= lo[rows, None]) & (j < hi[rows, None]))[None]  # [1, n_q, n_kv]
@@ -195,14 +195,15 @@ def _scores_f64(
         yield rows, np.where(seen, scores, -np.inf), v
 
 
-def scored_keys(pools: Any, layer: int, k: np.ndarray) -> np.ndarray:
-    """Loaded keys as attention scores them: for a kltq K format, whose queries come in coefficient space, the
-    coefficients ``T (x' - mu)`` of the loaded ``x' = mu + S c'`` (``T S = I``: the decoded ``c'``); else ``k``."""
-    if not pools.spec.k_codec:
+def scored_keys(pools: Any, layer: int, k: np.ndarray, which: str = "k") -> np.ndarray:
+    """Loaded keys (``which="v"``: values) as attention weighs them: for a kltq format (K: queries come in its
+    coefficient space; V: the cache maps the output back to values) the coefficients ``T (x' - mu)`` of the
+    loaded ``x' = mu + S c'`` (``T S = I``: the decoded ``c'``); else ``k``."""
+    if not getattr(pools.spec, f"{which}_fmt").side_data:
         return k
     from .formats import kltq
 
-    return kltq.coefficients(pools.side[layer], 0, k)
+    return kltq.coefficients((pools.side if which == "k" else pools.v_side)[layer], 0, k)
 
 
 def softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

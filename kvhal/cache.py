@@ -101,6 +101,7 @@ class KVCache:
         allocator = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
         self.codec = Codec(spec)
         self.pools.side = self.codec.sides  # a kltq K format's side data, per layer, as the backend reads it
+        self.pools.v_side = self.codec.v_sides  # a kltq V format's
         self.seq_table = SeqTable(spec, self.backend, self.pools, allocator)
         self.prefix = PrefixIndex(
             spec, self.backend, self.pools, allocator, self.fingerprint.digest(spec), tier_list, write_through
@@ -251,9 +252,9 @@ class KVCache:
         self.codec.adopt(per_layer)
         self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
-    def adopt_side(self, side: kltq.Side) -> None:
-        """Take every layer's kltq side data (a snapshot's, before this cache stored anything)."""
-        self.codec.adopt_side(side)
+    def adopt_side(self, side: kltq.Side, which: str = "k") -> None:
+        """Take every layer's kltq side data of K (V) (a snapshot's, before this cache stored anything)."""
+        self.codec.adopt_side(side, which)
         self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
 
     # -- data ----------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ class KVCache:
             return
         spec, pending = self.spec, Pending()
         make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
-        if spec.transformed or spec.uses_tail or spec.k_codec:
+        if spec.transformed or spec.uses_tail or spec.k_codec or spec.v_codec:
             k, v, pending = self.codec.encode(self.backend, layer, k, v)
             if spec.uses_tail:
                 with self.codec.staging(pending):  # side data a backend's store reads
@@ -304,16 +305,17 @@ class KVCache:
             self.codec.uncalibrated(w) or self.codec.calibrating()
             for w in "kv"
             if getattr(spec, f"{w}_scale") == "calibrate"
-        ) or (spec.k_codec and any(x is None for x in self.codec.sides)):
+        ) or any(getattr(spec, f"{w}_fmt").side_data and any(x is None for x in self.codec.side_list(w)) for w in "kv"):
             raise UnsupportedError(
                 'store_rows on a "calibrate" (or kltq) cache before every layer\'s scale (side data) is fixed: the '
-                "rows would have nothing to mean; create the cache with the scales (k_side) the rows were stored with"
+                "rows would have nothing to mean; create the cache with the scales (k_side/v_side) the rows were "
+                "stored with"
             )
         if len(k) == 0:
             return
         for fmt, rows, what in ((spec.k_fmt, k, "k_rows"), (spec.v_fmt, v, "v_rows")):
             if fmt.side_data:
-                values = kltq.dequantize(self.codec.side(layer), 0, rows)
+                values = kltq.dequantize(self.codec.side(layer, what[0]), 0, rows)
             else:
                 values = fmt.dequantize(rows)
             if not np.isfinite(values).all():
@@ -530,27 +532,28 @@ class KVCache:
         check_shape(self.backend, spec, batch, int(q.shape[1]))  # a backend's per-call limits, where it has any
         if spec.transformed:
             q = self.codec.query(self.backend, layer, q)
-        if spec.k_codec:  # pages score q in coefficient space; an f16 tail scores q itself
-            q_pages, offset = self.codec.coefficient_query(self.backend, layer, q)
-            if spec.uses_tail:
-                out, lse = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window, (q_pages, offset))
-                if observe:
-                    self.evictor.observe_tail(seq_objs, layer, q, batch, lse, (q_pages, offset))
-                return self.backend.asarray(out, "out")
-            q = q_pages
+        # a kltq K format: pages score q in coefficient space (an f16 tail scores q itself)
+        pages_q = self.codec.coefficient_query(self.backend, layer, q) if spec.k_codec else None
         if spec.uses_tail:
-            out, lse = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window)
+            # a kltq V format: the pages' output (over V's decoded coefficients) back to values before it is merged
+            # with the f16 rows'
+            pages_v = (lambda o: self.codec.coefficient_output(layer, o)) if spec.v_codec else None
+            out, lse = self.tail.attention(layer, q, seq_objs, qls, scale, causal, window, pages_q, pages_v)
             if observe:
-                self.evictor.observe_tail(seq_objs, layer, q, batch, lse)
-        elif offloaded:
+                self.evictor.observe_tail(seq_objs, layer, q, batch, lse, pages_q)
+            out = self.backend.asarray(out, "out")
+            return self.codec.output(self.backend, layer, out) if spec.transformed and not spec.v_codec else out
+        if pages_q is not None:
+            q = pages_q[0]
+        if offloaded:
             out = self.streamer.attention(layer, q, seq_objs, qls, scale, causal)
         elif observe:
             out = self.evictor.observe(seq_objs, layer, q, batch)
         else:
             out = self.backend.attention(q, self.pools, layer, batch)
-        if spec.transformed:
+        if spec.transformed or spec.v_codec:  # (a kltq V format: over its coefficients, mapped back once)
             return self.codec.output(self.backend, layer, out)
-        return self.backend.asarray(out, "out") if spec.uses_tail or offloaded else out
+        return self.backend.asarray(out, "out") if offloaded else out
 
     # -- block streaming -----------------------------------------------------------------------------
 

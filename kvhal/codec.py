@@ -28,7 +28,7 @@ CALIBRATION_STEPS = 16
 CALIBRATION_VALUES = 16384
 
 # what a store calibrated, kept only if the store succeeds: scales ("k"/"v", layer) -> per-head scales, and
-# ("side", layer) -> a kltq K format's one-layer side data
+# ("k_side"/"v_side", layer) -> a kltq K/V format's one-layer side data
 Pending = dict[tuple[str, int], Any]
 
 
@@ -39,14 +39,20 @@ class Codec:
         self._scales: dict[str, list[np.ndarray | None]] = {
             w: resolve_scale(getattr(spec, f"{w}_scale"), spec) for w in "kv"
         }
-        # a kltq K format's side data, one single-layer kltq.Side per layer (None until its first store); the
-        # cache hands this list to its pools (``Pools.side``), so a backend reads ``side[layer]``
-        self._query_side: dict[int, tuple[kltq.Side, np.ndarray, np.ndarray]] = {}
-        self.sides: list[kltq.Side | None] = (
-            [kltq.layer_side(spec.k_side, i) for i in range(spec.n_layers)]
-            if spec.k_side is not None
-            else [None] * spec.n_layers
-        )
+        # a kltq K (V) format's side data, one single-layer kltq.Side per layer (None until its first store); the
+        # cache hands these lists to its pools (``Pools.side``, ``Pools.v_side``), so a backend reads
+        # ``side[layer]`` (``v_side[layer]``)
+        self._f64: dict[tuple[str, int], tuple[kltq.Side, np.ndarray, np.ndarray]] = {}
+        self.sides: list[kltq.Side | None] = self._layers(spec.k_side)
+        self.v_sides: list[kltq.Side | None] = self._layers(spec.v_side)
+
+    def _layers(self, side: kltq.Side | None) -> list[kltq.Side | None]:
+        n = self.spec.n_layers
+        return [None] * n if side is None else [kltq.layer_side(side, i) for i in range(n)]
+
+    def side_list(self, which: str) -> list[kltq.Side | None]:
+        """The per-layer side data of K (``which="k"``) or V."""
+        return self.sides if which == "k" else self.v_sides
 
     # -- scales --------------------------------------------------------------------------------------
 
@@ -59,15 +65,17 @@ class Codec:
             per_layer = self._scales[w]
             if getattr(spec, f"{w}_scale") == "calibrate" and all(sc is not None for sc in per_layer):
                 out[f"{w}_scale"] = tuple(tuple(float(x) for x in sc) for sc in per_layer if sc is not None)
-        if spec.k_codec and spec.k_side is None and all(x is not None for x in self.sides):
-            out["k_side"] = kltq.join_layers([x for x in self.sides if x is not None])
+        for w in "kv":
+            sides = self.side_list(w)
+            if getattr(spec, f"{w}_fmt").side_data and getattr(spec, f"{w}_side") is None and None not in sides:
+                out[f"{w}_side"] = kltq.join_layers([x for x in sides if x is not None])
         return dataclasses.replace(spec, **out) if out else spec
 
     def calibrating(self) -> bool:
         """True while a "calibrate" scale (or kltq side data) is fixed for some layers but not yet for all."""
         return any(
             any(sc is None for sc in per_layer) and any(sc is not None for sc in per_layer)
-            for per_layer in [*self._scales.values(), list[Any](self.sides)]
+            for per_layer in [*self._scales.values(), list[Any](self.sides), list[Any](self.v_sides)]
         )
 
     def uncalibrated(self, which: str) -> bool:
@@ -89,8 +97,8 @@ class Codec:
         """Keep the scales a successful store calibrated; True when any changed (the cache's root hash then
         changes too)."""
         for (w, layer), sc in pending.items():
-            if w == "side":
-                self.sides[layer] = sc
+            if w.endswith("_side"):
+                self.side_list(w[0])[layer] = sc
             else:
                 self._scales[w][layer] = sc
         return bool(pending)
@@ -99,19 +107,19 @@ class Codec:
     def staging(self, pending: Pending) -> Iterator[None]:
         """The side data a store calibrated, in place while its rows are written (a backend's store reads it);
         taken back should the store fail (``commit`` keeps it when it succeeds)."""
-        layers = [layer for (w, layer) in pending if w == "side"]
-        for layer in layers:
-            self.sides[layer] = pending[("side", layer)]
+        staged = [(w[0], layer) for (w, layer) in pending if w.endswith("_side")]
+        for w, layer in staged:
+            self.side_list(w)[layer] = pending[(f"{w}_side", layer)]
         try:
             yield
         except BaseException:
-            for layer in layers:
-                self.sides[layer] = None
+            for w, layer in staged:
+                self.side_list(w)[layer] = None
             raise
 
-    def adopt_side(self, side: kltq.Side) -> None:
-        """Take every layer's kltq side data at once (a restore into a cache that had not stored yet)."""
-        self.sides[:] = [kltq.layer_side(side, i) for i in range(self.spec.n_layers)]
+    def adopt_side(self, side: kltq.Side, which: str = "k") -> None:
+        """Take every layer's kltq side data of K (V) at once (a restore into a cache that had not stored yet)."""
+        self.side_list(which)[:] = self._layers(side)
 
     def adopt(self, per_layer: dict[str, list[np.ndarray | None]]) -> None:
         """Take every layer's scales at once (a restore into a "calibrate" cache that had not stored yet)."""
@@ -164,21 +172,32 @@ class Codec:
             if sc is None:
                 sc = pending[(w, layer)] = self.calibrate(w, x)
             out.append(self.forward(w, x, sc) if self.spec.transformed else x)
-        if self.spec.k_codec and self.sides[layer] is None:
-            pending[("side", layer)] = self.calibrate_side(out[0])
+        coded = [(w, x) for w, x in zip("kv", out) if getattr(self.spec, f"{w}_fmt").side_data]
+        coded = [(w, x) for w, x in coded if self.side_list(w)[layer] is None]
+        for w, x in coded:  # both checked before either calibrates (a failed store changes nothing)
+            self.check_calibration(w, len(x))
+        for w, x in coded:
+            pending[(f"{w}_side", layer)] = self.calibrate_side(w, x)
         return out[0], out[1], pending
 
-    def calibrate_side(self, k: np.ndarray) -> kltq.Side:
-        """A kltq K format's side data for one layer from its first store ``k [n, H, D]`` (plain KLT; the
-        spec's sink tokens skipped, as they are attended in f16)."""
+    def check_calibration(self, which: str, n: int) -> None:
+        """ShapeError when a first store of ``n`` tokens is too short to calibrate a kltq K/V format on."""
         skip = self.spec.sink_tokens
-        if len(k) - skip < 2:
+        if n - skip < 2:
+            fmt = getattr(self.spec, f"{which}_format")
             raise ShapeError(
-                f"{self.spec.k_format} calibrates each layer on its first store, which needs at least {skip + 2} "
-                f"tokens ({skip} sink tokens + 2); this one has {len(k)}: store the prefill first, or give the "
-                "side data (CacheSpec(k_side=...), written by kvhal eval --calibrate)"
+                f"{fmt} calibrates each layer on its first store, which needs at least {skip + 2} "
+                f"tokens ({skip} sink tokens + 2); this one has {n}: store the prefill first, or give the "
+                f"side data (CacheSpec({which}_side=...), written by kvhal eval --calibrate)"
             )
-        return kltq.calibrate([k], kltq.parse_name(self.spec.k_format), skip=skip)
+
+    def calibrate_side(self, which: str, x: np.ndarray) -> kltq.Side:
+        """A kltq K/V format's side data for one layer from its first store ``x [n, H, D]`` (plain KLT: the
+        cache has no queries to weight K by, and queries do not weight V's error; the spec's sink tokens
+        skipped, as they are attended in f16)."""
+        self.check_calibration(which, len(x))
+        fmt = getattr(self.spec, f"{which}_format")
+        return kltq.calibrate([x], kltq.parse_name(fmt), skip=self.spec.sink_tokens)
 
     def forward(self, which: str, x: np.ndarray, sc: np.ndarray) -> np.ndarray:
         """What is stored for values ``x [n, H, D]``: ``R (x / scale)``, f32."""
@@ -198,25 +217,30 @@ class Codec:
         """Queries against stored K ``R (k / s)``: ``s * R q`` per KV head, so scores are unchanged."""
         return self._heads(backend, layer, "k", q)
 
-    def side(self, layer: int) -> kltq.Side:
-        """Layer ``layer``'s kltq side data; UnsupportedError before its first store fixed it."""
-        side = self.sides[layer]
+    def side(self, layer: int, which: str = "k") -> kltq.Side:
+        """Layer ``layer``'s kltq side data of K (V); UnsupportedError before its first store fixed it."""
+        side = self.side_list(which)[layer]
         if side is None:
             raise UnsupportedError(
-                f"layer {layer} of this {self.spec.k_format} cache has no side data yet (it calibrates on its first "
-                "store): store to it first"
+                f"layer {layer} of this {getattr(self.spec, f'{which}_format')} {which.upper()} cache has no side data "
+                "yet (it calibrates on its first store): store to it first"
             )
         return side
+
+    def _side_f64(self, layer: int, which: str) -> tuple[np.ndarray, np.ndarray]:
+        """Layer ``layer``'s synthesis ``S [H, D, D]`` and mean ``[H, D]`` of K (V) in float64, once per side data."""
+        side = self.side(layer, which)
+        if self._f64.get((which, layer), (None,))[0] is not side:
+            self._f64[(which, layer)] = (side, side.synthesis[0].astype(np.float64), side.mean[0].astype(np.float64))
+        _, synthesis, mean = self._f64[(which, layer)]
+        return synthesis, mean
 
     def coefficient_query(self, backend: Backend, layer: int, q: Any) -> tuple[Any, np.ndarray]:
         """Queries in a kltq K format's coefficient space, ``S^T q`` per KV head (what a backend scores against
         the decoded coefficients), and ``q . mu`` per query row and head (float64 ``[n, Hq]``): the score term
         the coefficients leave out, the same for every key (it matters only where scores are merged across
         parts by log-sum-exp)."""
-        side = self.side(layer)
-        if self._query_side.get(layer, (None,))[0] is not side:  # float64 S and mu, once per layer's side data
-            self._query_side[layer] = (side, side.synthesis[0].astype(np.float64), side.mean[0].astype(np.float64))
-        _, synthesis, mean = self._query_side[layer]
+        synthesis, mean = self._side_f64(layer, "k")
         qh = np.asarray(backend.to_numpy(q), np.float64)
         n, n_heads, d = qh.shape
         grouped = qh.reshape(n, self.spec.n_kv_heads, n_heads // self.spec.n_kv_heads, d)  # [n, H, G, D]
@@ -225,8 +249,22 @@ class Codec:
         return backend.asarray(q_c.astype(np.float32), "q"), offset
 
     def output(self, backend: Backend, layer: int, out: Any) -> Any:
-        """Attention over stored V ``R (v / s)`` back to values: ``s * R^T out`` per KV head (exact)."""
+        """Attention over stored V ``R (v / s)`` back to values: ``s * R^T out`` per KV head (exact). A kltq V
+        format: attention over its decoded coefficients ``o' = sum_j p_j c'_j`` back to ``mean + S o'`` (exact:
+        the softmax weights sum to 1)."""
+        if self.spec.v_codec:
+            return backend.asarray(self.coefficient_output(layer, backend.to_numpy(out)), "out")
         return self._heads(backend, layer, "v", out)
+
+    def coefficient_output(self, layer: int, out: np.ndarray) -> np.ndarray:
+        """Attention outputs ``[n, Hq, D]`` over a kltq V format's decoded coefficients, host f32, to values:
+        ``mean + S o'`` per KV head (query heads grouped), in float64."""
+        synthesis, mean = self._side_f64(layer, "v")
+        o = np.asarray(out, np.float64)
+        n, n_heads, d = o.shape
+        grouped = o.reshape(n, self.spec.n_kv_heads, n_heads // self.spec.n_kv_heads, d)  # [n, H, G, D]
+        x = grouped @ synthesis.transpose(0, 2, 1)[None] + mean[None, :, None, :]
+        return x.reshape(n, n_heads, d).astype(np.float32)
 
     def _heads(self, backend: Backend, layer: int, which: str, x: Any) -> Any:
         rotation = getattr(self.spec, f"{which}_rotation")

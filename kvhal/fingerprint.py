@@ -91,13 +91,15 @@ class Fingerprint:
         if spec is not None:
             d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
             # kltq side data by its digest (the snapshot carries the arrays)
-            d["k_side"] = None if spec.k_side is None else spec.k_side.digest()
+            for name in ("k_side", "v_side"):
+                side = getattr(spec, name)
+                d[name] = None if side is None else side.digest()
             # transforms at their identity are left out, so caches without them keep their digests
-            # (and sinks at 0, k_side None: specs without a sink head or side data keep their digests)
+            # (and sinks at 0, k_side/v_side None: specs without a sink head or side data keep their digests)
             out["spec"] = {
                 k: _lists(v)
                 for k, v in d.items()
-                if not (k in _TRANSFORMS + ("k_side",) and v is None) and not (k == "sinks" and v == 0)
+                if not (k in _TRANSFORMS + ("k_side", "v_side") and v is None) and not (k == "sinks" and v == 0)
             }
         return out
 

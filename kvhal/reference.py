@@ -11,14 +11,17 @@ from .errors import UnsupportedError
 from .formats import Format, kltq
 
 
-def side(pools: Pools, layer: int) -> kltq.Side:
-    """Layer ``layer``'s kltq side data from the pools (the cache puts it there before a store writes rows)."""
-    if len(pools.side) <= layer or pools.side[layer] is None:
+def side(pools: Pools, layer: int, which: str = "k") -> kltq.Side:
+    """Layer ``layer``'s kltq side data of K (``which="k"``: ``Pools.side``) or V (``Pools.v_side``) from the
+    pools (the cache puts it there before a store writes rows)."""
+    per_layer = pools.side if which == "k" else pools.v_side
+    if len(per_layer) <= layer or per_layer[layer] is None:
+        fmt, field = (pools.spec.k_format, "side") if which == "k" else (pools.spec.v_format, "v_side")
         raise UnsupportedError(
-            f"{pools.spec.k_format} pools without side data at layer {layer}: a kltq cache sets it (Pools.side) on the "
-            "layer's first store; run the format through a KVCache"
+            f"{fmt} pools without side data at layer {layer}: a kltq cache sets it (Pools.{field}) on the layer's "
+            "first store; run the format through a KVCache"
         )
-    s: kltq.Side = pools.side[layer]
+    s: kltq.Side = per_layer[layer]
     return s
 
 
@@ -35,7 +38,8 @@ class ReferenceBackend(HostPoolsBackend):
     def store(self, pools: Pools, layer: int, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         spec = pools.spec
         blk, off = slots // spec.block_size, slots % spec.block_size
-        qv = spec.v_fmt.quantize(v)  # everything quantized before either pool is written
+        # everything quantized before either pool is written
+        qv = kltq.quantize(side(pools, layer, "v"), 0, v) if spec.v_codec else spec.v_fmt.quantize(v)
         if spec.k_codec:
             pools.k[layer][blk, :, off, :] = kltq.quantize(side(pools, layer), 0, k)
         elif spec.k_fmt.k_page is not None:
@@ -65,6 +69,8 @@ class ReferenceBackend(HostPoolsBackend):
             k = kltq.dequantize(side(pools, layer), 0, self._rows(pools.k[layer], block_ids, n))
         else:
             k = self._gather(pools.k[layer], spec.k_fmt, block_ids, n, spec.k_paged)
+        if spec.v_codec:
+            return k, kltq.dequantize(side(pools, layer, "v"), 0, self._rows(pools.v[layer], block_ids, n))
         return k, self._gather(pools.v[layer], spec.v_fmt, block_ids, n)
 
     @staticmethod
@@ -73,11 +79,18 @@ class ReferenceBackend(HostPoolsBackend):
         return pages.transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])[:n]
 
     def _keys(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """K as attention scores it (a kltq K format: the decoded coefficients, q being in their space) and V."""
-        if not pools.spec.k_codec:
+        """K and V as attention weighs them: a kltq format's decoded coefficients (K: q comes in their space; V:
+        the cache maps the output back to values), else the values."""
+        spec = pools.spec
+        if not (spec.k_codec or spec.v_codec):
             return self.load(pools, layer, block_ids, n)
-        c = kltq.decode_coefficients(side(pools, layer), 0, self._rows(pools.k[layer], block_ids, n))
-        return c, self._gather(pools.v[layer], pools.spec.v_fmt, block_ids, n)
+        k, v = (
+            kltq.decode_coefficients(side(pools, layer, w), 0, self._rows(pool[layer], block_ids, n))
+            if fmt.side_data
+            else self._gather(pool[layer], fmt, block_ids, n, w == "k" and spec.k_paged)
+            for w, pool, fmt in (("k", pools.k, spec.k_fmt), ("v", pools.v, spec.v_fmt))
+        )
+        return k, v
 
     def attention(self, q: np.ndarray, pools: Pools, layer: int, batch: AttentionBatch) -> np.ndarray:
         spec = pools.spec

@@ -79,7 +79,7 @@ class SnapshotCache(Protocol):
 
     def adopt_scales(self, per_layer: dict[str, list[np.ndarray | None]]) -> None: ...
 
-    def adopt_side(self, side: Any) -> None: ...
+    def adopt_side(self, side: Any, which: str = "k") -> None: ...
 
 
 def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None:
@@ -178,9 +178,9 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
     mine = cache.fingerprint.as_dict(cache.resolved_spec)["spec"]
     adopt, root = _adopt_scales(cache, meta.get("spec"))
     side, side_root = _adopt_side(cache, r, meta.get("spec"))
-    if side is not None:
+    if side:
         root = side_root
-    if meta.get("spec") != mine and not adopt and side is None:
+    if meta.get("spec") != mine and not adopt and not side:
         raise FingerprintMismatchError(
             f"{str(r.path)!r} holds a cache of spec {meta.get('spec')}, this cache is {mine}; "
             "restore it into a cache created with the same spec (and, with calibrated scales, the same scales)"
@@ -275,8 +275,8 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
             allocator.release([b])
     if adopt:  # a "calibrate" cache that had not stored yet takes the snapshot's scales
         cache.adopt_scales(adopt)
-    if side is not None:  # a kltq cache that had not stored yet takes the snapshot's side data
-        cache.adopt_side(side)
+    for w, x in side.items():  # a kltq cache that had not stored yet takes the snapshot's side data
+        cache.adopt_side(x, w)
     out = []
     for s in staged:
         s.blocks = [ids[j] for j in s.blocks]
@@ -286,21 +286,31 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
     return out
 
 
-def _adopt_side(cache: SnapshotCache, r: SnapshotReader, saved: Any) -> tuple[Any, bytes]:
-    """The kltq side data a cache that has not calibrated any layer yet (nor was given any) would take from a
-    snapshot (with the root hash it gives), when that makes the specs equal; else None and the cache's root."""
+def _adopt_side(cache: SnapshotCache, r: SnapshotReader, saved: Any) -> tuple[dict[str, Any], bytes]:
+    """The kltq side data ("k"/"v" -> Side) a cache that has not calibrated any layer of it yet (nor was given
+    any) would take from a snapshot (with the root hash it gives), when that makes the specs equal; else none
+    and the cache's root."""
     import dataclasses
 
     spec = cache.spec
-    if not (spec.k_codec and spec.k_side is None and isinstance(saved, dict) and "k_side" in saved):
-        return None, cache.root_hash
-    if any(x is not None for x in cache.codec.sides):
-        return None, cache.root_hash
-    side = spec_of(r, saved).k_side
-    cand = dataclasses.replace(cache.resolved_spec, k_side=side)
+    if not isinstance(saved, dict):
+        return {}, cache.root_hash
+    take = [
+        w
+        for w in "kv"
+        if getattr(spec, f"{w}_fmt").side_data
+        and getattr(spec, f"{w}_side") is None
+        and f"{w}_side" in saved
+        and all(x is None for x in cache.codec.side_list(w))
+    ]
+    if not take:
+        return {}, cache.root_hash
+    theirs = spec_of(r, saved)
+    sides = {w: getattr(theirs, f"{w}_side") for w in take}
+    cand = dataclasses.replace(cache.resolved_spec, **{f"{w}_side": x for w, x in sides.items()})
     if cache.fingerprint.as_dict(cand)["spec"] != saved:
-        return None, cache.root_hash
-    return side, cache.fingerprint.digest(cand)
+        return {}, cache.root_hash
+    return sides, cache.fingerprint.digest(cand)
 
 
 def _adopt_scales(cache: SnapshotCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:

@@ -285,14 +285,17 @@ def tupled(value: Any) -> Any:
     return tuple(tupled(x) for x in value) if isinstance(value, list) else value
 
 
-SIDE_PREFIX = "kltq."  # the tensors of a kltq K format's side data: kltq.<name> for each of Side.arrays()
+# the tensors of a kltq K (V) format's side data: kltq.<name> (kltq_v.<name>) for each of Side.arrays()
+SIDE_PREFIX = {"k_side": "kltq.", "v_side": "kltq_v."}
 
 
 def side_tensors(spec: CacheSpec) -> dict[str, np.ndarray]:
     """The tensors a snapshot of ``spec`` (resolved) carries for its kltq side data (none without one)."""
-    if spec.k_side is None:
-        return {}
-    return {SIDE_PREFIX + k: np.ascontiguousarray(v) for k, v in spec.k_side.arrays().items()}
+    out = {}
+    for name, prefix in SIDE_PREFIX.items():
+        if (side := getattr(spec, name)) is not None:
+            out.update({prefix + k: np.ascontiguousarray(v) for k, v in side.arrays().items()})
+    return out
 
 
 def spec_of(r: SnapshotReader, spec_d: dict[str, Any]) -> CacheSpec:
@@ -301,16 +304,18 @@ def spec_of(r: SnapshotReader, spec_d: dict[str, Any]) -> CacheSpec:
     from .formats import kltq
 
     fields = {k: tupled(v) for k, v in spec_d.items()}
-    digest = fields.pop("k_side", None)
-    if digest is not None:
-        arrays = {n[len(SIDE_PREFIX) :]: r.verified(n) for n in r.names if n.startswith(SIDE_PREFIX)}
+    for name, prefix in SIDE_PREFIX.items():
+        digest = fields.pop(name, None)
+        if digest is None:
+            continue
+        arrays = {n[len(prefix) :]: r.verified(n) for n in r.names if n.startswith(prefix)}
         side = kltq.from_arrays(arrays, f"snapshot {str(r.path)!r}")
         if side.digest() != digest:
             raise SnapshotCorruptError(
-                f"{str(r.path)!r}: its kltq side data is not the side data its spec names (digest {digest}); the file "
-                "is corrupt or edited: restore an intact copy"
+                f"{str(r.path)!r}: its kltq side data ({name}) is not the side data its spec names (digest {digest}); "
+                "the file is corrupt or edited: restore an intact copy"
             )
-        fields["k_side"] = side
+        fields[name] = side
     return CacheSpec(**fields)
 
 

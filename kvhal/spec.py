@@ -67,10 +67,10 @@ class CacheSpec:
     ``sinks``: each sequence's first ``sinks`` tokens (rounded up to whole pages: ``sink_tokens``) are also
     kept in f16 and attended in f16 instead of their quantized pages (the attention sink; with ``tail``, both
     ends of the sequence).
-    ``k_side``: the side data of a ``kltq:B`` K format (``kvhal.formats.kltq``): a ``kltq.Side`` of this spec's
-    shape and budget, the path of one (``kvhal eval --calibrate`` writes them), or None: each layer calibrates
-    on its first store (plain KLT, the sink tokens skipped), then keeps it. kltq takes no k_scale/k_rotation
-    (its basis is its transform) and is a K format only.
+    ``k_side``/``v_side``: the side data of a ``kltq:B`` K/V format (``kvhal.formats.kltq``): a ``kltq.Side`` of
+    this spec's shape and budget, the path of one (``kvhal eval --calibrate`` writes them), or None: each layer
+    calibrates on its first store (plain KLT, the sink tokens skipped), then keeps it. kltq takes no
+    scale/rotation on its side (its basis is its transform).
     """
 
     n_layers: int
@@ -86,6 +86,7 @@ class CacheSpec:
     v_rotation: str | None = None
     sinks: int = 0
     k_side: Any = None  # kltq.Side | str | os.PathLike | None (typed loosely: the spec stays importable light)
+    v_side: Any = None  # the same for a kltq V format
 
     def __post_init__(self) -> None:
         from .transforms import ROTATIONS, check_dim
@@ -132,43 +133,45 @@ class CacheSpec:
         self._check_side()
 
     def _check_side(self) -> None:
+        for w in "kv":
+            self._check_codec(w)
+
+    def _check_codec(self, w: str) -> None:
+        """A kltq ``{w}_format``'s constraints and its ``{w}_side`` (loaded from a path); side data refused for
+        any other format."""
         from .formats import kltq
 
-        if self.v_fmt.side_data:
-            raise SpecError(
-                f"CacheSpec.v_format={self.v_format!r}: kltq is a K format (scores against decoded coefficients); "
-                "give V a registry format such as q8_0 or q4_0"
-            )
-        if not self.k_fmt.side_data:
-            if self.k_side is not None:
+        which, fmt, name = w.upper(), getattr(self, f"{w}_fmt"), f"{w}_side"
+        if not fmt.side_data:
+            if getattr(self, name) is not None:
                 raise SpecError(
-                    f"CacheSpec.k_side is side data of a kltq K format; k_format={self.k_format!r} takes none "
-                    "(pass k_side=None, or a kltq:B k_format)"
+                    f"CacheSpec.{name} is side data of a kltq {which} format; {w}_format={fmt.name!r} takes none "
+                    f"(pass {name}=None, or a kltq:B {w}_format)"
                 )
             return
-        if self.k_scale is not None or self.k_rotation is not None:
+        if getattr(self, f"{w}_scale") is not None or getattr(self, f"{w}_rotation") is not None:
             raise SpecError(
-                f"CacheSpec.k_format={self.k_format!r} takes no k_scale/k_rotation: its calibrated basis is its "
-                "transform (pass k_scale=None, k_rotation=None)"
+                f"CacheSpec.{w}_format={fmt.name!r} takes no {w}_scale/{w}_rotation: its calibrated basis is its "
+                f"transform (pass {w}_scale=None, {w}_rotation=None)"
             )
-        side = self.k_side
+        side = getattr(self, name)
         if side is None:
             return
         if isinstance(side, (str, os.PathLike)):
             side = kltq.Side.load(side)
-            object.__setattr__(self, "k_side", side)
+            object.__setattr__(self, name, side)
         if not isinstance(side, kltq.Side):
             raise SpecError(
-                f"CacheSpec.k_side must be a kvhal.formats.kltq.Side, the path of one (.npz) or None, got "
+                f"CacheSpec.{name} must be a kvhal.formats.kltq.Side, the path of one (.npz) or None, got "
                 f"{type(side).__name__}"
             )
-        bits = kltq.parse_name(self.k_format)
+        bits = kltq.parse_name(fmt.name)
         want = (self.n_layers, self.n_kv_heads, self.head_dim)
         if side.shape != want or side.bits != bits:
             raise SpecError(
-                f"CacheSpec.k_side is kltq:{side.bits:g} side data of shape (layers, heads, head_dim) {side.shape}; "
-                f"this spec needs {self.k_format} of shape {want}: calibrate for this model and budget "
-                "(kvhal eval --calibrate), or pass k_side=None to calibrate on each layer's first store"
+                f"CacheSpec.{name} is kltq:{side.bits:g} side data of shape (layers, heads, head_dim) {side.shape}; "
+                f"this spec needs {fmt.name} of shape {want}: calibrate for this model and budget "
+                f"(kvhal eval --calibrate), or pass {name}=None to calibrate on each layer's first store"
             )
 
     @property
@@ -183,6 +186,12 @@ class CacheSpec:
     def k_codec(self) -> bool:
         """K is a transform codec with side data (kltq): rows mean something only with the layer's side data."""
         return self.k_fmt.side_data
+
+    @property
+    def v_codec(self) -> bool:
+        """V is a transform codec with side data (kltq): attention weights its decoded coefficients, and the cache
+        maps the output back to values (``mean + S o'``)."""
+        return self.v_fmt.side_data
 
     @property
     def k_paged(self) -> bool:

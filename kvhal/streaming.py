@@ -78,7 +78,9 @@ class HostBlocks:
             lens = np.array([m * bs], np.int32)
             if self.in_place:
                 batch = AttentionBatch(np.arange(m, dtype=np.int32)[None], lens, ql, scale, causal=False)
-                parts.append(self.backend.attention_lse(rows, self.segments[i], layer, batch))
+                segment = self.segments[i]
+                segment.side, segment.v_side = pools.side, pools.v_side  # a kltq format's side data: the cache's
+                parts.append(self.backend.attention_lse(rows, segment, layer, batch))
             else:
                 assert self.raw is not None
                 self.backend.write_blocks(pools, arena[:m].astype(np.int64), self.raw[c0 : c0 + m])

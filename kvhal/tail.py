@@ -302,10 +302,12 @@ class TailStore:
         """Per layer, new position ``i`` of KV head ``h`` takes old position ``srcs[l][h, i]``, laid out as
         ``keep_rows`` says. Returns the blocks freed and the first new position whose row moved (in any layer)."""
         spec, table, bs = self.spec, self.table, self.spec.block_size
-        if spec.k_codec:
+        if coded := [w for w in "kv" if getattr(spec, f"{w}_fmt").side_data]:
+            w = coded[0]
             raise UnsupportedError(
-                f"evict with an f16 tail and a {spec.k_format} K format: tail rows entering the pages are quantized "
-                "on the host, which needs the cache's side data; use a spec with tail=0, or another K format"
+                f"evict with an f16 tail and a {getattr(spec, f'{w}_format')} {w.upper()} format: tail rows entering "
+                f"the pages are quantized on the host, which needs the cache's side data; use a spec with tail=0, or "
+                f"another {w.upper()} format"
             )
         assert s.paged is not None
         new_lens = [src.shape[1] for src in srcs]
@@ -439,12 +441,15 @@ class TailStore:
         causal: bool,
         window: int | None,
         pages_q: tuple[Any, np.ndarray] | None = None,
+        pages_v: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Attention over the quantized pages (the backend's kernel) merged with float64 attention over the tail,
         and each query row's log-sum-exp over all the keys it saw (float64 ``[n_q, H]``: what ``mass`` takes).
 
         ``pages_q``: for a K format scored in its own coefficient space (kltq), the queries the pages take and
-        the score term they leave out per query row and head (``q . mu``), added back to their log-sum-exp."""
+        the score term they leave out per query row and head (``q . mu``), added back to their log-sum-exp.
+        ``pages_v``: for a V format whose pages' output comes in its coefficient space (kltq), the map of that
+        output back to values, applied before the parts are merged (the f16 rows are values)."""
         pools, sink = self.pools, self.spec.sink_tokens
         if sink and window is not None:
             raise UnsupportedError(
@@ -497,7 +502,7 @@ class TailStore:
                             o[i : i + 1], lse[i : i + 1] = run(prow[i : i + 1], False, w)
                 if offset is not None:
                     lse = lse + offset[start : start + n_q]
-                parts.append((o, lse))
+                parts.append((o if pages_v is None else pages_v(o), lse))
             if L > P:
                 parts.append(self._tail_part(s, layer, rows, pos, P, scale, causal, window))
             out[start : start + n_q], lse_all[start : start + n_q] = merge_lse(parts)

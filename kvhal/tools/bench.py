@@ -428,15 +428,16 @@ def _bench_one(
     its default). Also the decode row at the largest context with its call and sync, where the sequence
     still holds exactly that context at the end (for ``alternating_times``), else None."""
     k_format, _, v_format = fmt.partition("/")
-    side = None
-    if formats.get(k_format).side_data:  # kltq: side data calibrated on the workload's keys (store-1 needs it)
-        from ..formats import kltq
+    v_format = v_format or k_format
+    sides: dict[str, Any] = {}
+    for w, f, x in (("k", k_format, work.k), ("v", v_format, work.v)):
+        if formats.get(f).side_data:  # kltq: side data calibrated on the workload's rows (store-1 needs it)
+            from ..formats import kltq
 
-        side = kltq.calibrate([work.k], kltq.parse_name(k_format))
+            sides[f"{w}_side"] = kltq.calibrate([x], kltq.parse_name(f))
     spec = CacheSpec(
-        n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=k_format, v_format=v_format or k_format,
-        k_side=side,
-    )  # fmt: skip
+        n_layers=1, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, k_format=k_format, v_format=v_format, **sides
+    )
     capacity = max([*decode, *prefill]) + STORE_CHUNK + 16
     cache = KVCache(
         spec, capacity, backend=backend, backend_options={} if n_threads is None else {"threads": n_threads}

@@ -45,6 +45,7 @@ from ..errors import (
     SpecError,
     UnsupportedError,
 )
+from ..formats import kltq
 from ..interop import to_numpy
 from ..progress import progress
 from ..spec import CacheSpec
@@ -76,7 +77,8 @@ MODIFIER_HELP = (
     "FORMAT or K/V (q8_0/q4_0), then modifiers: ':rot' (Hadamard rotation of K and V; ':krot', ':vrot' one side), "
     "':scale' (per-head scales, each layer's calibrated on its first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
     "':tailN' (the last N tokens kept in f16), ':sinkN' (the first N, whole pages, kept in f16); e.g. "
-    "q4_0:rot:tail64, fp8_e4m3:scale, q4_0:sink1; kltq rows: kltq:B[:plain][:sinkN][:v=FMT|:v=kltqB]"
+    "q4_0:rot:tail64, fp8_e4m3:scale, q4_0:sink1; a kltq:B side of a K/V pair runs through the cache "
+    "(calibrated on its first store: q8_0/kltq:4.5:sink1); numpy kltq rows: kltq:B[:plain][:sinkN][:v=FMT|:v=kltqB]"
 )
 
 
@@ -111,6 +113,8 @@ def parse_descriptor(text: str) -> FormatChoice:
         raise SpecError(f"a format descriptor is a string such as 'q4_0:rot', got {type(text).__name__}")
     label = text.strip()
     pair, *mods = label.split(":")
+    while mods and kltq.PREFIX in (pair, pair.rpartition("/")[2]):  # a kltq:B side: its budget is no modifier
+        pair += ":" + mods.pop(0)
     k_fmt, sep, v_fmt = pair.partition("/")
     if not sep:
         v_fmt = k_fmt
@@ -156,7 +160,7 @@ def parse_formats(text: str) -> list[FormatChoice | CodecChoice]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise SpecError(f"no format descriptor in {text!r}; {MODIFIER_HELP}")
-    return [_parse_codec(t) if _is_codec(t) else parse_descriptor(t) for t in items]
+    return [_parse_codec(t) if _is_codec(t) and "/" not in t else parse_descriptor(t) for t in items]
 
 
 def default_choices() -> list[FormatChoice]:

@@ -946,6 +946,44 @@ def test_kltq_matches_the_numpy_spec_and_float64(backend_info, rng, sinks):
             assert float(np.abs(got - oracle).max()) <= c.backend.tolerance(n_q) + 1e-5
 
 
+@pytest.mark.parametrize(("k_format", "sinks"), [("kltq:4.5", 0), ("q8_0", 16)])
+def test_kltq_v_matches_the_numpy_spec_and_float64(backend_info, rng, k_format, sinks):
+    """kltq V (side data calibrated on each layer's first store), beside kltq or block K: a backend that claims
+    it stores the numpy spec's V records byte for byte, loads their synthesis, and attends (over V's decoded
+    coefficients, the cache mapping the output back; f16 sinks merged as values) within its tolerance of
+    float64 attention on the loaded K/V, a batch of two sequences; one that does not refuses with the
+    UnsupportedError naming those that do."""
+    fmt = "kltq:4.5"
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=k_format, v_format=fmt, sinks=sinks)
+    if fmt not in backend_info.formats:
+        with pytest.raises(kvhal.UnsupportedError, match="reference"):
+            kvhal.KVCache(spec, 256, backend=backend_info.name)
+        return
+    k, v = kv(rng, 90)
+    v = v + 1.5  # a mean away from 0: what the side data's mean is for
+    c = kvhal.KVCache(spec, 256, backend=backend_info.name)
+    seqs = [c.new_seq(), c.new_seq()]
+    for a, b in ((0, 60), (60, 90)):
+        for layer in (0, 1):
+            c.store(seqs[0], layer, k[a:b], v[a:b])
+    for layer in (0, 1):
+        c.store(seqs[1], layer, k[:40] * 0.5, v[:40][::-1])
+    side = c.resolved_spec.v_side
+    assert side.digest() == kltq.calibrate([v[:60], v[:60]], 4.5, skip=c.spec.sink_tokens).digest()
+    for layer in (0, 1):
+        if not sinks:
+            np.testing.assert_array_equal(c.load_rows(seqs[0], layer)[1], kltq.quantize(side, layer, v))
+        loaded = [[kvhal.to_numpy(x) for x in c.load(s, layer)] for s in seqs]
+        if not sinks:
+            np.testing.assert_allclose(loaded[0][1], kltq.dequantize(side, layer, kltq.quantize(side, layer, v)),
+                                       atol=1e-5)  # fmt: skip
+        for q_lens in ([1, 1], [5, 2]):
+            q = rng.standard_normal((sum(q_lens), 4, 64), dtype=np.float32)
+            got = kvhal.to_numpy(c.attention(layer, q, seqs, q_lens))
+            oracle = attention_f64(q, [x[0] for x in loaded], [x[1] for x in loaded], q_lens)
+            assert float(np.abs(got - oracle).max()) <= c.backend.tolerance(max(q_lens)) + 1e-5
+
+
 @pytest.mark.parametrize("budget", [4.5, 7])
 def test_kltq_attention_with_every_code_width(backend_info, rng, budget):
     """kltq attention where the allocation spreads over every width (keys with a decaying spectrum: widths 0 to

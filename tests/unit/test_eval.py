@@ -180,6 +180,15 @@ def test_descriptors():
         parse_formats(" , ")
     with pytest.raises(SpecError):
         parse_formats(["q4_0"])  # a list is not the comma string
+    # a kltq:B side of a K/V pair is a cache row (its budget is no modifier); kltq:B alone a numpy codec row
+    assert parse_descriptor("q8_0/kltq:4.5:sink1") == FormatChoice("q8_0/kltq:4.5:sink1", "q8_0", "kltq:4.5",
+                                                                   (("sinks", 1),))  # fmt: skip
+    assert parse_descriptor("kltq:3/kltq:6") == FormatChoice("kltq:3/kltq:6", "kltq:3", "kltq:6")
+    rows = parse_formats("kltq:4.5/q8_0,kltq:4.5:sink1")
+    assert isinstance(rows[0], FormatChoice) and (rows[0].k_format, rows[0].v_format) == ("kltq:4.5", "q8_0")
+    assert not isinstance(rows[1], FormatChoice) and rows[1].sinks == 1
+    with pytest.raises(FormatError, match="unknown format 'kltq:9'"):
+        parse_descriptor("q8_0/kltq:9")
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import kvhal
 from kvhal import CacheSpec, KVCache, formats
 from kvhal.errors import FormatError, ShapeError, SpecError, UnsupportedError
 from kvhal.formats import kltq
+from tests.oracle import attention_f64
 
 
 def keys(seed: int, n: int = 48, layers: int = 2, heads: int = 2, d: int = 32) -> list[np.ndarray]:
@@ -69,8 +70,16 @@ def test_side_data_given_in_the_spec_or_a_file_is_used_as_is(tmp_path):
 
 def test_spec_refusals_are_typed():
     side = kltq.calibrate(keys(2), 4.5)
-    with pytest.raises(SpecError, match="K format"):
-        spec(v_format="kltq:4.5")
+    with pytest.raises(SpecError, match="v_side"):
+        spec(v_side=side)  # V is q8_0
+    with pytest.raises(SpecError, match="v_rotation"):
+        spec(v_format="kltq:4.5", v_rotation="hadamard")
+    with pytest.raises(SpecError, match="v_scale"):
+        spec(v_format="kltq:4.5", v_scale=2.0)
+    with pytest.raises(SpecError, match="v_side.*shape"):
+        spec(v_format="kltq:5", v_side=side)
+    with pytest.raises(SpecError, match="v_side.*Side"):
+        spec(v_format="kltq:4.5", v_side=[side])
     with pytest.raises(SpecError, match="k_side"):
         spec(k_format="q8_0", k_side=side)
     with pytest.raises(SpecError, match="k_rotation"):
@@ -141,3 +150,155 @@ def test_any_budget_and_shape_stores_the_numpy_spec(name, heads, dim, n, seed, b
     rows, _ = c.load_rows(s, 0)
     np.testing.assert_array_equal(rows, kltq.quantize(side, 0, k))
     np.testing.assert_allclose(kvhal.to_numpy(c.load(s, 0)[0]), kltq.dequantize(side, 0, rows), atol=1e-5)
+
+
+# -- kltq V ---------------------------------------------------------------------------------------------
+
+
+def values(seed: int, n: int = 48, layers: int = 2, heads: int = 2, d: int = 32) -> list[np.ndarray]:
+    """Values with a decaying spectrum and a mean away from 0 (what mean removal and the basis are for)."""
+    return [x + 2.0 for x in keys(seed + 1000, n, layers, heads, d)]
+
+
+def test_v_first_store_calibrates_as_the_spec_and_load_is_its_synthesis():
+    for k_format, sinks in (("kltq:4.5", 0), ("q8_0", 16)):
+        c = KVCache(spec(k_format=k_format, v_format="kltq:3.5", sinks=sinks), 128, backend="reference")
+        s = c.new_seq()
+        ks, vs = keys(7), values(7)
+        for layer in range(2):
+            c.store(s, layer, ks[layer], vs[layer])
+        side = c.resolved_spec.v_side
+        assert side.digest() == kltq.calibrate(vs, 3.5, skip=c.spec.sink_tokens).digest() and not side.weighted
+        for layer in range(2):
+            v = kvhal.to_numpy(c.load(s, layer)[1])
+            stored = vs[layer].astype(np.float16).astype(np.float32) if sinks else vs[layer]  # an f16 tail rounds
+            want = kltq.dequantize(side, layer, kltq.quantize(side, layer, stored))
+            if sinks:  # sink rows are f16
+                np.testing.assert_array_equal(v[:16], vs[layer][:16].astype(np.float16))
+                np.testing.assert_array_equal(v[16:32], want[16:32])
+            else:
+                np.testing.assert_array_equal(c.load_rows(s, layer)[1], kltq.quantize(side, layer, vs[layer]))
+                np.testing.assert_array_equal(v, want)
+
+
+def test_v_given_side_data_is_used_and_a_short_first_store_changes_nothing(tmp_path):
+    side = kltq.calibrate(values(3), 4.5)
+    side.save(tmp_path / "v.npz")
+    c = KVCache(spec(k_format="q8_0", v_format="kltq:4.5", v_side=str(tmp_path / "v.npz")), 64, backend="reference")
+    s = c.new_seq()
+    v = values(4)[0]
+    c.store(s, 0, v[:1], v[:1])  # one token: nothing to calibrate
+    np.testing.assert_array_equal(c.load_rows(s, 0)[1], kltq.quantize(side, 0, v[:1]))
+    c = KVCache(spec(k_format="q8_0", v_format="kltq:4.5"), 64, backend="reference")
+    s = c.new_seq()
+    with pytest.raises(ShapeError, match="v_side"):
+        c.store(s, 0, v[:1], v[:1])
+    assert c.seq_len(s) == 0 and c.codec.v_sides == [None, None] and c.resolved_spec.v_side is None
+
+
+def test_v_snapshot_carries_the_side_data_and_refuses_other_side_data(tmp_path):
+    def cache(seed: int | None) -> tuple[KVCache, int]:
+        c = KVCache(spec(v_format="kltq:4.5"), 128, backend="reference")
+        s = c.new_seq()
+        if seed is not None:
+            for layer, (k, v) in enumerate(zip(keys(seed), values(seed))):
+                c.store(s, layer, k, v)
+        return c, s
+
+    a, s = cache(8)
+    path = tmp_path / "a.kvs"
+    a.save(path)
+    b, _ = cache(9)
+    assert a.root_hash != b.root_hash
+    with pytest.raises(kvhal.errors.FingerprintMismatchError):
+        b.restore(path)
+    # same K side data, other V side data: refused too
+    other_v = KVCache(spec(v_format="kltq:4.5", k_side=a.resolved_spec.k_side), 128, backend="reference")
+    o = other_v.new_seq()
+    for layer, (k, v) in enumerate(zip(keys(8), values(9))):
+        other_v.store(o, layer, k, v)
+    with pytest.raises(kvhal.errors.FingerprintMismatchError):
+        other_v.restore(path)
+    fresh, _ = cache(None)  # not calibrated yet: takes the snapshot's side data, K and V
+    (got,) = fresh.restore(path)
+    assert fresh.root_hash == a.root_hash
+    assert fresh.resolved_spec.v_side.digest() == a.resolved_spec.v_side.digest()
+    q = np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32)
+    for layer in range(2):
+        np.testing.assert_array_equal(kvhal.to_numpy(fresh.load(got, layer)[1]), kvhal.to_numpy(a.load(s, layer)[1]))
+        np.testing.assert_array_equal(
+            kvhal.to_numpy(fresh.attention(layer, q, [got], [2])), kvhal.to_numpy(a.attention(layer, q, [s], [2]))
+        )
+    c, ids = KVCache.from_snapshot(path, "reference")
+    assert c.resolved_spec.v_side.digest() == a.resolved_spec.v_side.digest() and c.root_hash == a.root_hash
+
+
+def test_a_backend_without_kltq_v_refuses_naming_those_that_run_it():
+    class Plain(kvhal.reference.ReferenceBackend):
+        name = "plain"
+        formats = frozenset(formats.plain_names())
+
+    with pytest.raises(UnsupportedError, match="reference"):
+        KVCache(spec(k_format="q8_0", v_format="kltq:4.5"), 64, backend=Plain())
+
+
+@pytest.mark.parametrize("backend", [b.name for b in kvhal.backends() if b.available and "kltq:4.5" in b.formats])
+@settings(max_examples=8, deadline=None)
+@given(
+    k_format=st.sampled_from(["kltq:4.5", "q8_0", "f16"]),
+    v_format=st.sampled_from(["kltq:3", "kltq:4.5", "kltq:6"]),
+    heads=st.integers(1, 2),
+    group=st.sampled_from([1, 3]),
+    sinks=st.sampled_from([0, 4]),
+    tail=st.sampled_from([0, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_v_attention_is_float64_attention_over_the_decoded_values(
+    k_format, v_format, heads, group, sinks, tail, seed, backend
+):
+    """Property: with kltq V (any K format; f16 sinks and tail, GQA, a batch of two sequences), attention is
+    float64 attention over what load returns (mean + S c' for the pages, the f16 rows as stored), within the
+    backend's tolerance: the pages' output over V's coefficients mapped back before the f16 rows are merged.
+    Without f16 rows, the stored V records are the numpy spec's, byte for byte."""
+    rng = np.random.default_rng(seed)
+    d, bs = 32, 4
+    sp = CacheSpec(1, heads, d, k_format=k_format, v_format=v_format, block_size=bs, sinks=sinks, tail=tail)
+    c = KVCache(sp, 128, backend=backend)
+    mix = rng.standard_normal((d, d)) * np.exp(-np.arange(d) / 6)
+    seqs, ks, vs, q_lens, given_v = [], [], [], [], []
+    for n, n_q in ((int(rng.integers(12, 30)), 1), (int(rng.integers(12, 30)), 3)):
+        k = (rng.standard_normal((n, heads, d)) @ mix.T).astype(np.float32)
+        v = (rng.standard_normal((n, heads, d)) @ mix.T + 1.5).astype(np.float32)
+        s = c.new_seq()
+        c.store(s, 0, k[: n - 2], v[: n - 2])
+        c.store(s, 0, k[n - 2 :], v[n - 2 :])
+        kl, vl = (kvhal.to_numpy(x) for x in c.load(s, 0))
+        seqs.append(s), ks.append(kl), vs.append(vl), q_lens.append(n_q), given_v.append(v)
+    side = c.resolved_spec.v_side
+    if not (sinks or tail):  # the pages hold every row: the spec's records, load their synthesis
+        for s, v, v_in in zip(seqs, vs, given_v):
+            rows = c.load_rows(s, 0)[1]
+            np.testing.assert_array_equal(rows, kltq.quantize(side, 0, v_in))
+            np.testing.assert_allclose(v, kltq.dequantize(side, 0, rows), atol=1e-5)
+    q = rng.standard_normal((sum(q_lens), heads * group, d)).astype(np.float32)
+    got = kvhal.to_numpy(c.attention(0, q, seqs, q_lens))
+    want = attention_f64(q, ks, vs, q_lens)
+    assert float(np.abs(got - want).max()) <= c.backend.tolerance(max(q_lens)) * (1 + np.abs(want).max()) + 1e-5
+
+
+@pytest.mark.parametrize("k_format", ["kltq:4.5", "q8_0"])
+def test_v_observe_and_streamed_attention_match_resident_attention(k_format):
+    """observe=True (float64 over load, V's coefficients weighted) and attention over an offloaded sequence
+    (arena parts merged in coefficient space, mapped back once) give the resident kernel's output."""
+    c = KVCache(spec(n_layers=1, k_format=k_format, v_format="kltq:4.5"), 128, backend="reference",
+                stream_arena_tokens=32)  # fmt: skip
+    s = c.new_seq()
+    k, v = keys(10, n=70, layers=1)[0], values(10, n=70, layers=1)[0]
+    c.store(s, 0, k, v)
+    q = np.random.default_rng(1).standard_normal((1, 4, 32)).astype(np.float32)
+    resident = kvhal.to_numpy(c.attention(0, q, [s], [1]))
+    kl, vl = (kvhal.to_numpy(x) for x in c.load(s, 0))
+    np.testing.assert_allclose(resident, attention_f64(q, [kl], [vl], [1]), atol=1e-5)
+    np.testing.assert_allclose(kvhal.to_numpy(c.attention(0, q, [s], [1], observe=True)), resident, atol=1e-5)
+    c.offload(s, keep_tokens=16)
+    np.testing.assert_allclose(kvhal.to_numpy(c.attention(0, q, [s], [1])), resident, atol=1e-5)

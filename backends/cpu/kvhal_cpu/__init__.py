@@ -155,7 +155,7 @@ class CpuBackend(HostPoolsBackend):
     masks_heads = True  # attention cuts each KV head's range around its hole (AttentionBatch.holes)
 
     def masks_heads_of(self, spec: CacheSpec) -> bool:
-        return not spec.k_codec  # csrc/kltq.c's attention has no holes
+        return not (spec.k_codec or spec.v_codec)  # csrc/kltq.c's attention has no holes
 
     @classmethod
     def probe(cls) -> Probe:
@@ -171,7 +171,7 @@ class CpuBackend(HostPoolsBackend):
     def __init__(self, **options: Any) -> None:
         opts = parse_options(self.name, options, OPTIONS)
         self._lib, self._runs = _library()
-        if kltq.declare(self._lib):  # the kltq K formats (side data), csrc/kltq.c
+        if kltq.declare(self._lib):  # the kltq K and V formats (side data), csrc/kltq.c
             self._runs = self._runs | {f for f in formats.names() if formats.get(f).side_data}
         self.isa = ISAS[_pick_isa(self._lib, opts["isa"])]
         self.threads: int = opts["threads"] or os.cpu_count() or 1
@@ -182,8 +182,10 @@ class CpuBackend(HostPoolsBackend):
 
     def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
         why = super().supports(spec, op, shape)
-        if why is None and spec.k_codec and spec.head_dim > 512:
+        if why is None and (spec.k_codec or spec.v_codec) and spec.head_dim > 512:
             why = f"its kltq kernels take head_dim up to 512, not {spec.head_dim}"
+        if why is None and spec.v_codec and spec.k_paged:
+            why = f"its kltq kernels take no per-channel K pages ({spec.k_format}) beside kltq V; reference runs them"
         for fmt in (spec.k_format, spec.v_format):
             if why is None and fmt not in self._runs:
                 why = f"its kernel library does not implement format {fmt}; it runs {', '.join(sorted(self._runs))}"
@@ -194,13 +196,14 @@ class CpuBackend(HostPoolsBackend):
             raise KVHalError(f"cpu backend {what} failed: {ERRORS.get(rc, f'error {rc}')}")
 
     def allocate(self, spec: CacheSpec, n_blocks: int) -> Pools:
-        kshape = spec.pool_shape(n_blocks, "k")
-        if spec.k_codec:  # kltq: csrc/kltq_avx512.c reads up to 63 bytes past a record
-            pad = int(np.prod(kshape))
-            k = [_zeros((pad + 128,))[:pad].reshape(kshape) for _ in range(spec.n_layers)]
-        else:
-            k = [_zeros(kshape) for _ in range(spec.n_layers)]
-        v = [_zeros(spec.pool_shape(n_blocks, "v")) for _ in range(spec.n_layers)]
+        def pools(which: str, coded: bool) -> list[np.ndarray]:
+            shape = spec.pool_shape(n_blocks, which)
+            if not coded:
+                return [_zeros(shape) for _ in range(spec.n_layers)]
+            size = int(np.prod(shape))  # kltq: csrc/kltq_avx512.c reads up to 63 bytes past a record
+            return [_zeros((size + 128,))[:size].reshape(shape) for _ in range(spec.n_layers)]
+
+        k, v = pools("k", spec.k_codec), pools("v", spec.v_codec)
         isa = ISAS.index(self.isa)
         # per layer: the fields of kv_args that stay fixed for this cache; each call copies its layer's
         layers = [
@@ -228,7 +231,7 @@ class CpuBackend(HostPoolsBackend):
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
-        if pools.spec.k_codec:  # K's records and V's rows in csrc/kltq.c
+        if pools.spec.k_codec or pools.spec.v_codec:  # K's and V's rows in csrc/kltq.c
             kltq.store(self._lib, pools, layer, ISAS.index(self.isa), self.threads, k, v, slots)
             return
         if pools.spec.k_paged:
@@ -238,7 +241,7 @@ class CpuBackend(HostPoolsBackend):
         self._check(self._lib.kvc_store(a), "store")
 
     def load(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if pools.spec.k_codec:
+        if pools.spec.k_codec or pools.spec.v_codec:
             ids = np.ascontiguousarray(block_ids, dtype=np.int64)
             return kltq.load(self._lib, pools, layer, ISAS.index(self.isa), self.threads, ids, n)
         shape = (n, pools.spec.n_kv_heads, pools.spec.head_dim)
@@ -249,7 +252,7 @@ class CpuBackend(HostPoolsBackend):
     def load_into(self, pools: Pools, layer: int, block_ids: np.ndarray, n: int, skip: int, out: LoadOut) -> None:
         """Straight into the caller's buffers: each row dequantized (and narrowed to f16/bf16 through an L1
         scratch row) by the kernels' own dequantization, so a reused output costs no page faults."""
-        if pools.spec.k_codec:  # kltq: decoded to f32 by its own kernel, then narrowed
+        if pools.spec.k_codec or pools.spec.v_codec:  # kltq: decoded to f32 by its own kernel, then narrowed
             return super().load_into(pools, layer, block_ids, n, skip, out)
         self._load_to(pools, layer, block_ids, n, skip, out.k, out.v, _OUT_DTYPES.index(out.dtype))
 
@@ -327,7 +330,7 @@ class CpuBackend(HostPoolsBackend):
     def _attention(
         self, q: Any, pools: Pools, layer: int, batch: AttentionBatch, with_lse: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        if pools.spec.k_codec:
+        if pools.spec.k_codec or pools.spec.v_codec:
             return kltq.attention(self._lib, pools, layer, ISAS.index(self.isa), self.threads, q, batch, with_lse)
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)

@@ -1,8 +1,10 @@
-"""The kltq K format on the cpu backend (csrc/kltq.c): store, load and attention with the layer's side data.
+"""The kltq K and V formats on the cpu backend (csrc/kltq.c): store, load and attention with the layer's side data.
 
-The side data (``Pools.side[layer]``, a one-layer ``kvhal.formats.kltq.Side``) becomes one ``kltq_layer``
-struct per layer and call settings: each coefficient's bit start and width in the record, and its levels
-already scaled by its sigma (the spec's ``codebook[b][j] * sigma``, in f32 as numpy computes them).
+The side data (``Pools.side[layer]`` for K, ``Pools.v_side[layer]`` for V: one-layer ``kvhal.formats.kltq.Side``)
+becomes one ``kltq_layer`` struct per layer and call settings (V's its own struct, pointed to by K's): each
+coefficient's bit start and width in the record, and its levels already scaled by its sigma (the spec's
+``codebook[b][j] * sigma``, in f32 as numpy computes them). K in a block format (with kltq V) leaves K's side
+fields empty and names its format (``kfmt``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ SYMBOLS = ("kvc_kltq_store", "kvc_kltq_load", "kvc_kltq_attention", "kvc_kltq_at
 class Layer(ctypes.Structure):
     """``kltq_layer`` of csrc/kltq.c."""
 
-    _fields_ = [
-        *((name, _i32) for name in ("H", "D", "bs", "vfmt", "isa", "threads")),
-        ("krow", _i64),
-        ("vrow", _i64),
-        *((name, _p) for name in ("start", "width", "off", "levels")),
-        *((name, _p) for name in ("mean", "analysis", "synthesis", "sigma", "books", "alloc")),
-    ]
+
+Layer._fields_ = [
+    *((name, _i32) for name in ("H", "D", "bs", "vfmt", "isa", "threads")),
+    ("krow", _i64),
+    ("vrow", _i64),
+    *((name, _p) for name in ("start", "width", "off", "levels")),
+    *((name, _p) for name in ("mean", "analysis", "synthesis", "sigma", "books", "alloc")),
+    ("kfmt", _i32),
+    ("v", ctypes.POINTER(Layer)),
+]
 
 
 def declare(lib: ctypes.CDLL) -> bool:
@@ -49,20 +54,16 @@ def declare(lib: ctypes.CDLL) -> bool:
     return True
 
 
-# side data -> {settings: (struct, the arrays it points into)}: built once per layer and settings
-_built: weakref.WeakKeyDictionary[kltq.Side, dict[tuple[int, ...], tuple[Layer, list[np.ndarray]]]] = (
+# side data (K's, or V's where K is a block format) -> {settings: (struct, what it points into, V's side data)}:
+# built once per layer and settings
+_built: weakref.WeakKeyDictionary[kltq.Side, dict[tuple[int, ...], tuple[Layer, list[Any], kltq.Side | None]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def layer(pools: Pools, index: int, isa: int, threads: int) -> Layer:
-    side = layer_side(pools, index)
-    spec = pools.spec
-    key = (isa, threads, format_id(spec.v_format), spec.block_size, spec.v_row_bytes)
-    per = _built.setdefault(side, {})
-    if key in per:
-        return per[key][0]
-    H, D = spec.n_kv_heads, spec.head_dim
+def _side_arrays(side: kltq.Side) -> list[np.ndarray]:
+    """What a ``kltq_layer``'s side fields point into, in field order (``start`` .. ``alloc``)."""
+    H, D = side.shape[1:]
     width = side.alloc[0].astype(np.int32)  # [H, D]
     start = np.concatenate([np.zeros((H, 1), np.int64), np.cumsum(width, axis=1)[:, :-1]], axis=1).astype(np.int32)
     books = np.ascontiguousarray(side.codebooks[0], np.float32)  # [MAX_BITS + 1, 2^MAX_BITS]
@@ -74,14 +75,41 @@ def layer(pools: Pools, index: int, isa: int, threads: int) -> Layer:
             chunks.append(lv.astype(np.float32))
             off[h, i] = at
             at += len(lv)
-    arrays = [
+    return [
         np.ascontiguousarray(a)
         for a in (start, width, off, np.concatenate(chunks), side.mean[0], side.analysis[0], side.synthesis[0],
                   side.sigma[0], books, side.alloc[0])
     ]  # fmt: skip
-    st = Layer(H, D, spec.block_size, format_id(spec.v_format), isa, threads, spec.k_row_bytes, spec.v_row_bytes,
-               *(int(a.ctypes.data) for a in arrays))  # fmt: skip
-    per[key] = (st, arrays)
+
+
+def layer(pools: Pools, index: int, isa: int, threads: int) -> Layer:
+    spec = pools.spec
+    kside = layer_side(pools, index) if spec.k_codec else None
+    vside = layer_side(pools, index, "v") if spec.v_codec else None
+    key = (isa, threads, format_id(spec.k_format), format_id(spec.v_format), spec.block_size, spec.v_row_bytes)
+    primary = kside if kside is not None else vside
+    assert primary is not None
+    per = _built.setdefault(primary, {})
+    if key in per and per[key][2] is vside:
+        return per[key][0]
+    H, D = spec.n_kv_heads, spec.head_dim
+    keep: list[Any] = []
+
+    def struct(side: kltq.Side | None, row: int, kfmt: int, v: Any) -> Layer:
+        # block K: zero widths (its kernels' per-head setup reads them), no side data
+        blank = [np.zeros((H, D), np.int32) for _ in range(3)] + [np.zeros(1, np.float32)]
+        arrays = _side_arrays(side) if side is not None else blank
+        keep.extend(arrays)
+        ptrs = [int(a.ctypes.data) for a in arrays] + [None] * (10 - len(arrays))
+        return Layer(H, D, spec.block_size, format_id(spec.v_format), isa, threads, row, spec.v_row_bytes, *ptrs,
+                     kfmt, v)  # fmt: skip
+
+    v = None
+    if vside is not None:  # V's struct: its records are v_row_bytes long
+        keep.append(struct(vside, spec.v_row_bytes, -1, None))
+        v = ctypes.pointer(keep[-1])
+    st = struct(kside, spec.k_row_bytes, -1 if kside is not None else format_id(spec.k_format), v)
+    per[key] = (st, keep, vside)
     return st
 
 

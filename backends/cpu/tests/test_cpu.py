@@ -178,6 +178,36 @@ def test_mixed_formats_all_isas(kf, vf):
         assert err <= path_tolerance(isa, kf, vf), isa
 
 
+@pytest.mark.parametrize("kf", ["kltq:4.5", "kltq:7", "q4_0"])
+def test_kltq_v_all_isas(kf):
+    """kltq V (beside kltq K, whose heads at 7 bits take the key-at-a-time kernel, or block K) on every ISA
+    level: V records byte for byte the reference's, and attention (decode and 3 causal rows, 4 query heads per
+    KV head) over the loaded K/V within the level's tolerance of float64. V's spectrum decays so its widths span
+    0 to over 5 (both level lookups of the AVX-512 V decode)."""
+    rng = np.random.default_rng(11)
+    d = 128
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    k = ((rng.standard_normal((100, 2, d)) * 8 * np.exp(-np.arange(d) / 16)) @ basis.T).astype(np.float32)
+    v = ((rng.standard_normal((100, 2, d)) * 4 * np.exp(-np.arange(d) / 24)) @ basis.T + 1).astype(np.float32)
+    spec = kvhal.CacheSpec(1, 2, d, k_format=kf, v_format="kltq:5")
+    ref = kvhal.KVCache(spec, 128, backend="reference")
+    s = ref.new_seq()
+    ref.store(s, 0, k, v)
+    alloc = ref.resolved_spec.v_side.alloc
+    assert int(alloc.min()) == 0 and int(alloc.max()) > 5
+    calibrated = ref.resolved_spec  # the same side data (calibrated once): the cpu's records must match byte for byte
+    for isa in ISAS:
+        c = kvhal.KVCache(calibrated, 128, backend=CpuBackend(isa=isa))
+        t = c.new_seq()
+        c.store(t, 0, k, v)
+        np.testing.assert_array_equal(c.load_rows(t, 0)[1], ref.load_rows(s, 0)[1])
+        kl, vl = (kvhal.to_numpy(x) for x in c.load(t, 0))
+        for n_q in (1, 3):
+            q = rng.standard_normal((n_q, 8, d), dtype=np.float32)
+            err = np.abs(kvhal.to_numpy(c.attention(0, q, [t])) - attention_f64(q, [kl], [vl], [n_q])).max()
+            assert err <= c.backend.tolerance(n_q) + 1e-5, isa
+
+
 @pytest.mark.parametrize(
     "kf,vf",
     [

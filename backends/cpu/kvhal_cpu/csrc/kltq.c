@@ -1,12 +1,14 @@
-/* kltq K (kvhal/formats/kltq.py, the spec): store, load and attention over records with side data.
+/* kltq K and V (kvhal/formats/kltq.py, the spec): store, load and attention over records with side data.
  *
  * A record (one token of one KV head) is a little-endian, LSB-first bit stream: coefficient i of the
  * head takes width[i] bits (its allocation) from bit start[i]. Store: c = T (x - mu) in double, z = c / sigma,
  * code = the number of codebook midpoints below z (numpy's searchsorted, side left). Load: x' = mu + S c'.
- * Attention: the cache hands q already in coefficient space (S^T q); scores are q' . c' with
+ * Attention: the cache hands q already in coefficient space (S^T q) for kltq K; scores are q' . c' with
  * c'_i = levels[off[i] + code_i] (sigma_i times the level, precomputed per layer on the Python side), one
- * online softmax per query row and head, V rows dequantized by the ISA's row kernel. Work items are
- * (sequence, KV head) pairs on the thread pool.
+ * online softmax per query row and head. V rows: dequantized by the ISA's row kernel, or for kltq V its
+ * decoded coefficients (the cache maps the output back: mean + S o'). K in a block format (kfmt >= 0, with kltq
+ * V) is dequantized by the row kernel and scored against q as given. Work items are (sequence, KV head) pairs
+ * on the thread pool.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -25,32 +27,6 @@ static const kv_isa *kltq_isa(int isa) {
     if (isa == KV_ISA_NEON) return &kv_isa_neon;
 #endif
     return &kv_isa_scalar;
-}
-
-KV_INLINE uint32_t kltq_code(const uint8_t *row, int64_t nbytes, int32_t start, int32_t width) {
-    if (!width) return 0;
-    const int64_t byte = start >> 3;
-    uint32_t w = 0;
-    if (byte + 4 <= nbytes)
-        memcpy(&w, row + byte, 4);
-    else
-        for (int64_t b = byte; b < nbytes; b++) w |= (uint32_t)row[b] << (8 * (b - byte));
-    return (w >> (start & 7)) & ((1u << width) - 1u);
-}
-
-static void kltq_coeffs(const kltq_layer *L, int h, const uint8_t *restrict row, float *restrict c) {
-    const int D = L->D;
-    const int64_t krow = L->krow;
-    const int32_t *restrict st = L->start + h * D, *restrict wd = L->width + h * D, *restrict of = L->off + h * D;
-    const float *restrict lv = L->levels;
-    int i = 0;
-    /* coefficients whose 4-byte window lies inside the record: branch-free (starts ascend with i) */
-    for (; i < D && (st[i] >> 3) + 4 <= krow; i++) {
-        uint32_t w;
-        memcpy(&w, row + (st[i] >> 3), 4);
-        c[i] = lv[of[i] + ((w >> (st[i] & 7)) & ((1u << wd[i]) - 1u))];
-    }
-    for (; i < D; i++) c[i] = lv[of[i] + kltq_code(row, krow, st[i], wd[i])];
 }
 
 /* q . c with 16 independent partial sums (vectorizes without reassociating a single sum) */
@@ -72,7 +48,7 @@ typedef struct {
     const float *x, *v;
     const int64_t *slots;
     uint8_t *pool, *vpool;
-    const double *mids; /* width b's codebook midpoints in double from mids + moff[b], +inf after them */
+    const double *mids, *vmids; /* K's (V's) width b codebook midpoints in double from mids + moff[b], +inf after */
     int32_t moff[KLTQ_BMAX + 2];
 } kstore_ctx;
 
@@ -84,17 +60,10 @@ KV_INLINE int32_t kltq_search(const double *mids, int b, double z) {
     return lo;
 }
 
-static void kstore_task(void *ctx, int64_t t, int worker) {
-    (void)worker;
-    const kstore_ctx *s = (const kstore_ctx *)ctx;
-    const kltq_layer *L = s->L;
-    const int H = L->H, D = L->D;
-    const int64_t n = t / H;
-    const int h = (int)(t % H);
-    const float *x = s->x + (n * H + h) * D;
-    const int64_t r = ((s->slots[n] / L->bs) * H + h) * L->bs + s->slots[n] % L->bs;
-    kltq_isa(L->isa)->quantize(L->vfmt, s->v + (n * H + h) * D, s->vpool + r * L->vrow, D);
-    uint8_t *row = s->pool + r * L->krow;
+/* head h's record of row x into row (L->krow bytes) */
+static void kltq_encode(const kltq_layer *L, const double *mids, const int32_t *moff, int h, const float *x,
+                        uint8_t *row) {
+    const int D = L->D;
     const float *mu = L->mean + h * D, *T = L->analysis + (int64_t)h * D * D, *sg = L->sigma + h * D;
     const uint8_t *al = L->alloc + h * D;
     double y[512], cs[512];
@@ -118,10 +87,10 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
     for (int i = 0; i < D; i++) z[i] = cs[i] / (sg[i] > 0.0f ? (double)sg[i] : 1.0);
 #if defined(__x86_64__) || defined(_M_X64)
     if (kltq_isa(L->isa) == &kv_isa_avx512)
-        kv_kltq_codes_avx512(s->mids, s->moff, z, al, D, code);
+        kv_kltq_codes_avx512(mids, moff, z, al, D, code);
     else
 #endif
-        for (int i = 0; i < D; i++) code[i] = al[i] ? kltq_search(s->mids + s->moff[al[i]], al[i], z[i]) : 0;
+        for (int i = 0; i < D; i++) code[i] = al[i] ? kltq_search(mids + moff[al[i]], al[i], z[i]) : 0;
     /* the codes in order (start[i] is the sum of the widths before i), 32 bits written at a time */
     uint64_t acc = 0;
     int nb = 0;
@@ -134,21 +103,50 @@ static void kstore_task(void *ctx, int64_t t, int worker) {
     memcpy(row, rec, (size_t)L->krow);
 }
 
+static void kstore_task(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    const kstore_ctx *s = (const kstore_ctx *)ctx;
+    const kltq_layer *L = s->L;
+    const int H = L->H, D = L->D;
+    const int64_t n = t / H;
+    const int h = (int)(t % H);
+    const int64_t r = ((s->slots[n] / L->bs) * H + h) * L->bs + s->slots[n] % L->bs;
+    const float *x = s->x + (n * H + h) * D, *v = s->v + (n * H + h) * D;
+    if (L->v)
+        kltq_encode(L->v, s->vmids, s->moff, h, v, s->vpool + r * L->vrow);
+    else
+        kltq_isa(L->isa)->quantize(L->vfmt, v, s->vpool + r * L->vrow, D);
+    if (L->kfmt >= 0)
+        kltq_isa(L->isa)->quantize(L->kfmt, x, s->pool + r * L->krow, D);
+    else
+        kltq_encode(L, s->mids, s->moff, h, x, s->pool + r * L->krow);
+}
+
+/* every width's codebook midpoints of books [13][4096] in double, +inf padded (NULL: out of memory) */
+static double *kltq_mids(const float *books, const int32_t *moff) {
+    double *mids = (double *)malloc(sizeof(double) * (size_t)moff[KLTQ_BMAX + 1]);
+    if (!mids) return NULL;
+    for (int b = 0; b <= KLTQ_BMAX; b++) {
+        const float *lv = books + b * 4096;
+        for (int k = 0; k < moff[b + 1] - moff[b]; k++)
+            mids[moff[b] + k] = b && k < (1 << b) - 1 ? ((double)lv[k] + (double)lv[k + 1]) / 2 : INFINITY;
+    }
+    return mids;
+}
+
 KV_EXPORT int kvc_kltq_store(const kltq_layer *L, const float *x, const float *v, const int64_t *slots, int64_t n,
                              uint8_t *kpool, uint8_t *vpool) {
     if (L->D > 512) return -3;
-    kstore_ctx c = {L, x, v, slots, kpool, vpool, NULL, {0}};
+    kstore_ctx c = {L, x, v, slots, kpool, vpool, NULL, NULL, {0}};
     for (int b = 0; b <= KLTQ_BMAX; b++) c.moff[b + 1] = c.moff[b] + (b < 3 ? 8 : 1 << b);
-    double *mids = (double *)malloc(sizeof(double) * (size_t)c.moff[KLTQ_BMAX + 1]);
-    if (!mids) return -2;
-    for (int b = 0; b <= KLTQ_BMAX; b++) {
-        const float *lv = L->books + b * 4096;
-        for (int k = 0; k < c.moff[b + 1] - c.moff[b]; k++)
-            mids[c.moff[b] + k] = b && k < (1 << b) - 1 ? ((double)lv[k] + (double)lv[k + 1]) / 2 : INFINITY;
+    double *mids = L->kfmt < 0 ? kltq_mids(L->books, c.moff) : NULL, *vmids = L->v ? kltq_mids(L->v->books, c.moff) : NULL;
+    if ((L->kfmt < 0 && !mids) || (L->v && !vmids)) {
+        free(mids), free(vmids);
+        return -2;
     }
-    c.mids = mids;
+    c.mids = mids, c.vmids = vmids;
     kv_pool_run(kstore_task, &c, n * L->H, L->threads);
-    free(mids);
+    free(mids), free(vmids);
     return 0;
 }
 
@@ -162,35 +160,45 @@ typedef struct {
     float *kout, *vout;
 } kload_ctx;
 
+/* head h's record row back to values: mean + S c' (double sums), f32 */
+static void kltq_synth(const kltq_layer *L, int h, const uint8_t *row, float *out) {
+    const int D = L->D;
+    float c[512];
+    double cd[512], xs[512];
+    kltq_coeffs(L, h, row, c);
+    const float *S = L->synthesis + (int64_t)h * D * D, *mu = L->mean + h * D;
+    for (int k = 0; k < D; k++) cd[k] = (double)c[k];
+#if defined(__x86_64__) || defined(_M_X64)
+    if (kltq_isa(L->isa) == &kv_isa_avx512 && D % 16 == 0)
+        kv_kltq_analysis_avx512(S, cd, NULL, D, xs); /* the same product: S c' */
+    else
+#endif
+        for (int i = 0; i < D; i++) {
+            double acc = 0.0;
+            for (int k = 0; k < D; k++) acc += (double)S[i * D + k] * cd[k];
+            xs[i] = acc;
+        }
+    for (int i = 0; i < D; i++) out[i] = (float)(xs[i] + (double)mu[i]);
+}
+
 static void kload_task(void *ctx, int64_t t, int worker) {
     (void)worker;
     const kload_ctx *s = (const kload_ctx *)ctx;
     const kltq_layer *L = s->L;
     const int H = L->H, D = L->D;
     const kv_isa *isa = kltq_isa(L->isa);
-    float c[512];
     for (int64_t j = t * L->bs; j < s->n && j < (t + 1) * L->bs; j++) {
         const int64_t blk = s->blocks[j / L->bs];
         for (int h = 0; h < H; h++) {
             const int64_t r = (blk * H + h) * L->bs + j % L->bs;
-            kltq_coeffs(L, h, s->kpool + r * L->krow, c);
-            const float *S = L->synthesis + (int64_t)h * D * D, *mu = L->mean + h * D;
-            float *out = s->kout + (j * H + h) * D;
-            double cd[512];
-            for (int k = 0; k < D; k++) cd[k] = (double)c[k];
-            double xs[512];
-#if defined(__x86_64__) || defined(_M_X64)
-            if (kltq_isa(L->isa) == &kv_isa_avx512 && D % 16 == 0)
-                kv_kltq_analysis_avx512(S, cd, NULL, D, xs); /* the same product: S c' */
+            if (L->kfmt >= 0)
+                isa->dequantize(L->kfmt, s->kpool + r * L->krow, s->kout + (j * H + h) * D, D);
             else
-#endif
-                for (int i = 0; i < D; i++) {
-                    double acc = 0.0;
-                    for (int k = 0; k < D; k++) acc += (double)S[i * D + k] * cd[k];
-                    xs[i] = acc;
-                }
-            for (int i = 0; i < D; i++) out[i] = (float)(xs[i] + (double)mu[i]);
-            isa->dequantize(L->vfmt, s->vpool + r * L->vrow, s->vout + (j * H + h) * D, D);
+                kltq_synth(L, h, s->kpool + r * L->krow, s->kout + (j * H + h) * D);
+            if (L->v)
+                kltq_synth(L->v, h, s->vpool + r * L->vrow, s->vout + (j * H + h) * D);
+            else
+                isa->dequantize(L->vfmt, s->vpool + r * L->vrow, s->vout + (j * H + h) * D, D);
         }
     }
 }
@@ -238,8 +246,11 @@ static void kattn_task(void *ctx, int64_t t, int worker) {
             const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
             if (j > hi || j < lo) continue;
             if (!decoded) {
-                kltq_coeffs(L, h, a->kpool + row * L->krow, c);
-                isa->dequantize(L->vfmt, a->vpool + row * L->vrow, v, D);
+                if (L->kfmt >= 0)
+                    isa->dequantize(L->kfmt, a->kpool + row * L->krow, c, D);
+                else
+                    kltq_coeffs(L, h, a->kpool + row * L->krow, c);
+                kltq_v_row(L, isa, h, a->vpool + row * L->vrow, v);
                 decoded = 1;
             }
             for (int g = 0; g < G; g++) {

@@ -1,20 +1,62 @@
-/* kltq K on the cpu backend: what kltq.c and kltq_avx512.c share (see kltq.c). */
+/* kltq K and V on the cpu backend: what kltq.c and kltq_avx512.c share (see kltq.c). */
 #ifndef KV_KLTQ_H
 #define KV_KLTQ_H
 
 #include "kvcpu.h"
 #include <math.h>
+#include <string.h>
 
 #define KLTQ_BMAX 12 /* the widest code (kvhal.formats.kltq.MAX_BITS) */
 
-typedef struct {
+/* one layer's kltq side data and call settings; the K side's fields describe K's records (krow bytes each) unless
+ * kfmt >= 0 (K in that block format, its side fields unused); v: V's kltq side (a kltq_layer whose krow is V's record
+ * bytes), NULL where V is in the block format vfmt */
+typedef struct kltq_layer {
     int32_t H, D, bs, vfmt, isa, threads;
     int64_t krow, vrow;
     const int32_t *start, *width, *off; /* [H][D] bit start, bits, offset of the scaled levels */
     const float *levels;                /* sigma_i * codebook[width_i][...] per coefficient */
     const float *mean, *analysis, *synthesis, *sigma, *books; /* side data of the layer ([H][D], [H][D][D], books [13][4096]) */
     const uint8_t *alloc;
+    int32_t kfmt;
+    const struct kltq_layer *v;
 } kltq_layer;
+
+static inline uint32_t kltq_code(const uint8_t *row, int64_t nbytes, int32_t start, int32_t width) {
+    if (!width) return 0;
+    const int64_t byte = start >> 3;
+    uint32_t w = 0;
+    if (byte + 4 <= nbytes)
+        memcpy(&w, row + byte, 4);
+    else
+        for (int64_t b = byte; b < nbytes; b++) w |= (uint32_t)row[b] << (8 * (b - byte));
+    return (w >> (start & 7)) & ((1u << width) - 1u);
+}
+
+/* the decoded coefficients c'_i = levels[off_i + code_i] of head h's record row (L->krow bytes; reads inside it) */
+static inline void kltq_coeffs(const kltq_layer *L, int h, const uint8_t *restrict row, float *restrict c) {
+    const int D = L->D;
+    const int64_t krow = L->krow;
+    const int32_t *restrict st = L->start + h * D, *restrict wd = L->width + h * D, *restrict of = L->off + h * D;
+    const float *restrict lv = L->levels;
+    int i = 0;
+    /* coefficients whose 4-byte window lies inside the record: branch-free (starts ascend with i) */
+    for (; i < D && (st[i] >> 3) + 4 <= krow; i++) {
+        uint32_t w;
+        memcpy(&w, row + (st[i] >> 3), 4);
+        c[i] = lv[of[i] + ((w >> (st[i] & 7)) & ((1u << wd[i]) - 1u))];
+    }
+    for (; i < D; i++) c[i] = lv[of[i] + kltq_code(row, krow, st[i], wd[i])];
+}
+
+/* one V row of head h as attention weighs it: a kltq V record's decoded coefficients (the cache maps the output
+ * back to values), else the block format's dequantized values */
+static inline void kltq_v_row(const kltq_layer *L, const kv_isa *isa, int h, const uint8_t *row, float *out) {
+    if (L->v)
+        kltq_coeffs(L->v, h, row, out);
+    else
+        isa->dequantize(L->vfmt, row, out, L->D);
+}
 
 typedef struct {
     const kltq_layer *L;

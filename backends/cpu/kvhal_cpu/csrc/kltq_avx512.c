@@ -85,6 +85,66 @@ static inline __attribute__((always_inline)) void tile_step(__m512 sv, __mmask16
     for (int e = 0; e < nv; e++) _mm512_storeu_ps(orow + 16 * e, ov[e]);
 }
 
+/* kltq V rows decoded to their coefficients 16 at a time: each coefficient's 32-bit window (a byte permute of the
+ * 64 bytes from the vector's first window with VBMI, else a gather), shifted and masked, then its level: where
+ * the vector's widths are all <= 5, a two-register permute of each width's codebook times sigma (the spec's f32
+ * product, as the K kernel), else a gather of the scaled levels; width 0 gives 0. The cpu backend pads a kltq V
+ * pool as a K pool: window loads read up to 63 bytes past a record. */
+typedef struct {
+    int32_t boff[KLTQ_DMAX] __attribute__((aligned(64)));
+    int32_t sh[KLTQ_DMAX] __attribute__((aligned(64)));
+    int32_t mk[KLTQ_DMAX] __attribute__((aligned(64)));
+    int32_t of[KLTQ_DMAX] __attribute__((aligned(64)));
+    float sg[KLTQ_DMAX] __attribute__((aligned(64)));
+    uint8_t bp[KLTQ_DMAX * 4] __attribute__((aligned(64)));
+    int nw[KLTQ_DMAX / 16], wl[KLTQ_DMAX / 16][6];
+    __mmask16 wm[KLTQ_DMAX / 16][6];
+} vplan;
+
+static void vplan_build(vplan *P, const kltq_layer *V, int h) {
+    const int D = V->D;
+    const int32_t *st = V->start + h * D, *wd = V->width + h * D, *of = V->off + h * D;
+    for (int i = 0; i < D; i++) {
+        P->boff[i] = st[i] >> 3, P->sh[i] = st[i] & 7, P->mk[i] = (int32_t)((1u << wd[i]) - 1u), P->of[i] = of[i];
+        P->sg[i] = wd[i] ? V->sigma[h * D + i] : 0.0f;
+    }
+    for (int e = 0; e < D / 16; e++) {
+        for (int u = 0; u < 16; u++)
+            for (int b = 0; b < 4; b++) P->bp[64 * e + 4 * u + b] = (uint8_t)(P->boff[16 * e + u] - P->boff[16 * e] + b);
+        int n = 0, covered = 0;
+        for (int b = 0; b <= 5; b++) {
+            __mmask16 mask = 0;
+            for (int u = 0; u < 16; u++)
+                if (wd[16 * e + u] == b) mask |= (__mmask16)(1u << u);
+            if (mask) P->wl[e][n] = b, P->wm[e][n] = mask, n++, covered += __builtin_popcount(mask);
+        }
+        P->nw[e] = covered == 16 ? n : 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void v_decode(const vplan *P, const kltq_layer *V, const uint8_t *rec,
+                                                           float *out, int nv, int vbmi) {
+    for (int e = 0; e < nv; e++) {
+        const __m512i w = vbmi ? _mm512_permutexvar_epi8(_mm512_load_si512(P->bp + 64 * e),
+                                                         _mm512_loadu_si512(rec + P->boff[16 * e]))
+                               : _mm512_i32gather_epi32(_mm512_load_si512(P->boff + 16 * e), (const void *)rec, 1);
+        const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_load_si512(P->sh + 16 * e)),
+                                              _mm512_load_si512(P->mk + 16 * e));
+        if (P->nw[e] > 0) {
+            __m512 lv = _mm512_setzero_ps();
+            for (int k = 0; k < P->nw[e]; k++) {
+                const float *bk = V->books + P->wl[e][k] * 4096;
+                lv = _mm512_mask_mov_ps(lv, P->wm[e][k],
+                                        _mm512_permutex2var_ps(_mm512_loadu_ps(bk), code, _mm512_loadu_ps(bk + 16)));
+            }
+            _mm512_store_ps(out + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(P->sg + 16 * e)));
+        } else {
+            _mm512_store_ps(out + 16 * e, _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_load_si512(P->of + 16 * e)),
+                                                              V->levels, 4));
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_t t, const int nv) {
     const kltq_layer *L = a->L;
     const int H = L->H, D = L->D, G = a->Hq / H;
@@ -110,6 +170,8 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
         bo[i] = wd[i] * 4096, sg[i] = wd[i] ? L->sigma[h * D + i] : 0.0f; /* width 0: level 0 of book 0 (zeros) */
     }
     const int vbmi = __builtin_cpu_supports("avx512vbmi");
+    vplan vp;
+    if (L->v) vplan_build(&vp, L->v, h);
     uint8_t bp[KLTQ_DMAX * 4] __attribute__((aligned(64))); /* per vector: the byte permute of its windows */
     for (int e = 0; e < nv; e++)
         for (int u = 0; u < 16; u++)
@@ -154,36 +216,40 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
             }
             const uint8_t *rec = a->kpool + row * L->krow;
             float *cu = ct + (size_t)u * D;
+            if (L->kfmt >= 0) { /* K in a block format beside kltq V: its row kernel, scored against q */
+                isa->dequantize(L->kfmt, rec, cu, D);
+            } else {
 #ifdef KLTQ_SCALAR_DECODE
-            for (int i = 0; i < D; i++) {
-                uint32_t w;
-                memcpy(&w, rec + boff[i], 4);
-                cu[i] = L->levels[of[i] + ((w >> sh[i]) & (uint32_t)mk[i])];
-            }
-            if (0)
-#endif
-            for (int e = 0; e < nv; e++) {
-                /* each coefficient's 32-bit window: one byte permute of the 64 bytes from the vector's first
-                 * window (16 coefficients of <= 12 bits span <= 27 bytes), or a gather without VBMI */
-                const __m512i w = vbmi ? _mm512_permutexvar_epi8(_mm512_load_si512(bp + 64 * e),
-                                                                 _mm512_loadu_si512(rec + boff[16 * e]))
-                                       : _mm512_i32gather_epi32(_mm512_load_si512(boff + 16 * e), (const void *)rec, 1);
-                const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_load_si512(sh + 16 * e)),
-                                                      _mm512_load_si512(mk + 16 * e));
-                /* the level from the layer's codebook of the coefficient's width, times its sigma (the spec's f32
-                 * product): widths <= 5 (32 levels) by a two-register permute per width in the vector, else a gather */
-                __m512 lv;
-                if (nw[e] > 0) {
-                    lv = _mm512_setzero_ps();
-                    for (int k = 0; k < nw[e]; k++) {
-                        const float *bk = L->books + wl[e][k] * 4096;
-                        lv = _mm512_mask_mov_ps(lv, wm[e][k],
-                                                _mm512_permutex2var_ps(_mm512_loadu_ps(bk), code, _mm512_loadu_ps(bk + 16)));
-                    }
-                } else {
-                    lv = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_load_si512(bo + 16 * e)), L->books, 4);
+                for (int i = 0; i < D; i++) {
+                    uint32_t w;
+                    memcpy(&w, rec + boff[i], 4);
+                    cu[i] = L->levels[of[i] + ((w >> sh[i]) & (uint32_t)mk[i])];
                 }
-                _mm512_store_ps(cu + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(sg + 16 * e)));
+                if (0)
+#endif
+                for (int e = 0; e < nv; e++) {
+                    /* each coefficient's 32-bit window: one byte permute of the 64 bytes from the vector's first
+                     * window (16 coefficients of <= 12 bits span <= 27 bytes), or a gather without VBMI */
+                    const __m512i w = vbmi ? _mm512_permutexvar_epi8(_mm512_load_si512(bp + 64 * e),
+                                                                     _mm512_loadu_si512(rec + boff[16 * e]))
+                                           : _mm512_i32gather_epi32(_mm512_load_si512(boff + 16 * e), (const void *)rec, 1);
+                    const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_load_si512(sh + 16 * e)),
+                                                          _mm512_load_si512(mk + 16 * e));
+                    /* the level from the layer's codebook of the coefficient's width, times its sigma (the spec's f32
+                     * product): widths <= 5 (32 levels) by a two-register permute per width in the vector, else a gather */
+                    __m512 lv;
+                    if (nw[e] > 0) {
+                        lv = _mm512_setzero_ps();
+                        for (int k = 0; k < nw[e]; k++) {
+                            const float *bk = L->books + wl[e][k] * 4096;
+                            lv = _mm512_mask_mov_ps(lv, wm[e][k],
+                                                    _mm512_permutex2var_ps(_mm512_loadu_ps(bk), code, _mm512_loadu_ps(bk + 16)));
+                        }
+                    } else {
+                        lv = _mm512_i32gather_ps(_mm512_add_epi32(code, _mm512_load_si512(bo + 16 * e)), L->books, 4);
+                    }
+                    _mm512_store_ps(cu + 16 * e, _mm512_mul_ps(lv, _mm512_load_ps(sg + 16 * e)));
+                }
             }
             if (L->vfmt == KV_Q8_0) { /* ggml's q8_0 inline: {f16 d; int8 q[32]} -> d * q */
                 const uint8_t *vb = a->vpool + row * L->vrow;
@@ -198,7 +264,10 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                     }
                 }
             } else {
-                isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
+                if (L->v)
+                    v_decode(&vp, L->v, a->vpool + row * L->vrow, vt + (size_t)u * D, nv, vbmi);
+                else
+                    isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
             }
         }
         if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
@@ -373,6 +442,8 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
     float *o = buf, *m = o + (size_t)R * D, *l = m + R, *sc = buf + no, *vt = sc + nsc;
     int32_t *ct = (int32_t *)(vt + nvt), *wc = ct + nct;
     float *tab = (float *)(wc + nwc);
+    vplan vp;
+    if (L->v) vplan_build(&vp, L->v, h);
     const int32_t *st = L->start + h * D, *wd = L->width + h * D, *of = L->off + h * D;
     memset(tab, 0, sizeof(float) * ntab);
     for (int i = 0; i < D; i++)
@@ -422,7 +493,10 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
                     }
                 }
             } else {
-                isa->dequantize(L->vfmt, vb, vu, D);
+                if (L->v)
+                    v_decode(&vp, L->v, vb, vu, nv, 1);
+                else
+                    isa->dequantize(L->vfmt, vb, vu, D);
             }
         }
         for (int c = 0; c < P->nch; c++) {
@@ -515,7 +589,7 @@ void kv_kltq_codes_avx512(const double *mids, const int32_t *moff, const double 
 void kv_kltq_attn_task_avx512(void *ctx, int64_t t, int worker) {
     (void)worker;
     kattn_ctx *a = (kattn_ctx *)ctx;
-    if (__builtin_cpu_supports("avx512vbmi")) {
+    if (__builtin_cpu_supports("avx512vbmi") && a->L->kfmt < 0) { /* keys in lanes: kltq K only */
         const kltq_layer *L = a->L;
         const int h = (int)(t % L->H);
         tplan *P = (tplan *)aligned_alloc(64, (sizeof(tplan) + 63) / 64 * 64);
