@@ -344,7 +344,10 @@ class CpuBackend(HostPoolsBackend):
 
     def attention_path(self, spec: CacheSpec, n_heads: int, q_len: int) -> str:
         """The kernels an attention call of ``spec`` with ``n_heads`` query heads and ``q_len`` queries per
-        sequence runs on this instance: amx-bf16, avx512-vnni, avx512-fma, avx2, neon or scalar."""
+        sequence runs on this instance: amx-bf16, avx512-vnni, avx512-fma, avx2, neon or scalar; kltq-avx512 or
+        kltq-scalar for a kltq K or V (csrc/kltq.c's own kernels)."""
+        if spec.k_codec or spec.v_codec:
+            return "kltq-avx512" if self.isa in ("avx512", "amx") else "kltq-scalar"  # (head_dim % 16 == 0 always)
         a = Args(
             isa=ISAS.index(self.isa), kfmt=format_id(spec.k_format), vfmt=format_id(spec.v_format),
             n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, n_heads=n_heads, kpaged=spec.k_paged,

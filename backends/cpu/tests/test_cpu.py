@@ -1005,3 +1005,16 @@ def test_v2_every_byte_loads_and_attends_as_the_reference(isa, fmt):
     ks = [np.zeros((32, 1, 128), np.float32)]
     err = np.abs(out - attention_f64(q, ks, [want.reshape(32, 1, 128)], [1])).max()
     assert err <= path_tolerance(isa, "f16", fmt) * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_path_names_the_kltq_kernels(isa):
+    """A kltq K or V runs csrc/kltq.c's kernels (AVX-512 where the instance's ISA has it), whatever the block
+    kernels would pick for the other side: the path says so."""
+    be = CpuBackend(isa=isa)
+    want = "kltq-avx512" if isa in ("avx512", "amx") else "kltq-scalar"
+    for k_format, v_format in (("kltq:4.5", "q8_0"), ("q8_0", "kltq:4.5")):
+        spec = kvhal.CacheSpec(1, 2, 64, k_format=k_format, v_format=v_format)
+        assert be.attention_path(spec, 4, 1) == want
+        assert be.attention_path(spec, 4, 512) == want
+    assert not be.attention_path(kvhal.CacheSpec(1, 2, 64, k_format="q8_0", v_format="q8_0"), 4, 1).startswith("kltq")
