@@ -54,6 +54,9 @@ from .fidelity_capture import Capture, attention_output, causal_scores, log_soft
 from .fidelity_codec import CodecChoice, CodecRun, limit_keys
 from .fidelity_codec import is_codec as _is_codec
 from .fidelity_codec import parse as _parse_codec
+from .fidelity_kvarn import KVarnChoice, KVarnRun
+from .fidelity_kvarn import is_kvarn as _is_kvarn
+from .fidelity_kvarn import parse as _parse_kvarn
 
 TOP_P = 0.9
 DEFAULT_TOKENS = 512
@@ -78,7 +81,8 @@ MODIFIER_HELP = (
     "':scale' (per-head scales, each layer's calibrated on its first store; ':kscale', ':vscale'), ':scale=X' (a fixed scale), "
     "':tailN' (the last N tokens kept in f16), ':sinkN' (the first N, whole pages, kept in f16); e.g. "
     "q4_0:rot:tail64, fp8_e4m3:scale, q4_0:sink1; a kltq:B side of a K/V pair runs through the cache "
-    "(calibrated on its first store: q8_0/kltq:4.5:sink1); numpy kltq rows: kltq:B[:plain][:sinkN][:v=FMT|:v=kltqB]"
+    "(calibrated on its first store: q8_0/kltq:4.5:sink1); numpy kltq rows: kltq:B[:plain][:sinkN][:v=FMT|:v=kltqB]; "
+    "KVarN rows: kvarn:B[:gT][:sinkN][:v=FMT|:v=kvarnB]"
 )
 
 
@@ -153,14 +157,17 @@ def parse_descriptor(text: str) -> FormatChoice:
     return FormatChoice(label, k_fmt, v_fmt, tuple(options.items()))
 
 
-def parse_formats(text: str) -> list[FormatChoice | CodecChoice]:
+def parse_formats(text: str) -> list[FormatChoice | CodecChoice | KVarnChoice]:
     """A comma list of descriptors."""
     if not isinstance(text, str):
         raise SpecError(f"formats must be a comma list of descriptors, got {type(text).__name__}")
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise SpecError(f"no format descriptor in {text!r}; {MODIFIER_HELP}")
-    return [_parse_codec(t) if _is_codec(t) and "/" not in t else parse_descriptor(t) for t in items]
+    return [
+        _parse_codec(t) if _is_codec(t) and "/" not in t else _parse_kvarn(t) if _is_kvarn(t) else parse_descriptor(t)
+        for t in items
+    ]
 
 
 def default_choices() -> list[FormatChoice]:
@@ -374,7 +381,7 @@ def _decode_layer(
 
 def run(
     capture: Capture,
-    choices: list[FormatChoice | CodecChoice],
+    choices: list[FormatChoice | CodecChoice | KVarnChoice],
     backend: str = "auto",
     block_size: int = 16,
     skip_invalid: bool = False,
@@ -397,14 +404,15 @@ def run(
     is a choice with a ``skip`` reason. Rows keep the order of ``choices``.
 
     kltq rows (``CodecChoice``) run the codec's numpy reference on the host (backend "numpy"), calibrated on
-    the capture or read from ``calibration`` (a directory ``--calibrate`` wrote). ``limit``: each row also
+    the capture or read from ``calibration`` (a directory ``--calibrate`` wrote); KVarN rows (``KVarnChoice``)
+    its numpy transcription (calibration-free). ``limit``: each row also
     gets the Gaussian rate-distortion limit's KL at its K bits and at one bit fewer."""
     if not isinstance(capture, Capture):
         raise SpecError(f"capture must be a kvhal.tools.fidelity.Capture, got {type(capture).__name__}")
     if (
         isinstance(choices, (str, bytes))
         or not choices
-        or not all(isinstance(c, (FormatChoice, CodecChoice)) for c in choices)
+        or not all(isinstance(c, (FormatChoice, CodecChoice, KVarnChoice)) for c in choices)
     ):
         raise SpecError("choices must be a non-empty list of FormatChoice (kvhal.tools.fidelity.parse_formats)")
     if not is_int(block_size) or block_size < 1:
@@ -418,17 +426,17 @@ def run(
     cap, n = capture, capture.tokens
     rows: list[Row] = []
     caches: list[tuple[Row, KVCache, int] | None] = []
-    codecs: list[tuple[Row, CodecRun]] = []
+    codecs: list[tuple[Row, CodecRun | KVarnRun]] = []
     rates: dict[int, tuple[float, int]] = {}  # row index -> (K bits of the quantized part, f16 sinks)
     for c in choices:
-        if isinstance(c, CodecChoice):
-            row = Row(c.label, f"kltq:{c.bits:g}", c.v_label, {"sinks": c.sinks, "weighted": c.weighted}, "ok")
+        if isinstance(c, (CodecChoice, KVarnChoice)):
+            row = Row(c.label, c.k_label, c.v_label, c.options, "ok")
             rows.append(row)
-            run_ = CodecRun(c, cap, calibration)
+            run_ = c.runner(cap, calibration)
             row.backend = "numpy"
             row.k_bits, row.v_bits, row.bits = run_.bits(n)
             codecs.append((row, run_))
-            rates[len(rows) - 1] = (c.bits, c.sinks)
+            rates[len(rows) - 1] = (run_.k_rate(n), c.sinks)
             continue
         row = Row(c.label, c.k_format, c.v_format, c.kwargs, "ok")
         rows.append(row)
@@ -487,7 +495,7 @@ def run(
             row.per_layer.setdefault(key, []).append(value)
     # the kltq rows (numpy reference) and the rate-distortion limits, a layer at a time
     wanted = sorted({(b - d, s) for b, s in rates.values() for d in (0.0, 1.0)} if limit else set())
-    for layer in progress(range(cap.n_layers), cap.n_layers, "kvhal eval: kltq and limits", show_progress):
+    for layer in progress(range(cap.n_layers), cap.n_layers, "kvhal eval: numpy rows and limits", show_progress):
         if not codecs and not wanted:
             break
         q, k, v = cap.q[layer], cap.k[layer], cap.v[layer]
@@ -692,7 +700,7 @@ def cli(args: Any) -> int:
     decode = _count("--decode", args.decode)
     assert block_size is not None
     check_backend(args.backend)
-    choices: list[FormatChoice | CodecChoice] = (
+    choices: list[FormatChoice | CodecChoice | KVarnChoice] = (
         parse_formats(args.formats) if args.formats is not None else list(default_choices())
     )
     if args.capture is not None and (args.model is not None or args.save_capture is not None):

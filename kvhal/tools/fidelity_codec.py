@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +38,19 @@ class CodecChoice:
     v_bits: float | None = None  # V through kltq (unweighted) at this budget instead of v_format
 
     @property
+    def k_label(self) -> str:
+        return f"kltq:{self.bits:g}"
+
+    @property
     def v_label(self) -> str:
         return f"kltq:{self.v_bits:g}" if self.v_bits is not None else self.v_format
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"sinks": self.sinks, "weighted": self.weighted}
+
+    def runner(self, cap: Capture, calibration: str | None) -> CodecRun:
+        return CodecRun(self, cap, calibration)
 
 
 def is_codec(text: str) -> bool:
@@ -96,6 +108,10 @@ class CodecRun:
                     f"kltq side data of shape {s.shape} does not fit this capture "
                     f"({cap.n_layers}, {cap.n_kv_heads}, {cap.head_dim}); calibrate on the same model"
                 )
+
+    def k_rate(self, tokens: int) -> float:
+        """K bits per value of the quantized part (the sinks apart)."""
+        return self.c.bits
 
     def bits(self, tokens: int) -> tuple[float, float, float]:
         s = min(self.c.sinks, tokens)

@@ -529,3 +529,95 @@ def test_kltq_rows_calibrate_write_and_read_side_data(tmp_path, capsys):
         fidelity.parse_formats("kltq:4:bogus")
     with pytest.raises(FormatError, match="kltq budget"):
         fidelity.parse_formats("kltq:4.3")
+
+
+def oracle_kvarn_tile(x: np.ndarray, bits: int, axis: int, iters: int = 16) -> np.ndarray:
+    """KVarN on one tile, value by value (statistics.stdev, numpy's float16 cast): the Sinkhorn log scales
+    per token a[t] and channel b[c], the least-imbalance step, b centred, asymmetric RTN along ``axis``."""
+    import statistics
+
+    n, d = x.shape
+    a, b = [0.0] * n, [0.0] * d
+
+    def y(t: int, c: int) -> float:
+        return float(x[t, c]) * math.exp(-a[t] - b[c])
+
+    def clamp(s: float) -> float:
+        return min(max(s, 1e-3), 1e3)
+
+    def stds() -> tuple[list[float], list[float]]:
+        col = [clamp(statistics.stdev([y(t, c) for t in range(n)])) for c in range(d)]
+        row = [clamp(statistics.stdev([y(t, c) for c in range(d)])) for t in range(n)]
+        return col, row
+
+    col, row = stds()
+    best, keep = max(col) / min(col) + max(row) / min(row), (a[:], b[:])
+    for _ in range(iters):
+        b = [b[c] + math.log(col[c]) for c in range(d)]
+        a = [a[t] + math.log(clamp(statistics.stdev([y(t, c) for c in range(d)]))) for t in range(n)]
+        col, row = stds()
+        if max(col) / min(col) + max(row) / min(row) <= best:
+            best, keep = max(col) / min(col) + max(row) / min(row), (a[:], b[:])
+    a, b = keep
+    mean_b = sum(b) / d
+    a, b = [v + mean_b for v in a], [v - mean_b for v in b]
+    f16 = lambda v: float(np.float16(v))  # noqa: E731
+    out = np.zeros((n, d))
+    for g in range(d if axis == 0 else n):  # a quantization group: a channel (K) or a token (V)
+        cells = [(t, g) for t in range(n)] if axis == 0 else [(g, c) for c in range(d)]
+        vals = [y(t, c) for t, c in cells]
+        lo, step = min(vals), (max(vals) - min(vals)) / (2**bits - 1)
+        inner = math.exp(b[g]) if axis == 0 else math.exp(a[g])
+        for (t, c), v in zip(cells, vals):
+            code = min(max(round((v - lo) / step), 0), 2**bits - 1)
+            outer = math.exp(a[t]) if axis == 0 else math.exp(b[c])
+            out[t, c] = f16(outer) * (f16(inner * step) * code + f16(inner * lo))
+    return out
+
+
+@pytest.mark.parametrize("bits,axis", [(2, 0), (4, 1), (8, 0)])
+def test_kvarn_tile_matches_a_per_value_transcription(bits, axis):
+    from kvhal.tools.fidelity_kvarn import normalize, tile_roundtrip
+
+    rng = np.random.default_rng(bits)
+    x = rng.standard_normal((12, 8)) * np.exp(rng.standard_normal((12, 1))) + 3 * rng.standard_normal(8)
+    assert tile_roundtrip(x, bits, axis) == pytest.approx(oracle_kvarn_tile(x, bits, axis), rel=1e-6, abs=1e-9)
+    a, b = normalize(x)
+    y = x * np.exp(-a[:, None] - b[None, :])
+    imbalance = lambda z: sum(s.max() / s.min() for s in (z.std(0, ddof=1), z.std(1, ddof=1)))  # noqa: E731
+    assert imbalance(y) < imbalance(x) and abs(b.mean()) < 1e-12
+
+
+def test_kvarn_rows_count_their_side_bits_and_rank_by_bits():
+    from kvhal.tools.fidelity_capture import causal_scores, log_softmax
+    from kvhal.tools.fidelity_kvarn import roundtrip
+    from kvhal.transforms import rotate, unrotate
+
+    cap = synthetic(layers=1, t=24, d=32)
+    choices = fidelity.parse_formats("kvarn:3:g8:sink1,kvarn:6:g8:sink1:v=kvarn2,kvarn:6:g8:sink1:v=kvarn6")
+    rows = {row.format: row for row in fidelity.run(cap, choices, "reference", limit=False).rows}
+    low, mid, high = (rows[c.label] for c in choices)
+    # 23 tokens after the sink: tiles of 8, 8, 7; per head: f16 per token, K 2 (V 1) f16 per channel per tile
+    k_side = (16 * 23 + 2 * 16 * 32 * 3) / (23 * 32)
+    assert low.k_bits == pytest.approx(((3 + k_side) * 23 + 16) / 24)
+    assert high.v_bits == pytest.approx(((6 + (2 * 16 * 23 + 16 * 32 * 3) / (23 * 32)) * 23 + 16) / 24)
+    assert high.kl < low.kl and high.out_rel_err < mid.out_rel_err and high.kl == mid.kl
+    # tiles run over the rotated keys after the sink, each head apart; the sink is f16
+    k = cap.k[0]
+    kd = roundtrip(k, 3, 8, 1, 0)
+    r = rotate(k[1:])
+    want = np.empty_like(r)
+    for s in (slice(0, 8), slice(8, 16), slice(16, 23)):
+        for h in range(k.shape[1]):
+            want[s, h] = oracle_kvarn_tile(r[s, h], 3, 0)
+    assert kd[1:] == pytest.approx(unrotate(want), rel=1e-6, abs=1e-9)
+    assert np.array_equal(kd[0], k[0].astype(np.float16).astype(np.float64))
+    ref = log_softmax(causal_scores(cap.q[0], k, cap.scale))
+    kl = fidelity.kl_rows(ref, log_softmax(causal_scores(cap.q[0], kd, cap.scale))).mean()
+    assert low.kl == pytest.approx(kl, rel=1e-9)
+    with pytest.raises(SpecError, match="unknown modifier"):
+        fidelity.parse_formats("kvarn:4:bogus")
+    with pytest.raises(FormatError, match="integer 2..8"):
+        fidelity.parse_formats("kvarn:4.5")
+    with pytest.raises(FormatError, match="unknown V format"):
+        fidelity.parse_formats("kvarn:4:v=q9_9")
