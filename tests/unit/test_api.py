@@ -26,16 +26,15 @@ def rows(n: int, heads: int = 2, dim: int = 32, seed: int = 0) -> np.ndarray:
 
 
 def test_import_is_light():
-    # CPU time, not wall time: the budget is kvhal's own work, not other processes on a shared machine
-    code = ("import sys, time; t = time.process_time(); import kvhal; dt = time.process_time() - t; "
-            "heavy = [m for m in ('torch', 'transformers', 'cupy', 'openvino', 'onnxruntime', 'pyopencl', 'wgpu', 'torch_npu', 'llama_cpp', 'gguf', 'kvhal.interop.llamacpp') "
-            "if m in sys.modules]; print(dt, heavy)")
-    times = []
-    for _ in range(5):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-        times.append(float(out[0]))
-        assert out[1] == "[]", f"import kvhal imported {out[1:]}"
-    assert min(times) < 0.3, f"import kvhal took {min(times):.3f}s"
+    """``import kvhal`` loads numpy and the standard library, nothing else: no vendor SDK, torch, transformers, redis
+    or backend package until the part that needs it is used (checked by what it loads, not by a clock)."""
+    code = (
+        "import sys; before = set(sys.modules); import kvhal; "
+        "tops = {m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names); "
+        "print(' '.join(sorted(t for t in tops if not t.startswith('__editable__'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert set(out) == {"kvhal", "numpy"}, f"import kvhal imported {sorted(set(out) - {'kvhal', 'numpy'})}"
 
 
 def test_import_loads_no_tool():
