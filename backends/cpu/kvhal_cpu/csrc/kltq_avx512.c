@@ -234,6 +234,7 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
      * tile's records and V rows prefetched, then the scores and the output rows key by key */
     for (int j0 = 0; j0 <= hi_all && j0 < n_kv; j0 += KLTQ_T) {
         const int nt = (hi_all + 1 - j0 < KLTQ_T ? hi_all + 1 - j0 : KLTQ_T);
+        const uint8_t *vrec[KLTQ_T];
         for (int u = 0; u < nt; u++) {
             const int j = j0 + u;
             const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
@@ -295,12 +296,14 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                     }
                 }
             } else {
-                if (L->v)
-                    v_decode(&vp, L->v, a->vpool + row * L->vrow, vt + (size_t)u * D, nv, vbmi);
-                else
+                if (L->v) {
+                    vrec[u] = a->vpool + row * L->vrow;
+                    if (!vbmi) v_decode(&vp, L->v, vrec[u], vt + (size_t)u * D, nv, 0);
+                } else
                     isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
             }
         }
+        if (L->v && vbmi) v_decode_tile(&vp, L->v, vrec, nt, vt, D, nv);
         if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
         /* per query row and head: the tile's scores in one vector, one rescale, one vector exp */
         const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
