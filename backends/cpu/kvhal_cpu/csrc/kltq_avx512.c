@@ -145,6 +145,37 @@ static inline __attribute__((always_inline)) void v_decode(const vplan *P, const
     }
 }
 
+/* v_decode of a tile's nt records rec[u] into rows vt + u D, a vector of 16 coefficients at a time across the keys
+ * (its width books loaded once per tile, not once per key) */
+static inline __attribute__((always_inline)) void v_decode_tile(const vplan *P, const kltq_layer *V,
+                                                                const uint8_t *const *rec, int nt, float *vt, int D,
+                                                                int nv) {
+    for (int e = 0; e < nv; e++) {
+        const __m512i bp = _mm512_load_si512(P->bp + 64 * e), sh = _mm512_load_si512(P->sh + 16 * e);
+        const __m512i mk = _mm512_load_si512(P->mk + 16 * e);
+        const __m512 sg = _mm512_load_ps(P->sg + 16 * e);
+        const int nw = P->nw[e], b0 = P->boff[16 * e];
+        if (nw == 0 || nw > 3) {
+            for (int u = 0; u < nt; u++) v_decode(P, V, rec[u], vt + (size_t)u * D, nv, 1); /* whole rows: rare */
+            return;
+        }
+        __m512 lo[3], hi[3];
+        __mmask16 wm[3];
+        for (int k = 0; k < 3; k++) {
+            const float *bk = V->books + P->wl[e][k < nw ? k : 0] * 4096;
+            lo[k] = _mm512_loadu_ps(bk), hi[k] = _mm512_loadu_ps(bk + 16), wm[k] = k < nw ? P->wm[e][k] : 0;
+        }
+        for (int u = 0; u < nt; u++) {
+            const __m512i w = _mm512_permutexvar_epi8(bp, _mm512_loadu_si512(rec[u] + b0));
+            const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, sh), mk);
+            __m512 lv = _mm512_maskz_permutex2var_ps(wm[0], lo[0], code, hi[0]);
+            lv = _mm512_mask_mov_ps(lv, wm[1], _mm512_permutex2var_ps(lo[1], code, hi[1]));
+            if (nw == 3) lv = _mm512_mask_mov_ps(lv, wm[2], _mm512_permutex2var_ps(lo[2], code, hi[2]));
+            _mm512_store_ps(vt + (size_t)u * D + 16 * e, _mm512_mul_ps(lv, sg));
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_t t, const int nv) {
     const kltq_layer *L = a->L;
     const int H = L->H, D = L->D, G = a->Hq / H;
@@ -203,6 +234,7 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
      * tile's records and V rows prefetched, then the scores and the output rows key by key */
     for (int j0 = 0; j0 <= hi_all && j0 < n_kv; j0 += KLTQ_T) {
         const int nt = (hi_all + 1 - j0 < KLTQ_T ? hi_all + 1 - j0 : KLTQ_T);
+        const uint8_t *vrec[KLTQ_T];
         for (int u = 0; u < nt; u++) {
             const int j = j0 + u;
             const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
@@ -264,12 +296,14 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
                     }
                 }
             } else {
-                if (L->v)
-                    v_decode(&vp, L->v, a->vpool + row * L->vrow, vt + (size_t)u * D, nv, vbmi);
-                else
+                if (L->v) {
+                    vrec[u] = a->vpool + row * L->vrow;
+                    if (!vbmi) v_decode(&vp, L->v, vrec[u], vt + (size_t)u * D, nv, 0);
+                } else
                     isa->dequantize(L->vfmt, a->vpool + row * L->vrow, vt + (size_t)u * D, D);
             }
         }
+        if (L->v && vbmi) v_decode_tile(&vp, L->v, vrec, nt, vt, D, nv);
         if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
         /* per query row and head: the tile's scores in one vector, one rescale, one vector exp */
         const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
@@ -422,6 +456,12 @@ static inline __attribute__((always_inline)) void score_rows(const tplan *P, con
     for (int r = 0; r < nr; r++) out[r] = _mm512_add_ps(a0[r], a1[r]);
 }
 
+/* the pool row of sequence s's key j in head h */
+static inline int64_t kltq_row(const kattn_ctx *a, const kltq_layer *L, int s, int h, int j) {
+    const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
+    return ((int64_t)blk * L->H + h) * L->bs + j % L->bs;
+}
+
 static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int64_t t, const tplan *P, const int nv) {
     const kltq_layer *L = a->L;
     const int H = L->H, D = L->D, G = a->Hq / H;
@@ -466,16 +506,18 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
         for (int g = 0; g < G; g++) qp[i * G + g] = a->q + ((q0 + i) * a->Hq + h * G + g) * D;
     for (int j0 = 0; j0 <= hi_all && j0 < n_kv; j0 += KLTQ_T) {
         const int nt = (hi_all + 1 - j0 < KLTQ_T ? hi_all + 1 - j0 : KLTQ_T);
-        const uint8_t *rec[KLTQ_T];
+        const uint8_t *rec[KLTQ_T], *vrec[KLTQ_T];
+        /* where blocks hold whole tiles (block size a multiple of 16): one block lookup per tile and its next */
+        const int whole = L->bs % KLTQ_T == 0;
+        const int64_t row0 = whole ? kltq_row(a, L, s, h, j0) : 0;
+        const int64_t rn0 = whole && j0 + KLTQ_T <= hi_all ? kltq_row(a, L, s, h, j0 + KLTQ_T) : 0;
         for (int u = 0; u < KLTQ_T; u++) {
             const int j = j0 + (u < nt ? u : 0); /* keys past the tile: key j0 again, masked off below */
-            const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
-            const int64_t row = ((int64_t)blk * H + h) * L->bs + j % L->bs;
-            rec[u] = a->kpool + row * L->krow;
+            const int64_t row = whole ? row0 + (j - j0) : kltq_row(a, L, s, h, j);
+            rec[u] = a->kpool + row * L->krow, vrec[u] = a->vpool + row * L->vrow;
             const int jn = j + KLTQ_T;
             if (u < nt && jn <= hi_all) {
-                const int32_t bn = a->block_table[(int64_t)s * a->max_blocks + jn / L->bs];
-                const int64_t rn = ((int64_t)bn * H + h) * L->bs + jn % L->bs;
+                const int64_t rn = whole ? rn0 + u : kltq_row(a, L, s, h, jn);
                 _mm_prefetch((const char *)(a->kpool + rn * L->krow), _MM_HINT_T0);
                 for (int64_t b = 0; b < L->vrow; b += 64) _mm_prefetch((const char *)(a->vpool + rn * L->vrow + b), _MM_HINT_T0);
             }
@@ -492,13 +534,11 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
                         _mm512_store_ps(vu + 32 * b + 16 * half, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
                     }
                 }
-            } else {
-                if (L->v)
-                    v_decode(&vp, L->v, vb, vu, nv, 1);
-                else
-                    isa->dequantize(L->vfmt, vb, vu, D);
+            } else if (!L->v) {
+                isa->dequantize(L->vfmt, vb, vu, D);
             }
         }
+        if (L->v) v_decode_tile(&vp, L->v, vrec, nt, vt, D, nv);
         for (int c = 0; c < P->nch; c++) {
             const __m512i ix = _mm512_load_si512(P->idx[c]), sh = _mm512_load_si512(P->shf[c]), mk = _mm512_load_si512(P->msk[c]);
             __m512i r[16];
