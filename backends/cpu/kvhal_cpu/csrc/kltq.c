@@ -230,13 +230,8 @@ static void kattn_task(void *ctx, int64_t t, int worker) {
         return;
     }
     float *o = buf, *m = o + (size_t)R * D, *l = m + R, *c = l + R, *v = c + D;
-    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    memset(o, 0, sizeof(float) * (size_t)R * D);
-    int hi_all = 0;
-    for (int i = 0; i < n_q; i++) {
-        const int pos = n_kv - n_q + i, hi = a->causal ? pos : n_kv - 1;
-        hi_all = hi > hi_all ? hi : hi_all;
-    }
+    kltq_state_init(R, D, o, m, l);
+    const int hi_all = n_kv - 1; /* the last key any row sees (the last row's own position, causal or not) */
     for (int j = 0; j <= hi_all && j < n_kv; j++) {
         const int32_t blk = a->block_table[(int64_t)s * a->max_blocks + j / L->bs];
         const int64_t row = ((int64_t)blk * H + h) * L->bs + j % L->bs;

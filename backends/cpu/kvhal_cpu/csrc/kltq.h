@@ -70,6 +70,12 @@ typedef struct {
     float scale;
 } kattn_ctx;
 
+/* an item's online-softmax state before its first key: no output, running max -inf, sum 0 per query row */
+static inline void kltq_state_init(int R, int D, float *o, float *m, float *l) {
+    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)R * D);
+}
+
 /* the finished rows of one (sequence, KV head) item: each query row r = i * G + g's accumulated output o[r]
  * divided by its softmax sum l[r] (0 where it saw no key), and its log-sum-exp m[r] + log l[r] where asked */
 static inline void kltq_write_out(const kattn_ctx *a, int64_t q0, int h, int n_q, int G, int D, const float *o,

@@ -56,6 +56,14 @@ static inline __m512 vexp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* which of the tile's nt keys from j0 on the query row at position pos sees (causal, window) */
+static inline __mmask16 tile_vis(const kattn_ctx *a, int j0, int nt, int pos, int n_kv) {
+    const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
+    return (__mmask16)((1u << nt) - 1u) & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32(lo)) &
+           _mm512_cmple_epi32_mask(jv, _mm512_set1_epi32(hi));
+}
+
 /* the task for nv = head_dim / 16 vectors; inlined with nv a constant for the usual head_dims (unrolled loops,
  * q and the output row in registers) */
 /* One tile of up to 16 keys for one query row: the online softmax over its scaled, masked scores ``sv`` (lanes
@@ -222,13 +230,8 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
         for (int k = 0; k < nw[e]; k++) covered += __builtin_popcount(wm[e][k]);
         if (covered != 16) nw[e] = 0;
     }
-    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    memset(o, 0, sizeof(float) * (size_t)R * D);
-    int hi_all = 0;
-    for (int i = 0; i < n_q; i++) {
-        const int pos = n_kv - n_q + i, hi = a->causal ? pos : n_kv - 1;
-        hi_all = hi > hi_all ? hi : hi_all;
-    }
+    kltq_state_init(R, D, o, m, l);
+    const int hi_all = n_kv - 1; /* the last key any row sees (the last row's own position, causal or not) */
     const kv_isa *isa = &kv_isa_avx512;
     /* tiles of KLTQ_T keys: every record's gathers first (independent, so their latencies overlap), the next
      * tile's records and V rows prefetched, then the scores and the output rows key by key */
@@ -306,13 +309,8 @@ static inline __attribute__((always_inline)) void attn_task(kattn_ctx *a, int64_
         if (L->v && vbmi) v_decode_tile(&vp, L->v, vrec, nt, vt, D, nv);
         if (nt < KLTQ_T) memset(ct + (size_t)nt * D, 0, sizeof(float) * (size_t)(KLTQ_T - nt) * D);
         /* per query row and head: the tile's scores in one vector, one rescale, one vector exp */
-        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-        const __mmask16 in_tile = (__mmask16)((1u << nt) - 1u);
         for (int i = 0; i < n_q; i++) {
-            const int pos = n_kv - n_q + i;
-            const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
-            const __mmask16 vis = in_tile & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32(lo)) &
-                                  _mm512_cmple_epi32_mask(jv, _mm512_set1_epi32(hi));
+            const __mmask16 vis = tile_vis(a, j0, nt, n_kv - n_q + i, n_kv);
             if (!vis) continue;
             for (int g = 0; g < G; g++) {
                 const int r = i * G + g;
@@ -488,13 +486,8 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
     memset(tab, 0, sizeof(float) * ntab);
     for (int i = 0; i < D; i++)
         if (wd[i] > 0 && wd[i] <= 5) memcpy(tab + 32 * i, L->levels + of[i], sizeof(float) << wd[i]);
-    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    memset(o, 0, sizeof(float) * (size_t)R * D);
-    int hi_all = 0;
-    for (int i = 0; i < n_q; i++) {
-        const int pos = n_kv - n_q + i, hi = a->causal ? pos : n_kv - 1;
-        hi_all = hi > hi_all ? hi : hi_all;
-    }
+    kltq_state_init(R, D, o, m, l);
+    const int hi_all = n_kv - 1; /* the last key any row sees (the last row's own position, causal or not) */
     const kv_isa *isa = &kv_isa_avx512;
     const float **qp = (const float **)malloc(sizeof(float *) * (size_t)R);
     if (!qp) {
@@ -570,13 +563,8 @@ static inline __attribute__((always_inline)) void attn_task_t(kattn_ctx *a, int6
             }
             for (int r = 0; r < nr; r++) _mm512_store_ps(sc + 16 * (size_t)(r0 + r), sv[r]);
         }
-        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-        const __mmask16 in_tile = (__mmask16)((1u << nt) - 1u);
         for (int i = 0; i < n_q; i++) {
-            const int pos = n_kv - n_q + i;
-            const int hi = a->causal ? pos : n_kv - 1, lo = a->window > 0 ? pos - a->window + 1 : 0;
-            const __mmask16 vis = in_tile & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32(lo)) &
-                                  _mm512_cmple_epi32_mask(jv, _mm512_set1_epi32(hi));
+            const __mmask16 vis = tile_vis(a, j0, nt, n_kv - n_q + i, n_kv);
             if (!vis) continue;
             for (int g = 0; g < G; g++) {
                 const int r = i * G + g;
