@@ -319,23 +319,25 @@ class DiskTier(Tier):
 
     def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]:
         with self._mu:
+            index, room = self._index, self.max_bytes
             batch: dict[BlockKey, bytes | memoryview] = {}
             for k, p in zip(keys, payloads):
-                if k in self._index:
+                if k in index:
                     self._touch(k)
-                elif k not in batch and RECORD_HEADER + len(p) <= self.max_bytes:
+                elif k not in batch and RECORD_HEADER + len(p) <= room:
                     batch[k] = p
-            # later blocks of the call first: what does not fit with them is pushed out (not written)
-            fit, room = [], self.max_bytes
-            for k in reversed(batch):
-                n = RECORD_HEADER + len(batch[k])
-                if n <= room:
-                    fit.append(k)
-                    room -= n
-            fit.reverse()
-            if fit:
-                self._append(PUT, [(k, batch[k]) for k in fit])
-            return [k in self._index for k in keys]
+            records = list(batch.items())
+            if RECORD_HEADER * len(records) + sum(map(len, batch.values())) > room:
+                # later blocks of the call first: what does not fit with them is pushed out (not written)
+                fit = []
+                for k, p in reversed(records):
+                    if RECORD_HEADER + len(p) <= room:
+                        fit.append((k, p))
+                        room -= RECORD_HEADER + len(p)
+                records = fit[::-1]
+            if records:
+                self._append(PUT, records)
+            return [k in index for k in keys]
 
     def _delete(self, keys: list[BlockKey]) -> int:
         with self._mu:
@@ -374,7 +376,7 @@ class DiskTier(Tier):
 
     def _append(self, kind: int, records: list[tuple[BlockKey, bytes | memoryview]]) -> None:
         """Append records of ``kind`` (budget made first); puts are indexed; an I/O error leaves them out (counted)."""
-        need = sum(RECORD_HEADER + len(p) for _, p in records)
+        need = RECORD_HEADER * len(records) + sum(len(p) for _, p in records)
         self._reclaim(need)
         if self._total + need > self.max_bytes:  # the reclaim failed (I/O errors): nothing is written
             for k, _ in records:
@@ -387,11 +389,14 @@ class DiskTier(Tier):
                 if seg is None:
                     break
             n, size = 0, seg.size
+            if size + need <= self._segment_bytes:  # all of them (the usual case: no walk)
+                n = len(records)
             while n < len(records) and (n == 0 or size + RECORD_HEADER + len(records[n][1]) <= self._segment_bytes):
                 size += RECORD_HEADER + len(records[n][1])
                 n += 1
             if not self._append_to(seg, kind, records[:n]):
                 break
+            need -= RECORD_HEADER * n + sum(len(p) for _, p in records[:n])
             records = records[n:]
         for k, _ in records:  # not written (an I/O error, counted)
             self._unindex(k)
@@ -409,13 +414,15 @@ class DiskTier(Tier):
             except OSError:
                 self._seal()
             return False
-        off, index, live, tick = start, self._index, seg.live, self._tick
-        for k, p in records:  # keys not indexed (put) or no longer (delete)
-            if kind == PUT:  # block records (a delete's tombstones index nothing)
+        off, index, live, tick, sid = start, self._index, seg.live, self._tick, seg.id
+        if kind == PUT:  # block records (a delete's tombstones index nothing)
+            for k, p in records:
                 tick += 1
-                index[k] = Entry(seg.id, off, len(p), False, tick)
+                index[k] = Entry(sid, off, len(p), False, tick)
                 live[k] = off
-            off += RECORD_HEADER + len(p)
+                off += RECORD_HEADER + len(p)
+        else:
+            off += sum(RECORD_HEADER + len(p) for _, p in records)
         self._tick = tick
         if kind == PUT:
             self._stats.puts += len(records)
