@@ -131,7 +131,7 @@ class DiskTier(Tier):
         self._wfd = -1
         self._unsynced = 0
         self._unsynced_since = 0.0
-        self._sealed: list[int] = []  # write descriptors of sealed segments with bytes not yet fsynced
+        self._sealed: list[str] = []  # sealed segments with bytes not yet fsynced (by path: none held open)
         self._dir_dirty = False
         self._tick = 0
         self._mu = threading.RLock()
@@ -361,8 +361,6 @@ class DiskTier(Tier):
             self._close_fds()
 
     def _close_fds(self) -> None:
-        while self._sealed:
-            os.close(self._sealed.pop())
         for s in self._segs.values():
             if s.fd >= 0:
                 os.close(s.fd)
@@ -452,21 +450,24 @@ class DiskTier(Tier):
         return seg
 
     def _seal(self) -> None:
-        """The open segment closed for appends; its last bytes made durable by the next group commit."""
+        """The open segment closed for appends; its last bytes made durable by the next commit (group commit, or
+        ``flush()`` and close with ``durable=False``)."""
         if self._open is None:
             return
-        if self._unsynced and self.durable is not False:
-            self._sealed.append(self._wfd)
-        else:
-            os.close(self._wfd)
+        if self._unsynced:
+            self._sealed.append(self._open.path)
+        os.close(self._wfd)
         self._open, self._wfd = None, -1
 
     def _flush(self) -> None:
         """One group commit: the sealed segments' and the open segment's bytes, and new segment names, durable."""
         try:
             while self._sealed:
-                os.fsync(self._sealed[0])
-                os.close(self._sealed.pop(0))
+                try:
+                    fsync_path(self._sealed[0])
+                except FileNotFoundError:
+                    pass  # reclaimed since: nothing of it to keep
+                self._sealed.pop(0)
             if self._unsynced and self._wfd >= 0:
                 os.fsync(self._wfd)
             if self._dir_dirty:

@@ -278,6 +278,27 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.parametrize("durable", [False, None])
+def test_flush_makes_sealed_segments_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool | None):
+    """flush() fsyncs every segment written since the last commit, the sealed ones too (a no-fsync tier closed
+    them unsynced and never synced them)."""
+    synced: set[int] = set()
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        real(fd)
+
+    with DiskTier(tmp_path, 1 << 20, durable=durable, segment_bytes=1, commit_s=1000) as t:  # a segment per put
+        monkeypatch.setattr(os, "fsync", spy)
+        for i in range(3):
+            t.put([key(i)], [payload(i)])
+        t.flush()
+        assert len(segments(tmp_path)) == 3
+        assert {p.stat().st_ino for p in segments(tmp_path)} <= synced
+        assert t._unsynced == 0
+
+
 def test_kill_9_during_appends_and_compaction(tmp_path: Path):
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-c", KILL_TRIALS, str(tmp_path), "100"], cwd=ROOT, capture_output=True,
