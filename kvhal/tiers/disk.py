@@ -69,9 +69,10 @@ _OLD_TEMP = re.compile(r"\.[0-9a-f]{64}\.(\d+)\.[0-9a-f]+\.tmp")
 WORKERS = 4
 COMMIT_BYTES = 8 << 20
 COMMIT_S = 0.02
-# segments of 16+ MiB: a get reading across many small files loses the kernel's readahead (measured: a 64 MiB
-# read-back ran at 0.55 of one sequential file in 4 MiB segments, 0.8-0.95 in 16-32 MiB ones)
-MIN_SEGMENT = 16 << 20
+# segments of 64+ MiB: the kernel's readahead starts small in each file and doubles up to 16 MiB, so a get
+# reading across smaller files reads mostly in small windows (a 64 MiB read-back through get measured 0.55 of one
+# sequential file in 4 MiB segments, 0.67-0.86 in 16-32 MiB ones, 0.89-1.28 in 64 MiB ones)
+MIN_SEGMENT = 64 << 20
 MAX_SEGMENT = 256 << 20
 RUN_BYTES = 8 << 20  # a get groups adjacent records in runs up to this size
 
@@ -81,8 +82,9 @@ class DiskTier(Tier):
 
     ``durable``: None (group commit: fsync per ``commit_bytes`` or ``commit_s``), True (fsync before each put
     returns), False (no fsync but by ``flush()`` and close). ``segment_bytes``: a segment is sealed and a new one
-    opened past this size (default: max_bytes / 8, within 16..256 MiB: a reclaim frees one segment at a time). ``workers``: threads that checksum the
-    blocks of one call in parallel (zlib's CRC-32 releases the GIL).
+    opened past this size (default: max_bytes / 8, within 64..256 MiB: a reclaim frees one segment at a time).
+    ``workers``: threads that read and check a get's runs of adjacent records in parallel (pread and zlib's CRC-32
+    release the GIL).
     """
 
     def __init__(
