@@ -49,6 +49,9 @@ class TierStats:
     down_misses: int = 0
 
 
+TierT = TypeVar("TierT", bound="Tier")
+
+
 class Tier(ABC):
     """A store of blocks by BlockKey. Arguments are checked before anything changes (TierError); after that no
     call raises for a store's failure: a missing, corrupt or unreachable block is a miss, counted in stats()."""
@@ -105,7 +108,7 @@ class Tier(ABC):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> Tier:
+    def __enter__(self: TierT) -> TierT:
         return self
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

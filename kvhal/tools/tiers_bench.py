@@ -1,15 +1,19 @@
 """``kvhal tiers bench``: put/get GB/s and blocks/s per tier, each next to its raw ceiling measured in the same run.
 
 Ceilings move the same payload bytes in the same batches with nothing of kvhal in the way:
-disk: one file appended sequentially with an fsync per ``COMMIT_BYTES`` (the tier's default group-commit batch)
-and one at the end of the writes, then read back sequentially from the device (the page cache is dropped for the
-file, as for the tier's segments, before every read) into a new bytes object per block, kept until the run ends as
-the tier's caller keeps what ``get`` returns; "disk-nosync" is the tier with ``durable=False`` next to the same
-append without any fsync. redis: pipelined SET / GET of values of the block size through the same client library
-and server, the values read kept likewise. The host tier has no ceiling.
+disk put: one file appended sequentially with an fsync per ``COMMIT_BYTES`` (the tier's default group-commit batch)
+and one at the end of the writes; "disk-nosync" is the tier with ``durable=False`` next to the same append without
+any fsync. Disk get: the tier's own segment files read sequentially from the device, one read of a record (header
+and block) at a time into a new bytes object kept until the run ends, as the tier's caller keeps what ``get``
+returns. It reads the very blocks the tier reads, where they lie: how this VM's disk laid out and cached a file
+decided more than the reader did (in one run the tier read its fsynced segments at 1.3-1.8x a separate file written
+the same way, and its no-fsync ones at 0.55-0.75x theirs). The page cache is dropped for the files before each read
+pass. redis: pipelined SET / GET of values of the block size through the same client library and server, the
+values read kept likewise. The host tier has no ceiling.
 Each row shows the ratio to its ceiling and the target it is held to (disk 0.5, disk-nosync 0.8, redis 0.5).
 Figures are medians of ``repeats`` runs after one warm-up run. Within a run the tier and its references take turns
-batch by batch, so other work on the machine slows them alike and the ratios stay comparable.
+batch by batch, so other work on the machine slows them alike and the ratios stay comparable; a disk get and its
+ceiling read the same pages, so they take turns pass by pass instead, in alternating order.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..tiers.disk import COMMIT_BYTES, DiskTier
 from ..tiers.host import HostTier
 from ..tiers.keys import BlockKey
 from ..tiers.redis_tier import RedisTier
+from ..tiers.segments import RECORD_HEADER
 from .tiers_server import RedisServer, redis_server_path
 
 TIERS = ("host", "disk", "redis")
@@ -140,21 +145,20 @@ class TierArm(Arm):
     def finish(self) -> None:
         if self.got != self.w.payloads:
             raise KVHalError(f"{type(self.tier).__name__} returned wrong or missing blocks: {self.tier.stats()}")
+        self.got = []
         if not self.files:
             self.tier.delete(self.keys)
 
 
 class DiskCeiling(Arm):
-    """One file appended sequentially with an fsync per ``sync_bytes`` and after the last write (None: no fsync),
-    then read back sequentially from the device into a new bytes object per block, kept until the run ends (as the
-    tier's blocks are: a get hands out new memory)."""
+    """One file appended sequentially with an fsync per ``sync_bytes`` and after the last write (None: no fsync);
+    its get is ``SegmentsCeiling``'s."""
 
     def __init__(self, w: Workload, root: Path, name: str, sync_bytes: int | None) -> None:
         super().__init__(w)
-        self.root, self.path, self.sync_bytes = root, str(root / name), sync_bytes
+        self.path, self.sync_bytes = str(root / name), sync_bytes
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.unsynced = 0
-        self.got: list[bytes] = []
 
     def put(self, b: range) -> None:
         for i in b:
@@ -163,19 +167,46 @@ class DiskCeiling(Arm):
             os.fsync(self.fd)
             self.unsynced = 0
 
-    def before_get(self) -> None:
-        os.fsync(self.fd)  # (untimed: dirty pages cannot be dropped)
-        os.close(self.fd)
-        _drop_page_cache([self.path])
-        self.fd = os.open(self.path, os.O_RDONLY)
-
     def get(self, b: range) -> None:
-        self.got += [os.read(self.fd, self.w.block) for _ in b]
+        pass
 
     def finish(self) -> None:
-        if self.got != self.w.payloads:
-            raise KVHalError("the disk ceiling read back other bytes than it wrote")
         os.close(self.fd)
+
+
+class SegmentsCeiling(Arm):
+    """The tier's segment files (``files``, once its puts are flushed) read in file order from the device, one read
+    of a record (header and block) per block into a new bytes object, kept until the run ends."""
+
+    def __init__(self, w: Workload, tier: DiskTier, files: Path) -> None:
+        super().__init__(w)
+        self.tier, self.files = tier, files
+        self.fds: list[int] = []
+        self.got: list[bytes] = []
+
+    def put(self, b: range) -> None:
+        pass
+
+    def before_get(self) -> None:
+        self.tier.flush()  # (dirty pages cannot be dropped)
+        paths = sorted(str(p) for p in self.files.glob("seg-*.kvs"))
+        _drop_page_cache(paths)
+        self.fds = [os.open(p, os.O_RDONLY) for p in paths]
+        for fd in self.fds:  # the tier's own read hint
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def get(self, b: range) -> None:
+        for _ in b:
+            while self.fds and not (rec := os.read(self.fds[0], RECORD_HEADER + self.w.block)):
+                os.close(self.fds.pop(0))
+            self.got.append(rec)
+
+    def finish(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        if [g[RECORD_HEADER:] for g in self.got] != self.w.payloads:
+            raise KVHalError("the disk ceiling read back other bytes than the tier's segments hold")
+        self.got = []
 
 
 class RedisCeiling(Arm):
@@ -206,30 +237,44 @@ class RedisCeiling(Arm):
             raise KVHalError("the redis ceiling read back other bytes than it wrote")
 
 
-def _interleaved(arms: list[Arm]) -> list[Times]:
+def _interleaved(arms: list[Arm], get_passes: bool = False, flip: bool = False) -> list[Times]:
     """(put, get) seconds per arm; batch by batch the arms take turns, in rotating order, so a machine busy with
-    other work slows each of them alike."""
+    other work slows each of them alike. ``get_passes``: each arm gets every block in one pass, the arms one after
+    the other (reversed with ``flip``), each pass after its own ``before_get`` (arms that read the same pages)."""
     put, get = [0.0] * len(arms), [0.0] * len(arms)
-    for phase, acc in (("put", put), ("get", get)):
-        if phase == "get":
-            for arm in arms:
-                arm.before_get()
-        for j, b in enumerate(arms[0].w.batches):
-            for k in [(j + r) % len(arms) for r in range(len(arms))]:
+    batches = arms[0].w.batches
+
+    def turns(phase: str, acc: list[float], order: list[int]) -> None:
+        for j, b in enumerate(batches):
+            for k in [order[(j + r) % len(order)] for r in range(len(order))]:
                 step = getattr(arms[k], phase)
                 t = time.perf_counter()
                 step(b)
                 acc[k] += time.perf_counter() - t
-    for arm in arms:
-        arm.finish()
+
+    turns("put", put, list(range(len(arms))))
+    if get_passes:  # each pass's blocks let go after it: every pass reads into memory the one before freed
+        for k in reversed(range(len(arms))) if flip else range(len(arms)):
+            arms[k].before_get()
+            turns("get", get, [k])
+            arms[k].finish()
+    else:
+        for arm in arms:
+            arm.before_get()
+        turns("get", get, list(range(len(arms))))
+        for arm in arms:
+            arm.finish()
     return list(zip(put, get))
 
 
-def _rows(w: Workload, runs: list[list[Times]], pairs: list[tuple[str, int, int | None]]) -> list[dict[str, Any]]:
-    """Median GB/s of each (tier label, tier arm, ceiling arm) pair, put and get, with the ratio and its target."""
+def _rows(
+    w: Workload, runs: list[list[Times]], pairs: list[tuple[str, int, int | None, int | None]]
+) -> list[dict[str, Any]]:
+    """Median GB/s of each (tier label, tier arm, put ceiling arm, get ceiling arm), put and get, with the ratio
+    and its target."""
     out = []
-    for label, t, c in pairs:
-        for j, op in enumerate(("put", "get")):
+    for label, t, *ceilings in pairs:
+        for j, (op, c) in enumerate(zip(("put", "get"), ceilings)):
             gbps, ceiling = (
                 w.n * w.block / statistics.median(r[k][j] for r in runs) / 1e9 if k is not None else None
                 for k in (t, c)
@@ -282,10 +327,10 @@ def run(
     try:
         for name, bs in progress(jobs, len(jobs), "tiers bench", show_progress):
             w = Workload(bs, total, batch)
-            layout: dict[str, list[tuple[str, int, int | None]]] = {
-                "host": [("host", 0, None)],
-                "disk": [("disk", 0, 1), ("disk-nosync", 2, 3)],
-                "redis": [("redis", 0, 1)],
+            layout: dict[str, list[tuple[str, int, int | None, int | None]]] = {  # label, tier, put / get ceiling
+                "host": [("host", 0, None, None)],
+                "disk": [("disk", 0, 1, 2), ("disk-nosync", 3, 4, 5)],
+                "redis": [("redis", 0, 1, 1)],
             }
             pairs = layout[name]
             runs = []
@@ -304,10 +349,12 @@ def run(
                         arms = [
                             TierArm(w, disk, run_dir / "tier"),
                             DiskCeiling(w, run_dir, "ceiling.bin", COMMIT_BYTES),
+                            SegmentsCeiling(w, disk, run_dir / "tier"),
                             TierArm(w, nosync, run_dir / "nosync"),
                             DiskCeiling(w, run_dir, "nosync.bin", None),
+                            SegmentsCeiling(w, nosync, run_dir / "nosync"),
                         ]
-                        runs.append(_interleaved(arms))
+                        runs.append(_interleaved(arms, get_passes=True, flip=r % 2 == 1))
                 else:
                     assert redis_tier is not None
                     runs.append(_interleaved([TierArm(w, redis_tier), RedisCeiling(w, client)]))
