@@ -408,6 +408,17 @@ def mass_f64(q, ks, q_lens, scale, causal, window, holes, tail):
         out.append((per_kv.sum(1), per_kv[:, max(0, n_q - tail) :].sum(1)))
     return out
 
+def check_mass_against_f64(be, q, pools, batch, tail, ks, shape):
+    """The backend's fused mass (its own lse passed in) against ``mass_f64`` over the keys ``ks``, per sequence,
+    to 1e-4; returns (got, want)."""
+    _, lse = be.attention_lse(q, pools, 0, batch)
+    got = be.attention_mass(q, pools, 0, batch, tail, lse)
+    want = mass_f64(q, ks, list(batch.q_lens), batch.scale, batch.causal, batch.window, batch.holes, tail)
+    for (total, last), (want_total, want_last) in zip(got, want, strict=True):
+        np.testing.assert_allclose(total, want_total, rtol=1e-4, atol=1e-5, err_msg=shape)
+        np.testing.assert_allclose(last, want_last, rtol=1e-4, atol=1e-5, err_msg=shape)
+    return got, want
+
 
 # (n_heads, n_kv_heads, dim, seq lens, q lens, causal, window, block_size, tail, holes [n_seqs][n_kv_heads] or None)
 MASS_SHAPES = {
@@ -437,12 +448,7 @@ def test_attention_mass_matches_float64_softmax(isa, fmt):
         hole_arr = None if holes is None else np.asarray(holes, np.int32)
         batch = kvhal.AttentionBatch(table, np.array(lens), np.array(q_lens), dim**-0.5, causal, window, hole_arr)
         q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
-        _, lse = be.attention_lse(q, c.pools, 0, batch)
-        got = be.attention_mass(q, c.pools, 0, batch, tail, lse)
-        want = mass_f64(q, ks, q_lens, dim**-0.5, causal, window, hole_arr, tail)
-        for (total, last), (want_total, want_last) in zip(got, want, strict=True):
-            np.testing.assert_allclose(total, want_total, rtol=1e-4, atol=1e-5, err_msg=shape)
-            np.testing.assert_allclose(last, want_last, rtol=1e-4, atol=1e-5, err_msg=shape)
+        got, want = check_mass_against_f64(be, q, c.pools, batch, tail, ks, shape)
         assert got[0][0].sum() == pytest.approx(want[0][0].sum(), rel=1e-5)
         if holes is None:  # without holes every row sees a key: its weights sum to 1
             assert sum(t.sum() for t, _ in got) == pytest.approx(sum(q_lens) * n_heads, rel=1e-5)
@@ -477,13 +483,7 @@ def test_attention_mass_of_kivi_k_pages_matches_float64_softmax(isa, fmt):
         hole_arr = None if holes is None else np.asarray(holes, np.int32)
         batch = kvhal.AttentionBatch(table, np.array(pages), np.array(q_lens), dim**-0.5, causal, window, hole_arr)
         q = rng.standard_normal((sum(q_lens), n_heads, dim), dtype=np.float32)
-        be = ours.backend
-        _, lse = be.attention_lse(q, ours.pools, 0, batch)
-        got = be.attention_mass(q, ours.pools, 0, batch, tail, lse)
-        want = mass_f64(q, ks, q_lens, dim**-0.5, causal, window, hole_arr, tail)
-        for (total, last), (want_total, want_last) in zip(got, want, strict=True):
-            np.testing.assert_allclose(total, want_total, rtol=1e-4, atol=1e-5, err_msg=shape)
-            np.testing.assert_allclose(last, want_last, rtol=1e-4, atol=1e-5, err_msg=shape)
+        check_mass_against_f64(ours.backend, q, ours.pools, batch, tail, ks, shape)
 
 
 def test_attention_mass_checks_lse_shape():
