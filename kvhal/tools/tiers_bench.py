@@ -175,12 +175,12 @@ class DiskCeiling(Arm):
 
 
 class SegmentsCeiling(Arm):
-    """The tier's segment files (``files``, once its puts are flushed) read in file order from the device, one read
-    of a record (header and block) per block into a new bytes object, kept until the run ends."""
+    """The tier's segment files (once its puts are flushed) read in file order from the device, one read of a
+    record (header and block) per block into a new bytes object, kept until the pass ends."""
 
-    def __init__(self, w: Workload, tier: DiskTier, files: Path) -> None:
+    def __init__(self, w: Workload, tier: DiskTier) -> None:
         super().__init__(w)
-        self.tier, self.files = tier, files
+        self.tier = tier
         self.fds: list[int] = []
         self.got: list[bytes] = []
 
@@ -189,7 +189,7 @@ class SegmentsCeiling(Arm):
 
     def before_get(self) -> None:
         self.tier.flush()  # (dirty pages cannot be dropped)
-        paths = sorted(str(p) for p in self.files.glob("seg-*.kvs"))
+        paths = sorted(str(p) for p in self.tier.path.glob("seg-*.kvs"))
         _drop_page_cache(paths)
         self.fds = [os.open(p, os.O_RDONLY) for p in paths]
         for fd in self.fds:  # the tier's own read hint
@@ -197,9 +197,10 @@ class SegmentsCeiling(Arm):
 
     def get(self, b: range) -> None:
         for _ in b:
+            rec = b""
             while self.fds and not (rec := os.read(self.fds[0], RECORD_HEADER + self.w.block)):
                 os.close(self.fds.pop(0))
-            self.got.append(rec)
+            self.got.append(rec)  # (past the last segment: b"", which finish() reports)
 
     def finish(self) -> None:
         for fd in self.fds:
@@ -349,10 +350,10 @@ def run(
                         arms = [
                             TierArm(w, disk, run_dir / "tier"),
                             DiskCeiling(w, run_dir, "ceiling.bin", COMMIT_BYTES),
-                            SegmentsCeiling(w, disk, run_dir / "tier"),
+                            SegmentsCeiling(w, disk),
                             TierArm(w, nosync, run_dir / "nosync"),
                             DiskCeiling(w, run_dir, "nosync.bin", None),
-                            SegmentsCeiling(w, nosync, run_dir / "nosync"),
+                            SegmentsCeiling(w, nosync),
                         ]
                         runs.append(_interleaved(arms, get_passes=True, flip=r % 2 == 1))
                 else:
