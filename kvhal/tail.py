@@ -49,21 +49,16 @@ class TailStore:
             ck = np.concatenate([s.tail_k[layer].astype(np.float32), ck])
             cv = np.concatenate([s.tail_v[layer].astype(np.float32), cv])
         total = s.lens[layer] + len(k)
-        sink = spec.sink_tokens
-        if s.lens[layer] < sink:  # the sequence's first sink_tokens rows, kept in f16 for good
-            new = ck[len(ck) - len(k) :][: sink - s.lens[layer]]
-            old = s.sink_k.get(layer)
-            s.sink_k[layer] = (
-                np.concatenate([old, new.astype(np.float16)]) if old is not None else new.astype(np.float16)
-            )
-            newv = cv[len(cv) - len(v) :][: sink - s.lens[layer]].astype(np.float16)
-            oldv = s.sink_v.get(layer)
-            s.sink_v[layer] = np.concatenate([oldv, newv]) if oldv is not None else newv
         p0 = s.paged[layer]
         flush = max(0, self.paged_after(total) - p0)
-        if flush:
+        if flush:  # first: the write is the step that can fail (no room), and then nothing has changed
             kq, vq = self.backend.asarray(ck[:flush], "k"), self.backend.asarray(cv[:flush], "v")
             self.table.write(s, layer, kq, vq, p0)
+        sink = spec.sink_tokens
+        if s.lens[layer] < sink:  # the sequence's first sink_tokens rows, kept in f16 for good
+            for rows, x, n in ((s.sink_k, ck, len(k)), (s.sink_v, cv, len(v))):
+                new = x[len(x) - n :][: sink - s.lens[layer]].astype(np.float16)
+                rows[layer] = np.concatenate([rows[layer], new]) if layer in rows else new
         s.tail_k[layer], s.tail_v[layer] = ck[flush:].astype(np.float16), cv[flush:].astype(np.float16)
         s.paged[layer] = p0 + flush
         s.lens[layer] = total

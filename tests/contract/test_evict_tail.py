@@ -334,3 +334,28 @@ def test_adakv_with_a_tail_masks_each_heads_rows_through_flushes(backend_info):
                     if step % 2:
                         assert not rec.mass[layer][h, m:length].any()  # observed: nothing for the hole
         assert min(rec.pages()) >= length > new_paged  # every hole row was flushed into the pages
+
+
+@pytest.mark.parametrize("tail", [0, 12])
+def test_a_store_that_does_not_fit_leaves_sinks_and_tail_as_they_were(backend_info, tail):
+    """With f16 sink rows (and a tail) a store refused for room changes nothing: the sink rows of the refused
+    rows never reach the sequence, so the next store's rows are what ``load`` returns."""
+    fmt = next((f for f in ("q8_0", "q4_0") if f in backend_info.formats), None)
+    if fmt is None:
+        pytest.skip(f"{backend_info.name} claims neither q8_0 nor q4_0")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8, sinks=4,
+                           tail=tail)  # fmt: skip
+    for first in (0, 2):  # an empty sequence, and one with part of its sink rows
+        c = kvhal.KVCache(spec, 64, backend=backend_info.name)
+        s = c.new_seq()
+        rng = np.random.default_rng(first)
+        k, v = rng.standard_normal((2, first + 20, 2, 64), dtype=np.float32)
+        if first:
+            c.store(s, 0, k[:first], v[:first])
+        before = c.load(s, 0)
+        with pytest.raises(kvhal.CapacityError):
+            c.store(s, 0, rng.standard_normal((400, 2, 64), dtype=np.float32), np.ones((400, 2, 64), np.float32))
+        after = c.load(s, 0)
+        assert all(np.array_equal(a, b) for a, b in zip(before, after)) and c.seq_len(s) == first
+        c.store(s, 0, k[first:], v[first:])
+        np.testing.assert_array_equal(c.load(s, 0)[0][:4], np.float16(k[:4]).astype(np.float32))  # the f16 sinks
