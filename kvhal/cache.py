@@ -248,14 +248,44 @@ class KVCache:
         return self.codec.scales()
 
     def adopt_scales(self, per_layer: dict[str, list[np.ndarray | None]]) -> None:
-        """Take calibrated scales for every layer (a snapshot's, before this cache stored anything)."""
-        self.codec.adopt(per_layer)
-        self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
+        """Take calibrated scales for every layer (a snapshot's, before this cache stored anything):
+        ``{"k": [layer 0's per-head scales, ...], "v": ...}`` for a ``"calibrate"`` scale no store has fixed
+        yet, one positive finite float per KV head. Checked whole, as the spec they make, before any is taken."""
+        if not isinstance(per_layer, dict) or not per_layer or not set(per_layer) <= {"k", "v"}:
+            raise SpecError(f"adopt_scales takes a dict of 'k' and/or 'v' per-layer scales, not {per_layer!r:.80}")
+        fields: dict[str, Any] = {}
+        for w, layers in per_layer.items():
+            scale = getattr(self.spec, f"{w}_scale")
+            if scale != "calibrate":
+                raise SpecError(
+                    f"adopt_scales: {w.upper()}'s scale is {scale!r}; only a 'calibrate' scale takes scales"
+                )
+            if not self.codec.uncalibrated(w):
+                raise SpecError(f"adopt_scales: {w.upper()}'s scales are fixed already (by a store or an adopt)")
+            rows: list[Any] = list(layers) if isinstance(layers, (list, tuple)) else [None]
+            if not all(isinstance(r, (list, tuple, np.ndarray)) and np.ndim(r) == 1 for r in rows):
+                raise SpecError(f"adopt_scales: {w!r} is a list of one sequence of per-head scales per layer")
+            fields[f"{w}_scale"] = tuple(tuple(r.tolist() if isinstance(r, np.ndarray) else r) for r in rows)
+        spec = replace(self.codec.resolved_spec, **fields)  # CacheSpec checks them: SpecError before any is taken
+        self.codec.adopt({n[0]: [np.asarray(r, np.float64) for r in x] for n, x in fields.items()})
+        self.prefix.root_hash = self.fingerprint.digest(spec)
 
     def adopt_side(self, side: kltq.Side, which: str = "k") -> None:
-        """Take every layer's kltq side data of K (V) (a snapshot's, before this cache stored anything)."""
+        """Take every layer's kltq side data of K (``which="v"``: V) (a snapshot's, before this cache stored
+        anything): only where the format takes side data that neither the spec gave nor a store calibrated."""
+        if not isinstance(which, str) or which not in ("k", "v"):
+            raise SpecError(f"adopt_side: which is 'k' or 'v', not {which!r}")
+        if not isinstance(side, kltq.Side):
+            raise SpecError(f"adopt_side: side is a kvhal.formats.kltq.Side, not {type(side).__name__}")
+        fmt = getattr(self.spec, f"{which}_fmt")
+        if not fmt.side_data:
+            raise SpecError(f"adopt_side: {which.upper()}'s format {fmt.name} takes no side data")
+        if getattr(self.spec, f"{which}_side") is not None or any(x is not None for x in self.codec.side_list(which)):
+            raise SpecError(f"adopt_side: {which.upper()} has side data already (given or calibrated by a store)")
+        fields: dict[str, Any] = {f"{which}_side": side}
+        spec = replace(self.codec.resolved_spec, **fields)  # CacheSpec checks it against the shape
         self.codec.adopt_side(side, which)
-        self.prefix.root_hash = self.fingerprint.digest(self.codec.resolved_spec)
+        self.prefix.root_hash = self.fingerprint.digest(spec)
 
     # -- data ----------------------------------------------------------------------------------------
 

@@ -302,3 +302,24 @@ def test_v_observe_and_streamed_attention_match_resident_attention(k_format):
     np.testing.assert_allclose(kvhal.to_numpy(c.attention(0, q, [s], [1], observe=True)), resident, atol=1e-5)
     c.offload(s, keep_tokens=16)
     np.testing.assert_allclose(kvhal.to_numpy(c.attention(0, q, [s], [1])), resident, atol=1e-5)
+
+
+def test_adopt_side_takes_matching_side_data_before_any_store_only():
+    """``adopt_side`` (what a restore into a fresh kltq cache calls) takes a Side that fits the spec, for a format
+    that uses one and no side data yet; anything else is a SpecError that leaves the cache as it was."""
+    side = kltq.calibrate(keys(3), 4.5)
+    c = KVCache(spec(), 128, backend="reference")
+    root = c.root_hash
+    other = kltq.calibrate(keys(3, layers=3), 4.5)  # another model's layer count
+    for args, match in (((side, "q"), "'k' or 'v'"), ((side, True), "'k' or 'v'"), (("x",), "Side"), ((None,), "Side"),
+                        ((side, "v"), "takes no side data"), ((other,), "shape")):  # fmt: skip
+        with pytest.raises(SpecError, match=match):
+            c.adopt_side(*args)
+        assert c.root_hash == root and c.codec.side_list("k") == [None, None]
+    c.adopt_side(side)
+    assert c.root_hash == KVCache(spec(k_side=side), 128, backend="reference").root_hash
+    with pytest.raises(SpecError, match="already"):
+        c.adopt_side(side)
+    filled_cache, _, _ = filled(4)
+    with pytest.raises(SpecError, match="already"):  # calibrated by its first stores
+        filled_cache.adopt_side(side)

@@ -416,3 +416,32 @@ def test_kivi_k_with_backends_that_lack_it_is_refused():
     for info in infos:
         with pytest.raises(kvhal.UnsupportedError):
             kvhal.KVCache(spec, 64, backend=info.name)
+
+
+def test_adopt_scales_takes_checked_scales_whole_or_none(rng, tmp_path):
+    """``adopt_scales`` is what a restore into a fresh "calibrate" cache calls: scales it takes store exactly as a
+    spec that names them; anything else is a SpecError that leaves the cache as it was."""
+    spec = kvhal.CacheSpec(2, 2, 64, "fp8_e4m3", "f16", BS, k_scale="calibrate")
+    c = kvhal.KVCache(spec, 64, backend="reference")
+    root = c.root_hash
+    ones = [np.ones(2)] * 2
+    bad = [None, 1, {}, {"q": ones}, {"k": "x"}, {"k": ones[:1]}, {"k": [np.ones(3)] * 2}, {"k": [np.array([-1.0, 1])] * 2},
+           {"k": [["1", "2"]] * 2}, {"k": [[True, 1.0]] * 2}, {"k": [1.0, 2.0]}, {"k": [[np.inf, 1.0]] * 2},
+           {"k": ones, "v": ones}]  # fmt: skip
+    for x in bad:
+        with pytest.raises(kvhal.SpecError):
+            c.adopt_scales(x)
+        assert c.scales()["k"] == (None, None) and c.root_hash == root
+    scales = [np.array([0.5, 2.0]), [1, 3]]
+    c.adopt_scales({"k": scales})
+    want = ((0.5, 2.0), (1.0, 3.0))
+    assert c.scales()["k"] == want and not c.calibrating()
+    given = kvhal.KVCache(kvhal.CacheSpec(2, 2, 64, "fp8_e4m3", "f16", BS, k_scale=want), 64, backend="reference")
+    assert c.root_hash == given.root_hash
+    k = rng.standard_normal((20, 2, 64)).astype(np.float32)
+    for cache in (c, given):
+        cache.store(cache.new_seq(), 0, k, k)
+    np.testing.assert_array_equal(pools(c, 0)[0], pools(given, 0)[0])
+    with pytest.raises(kvhal.SpecError, match="fixed already"):
+        c.adopt_scales({"k": ones})
+    assert c.scales()["k"] == want
