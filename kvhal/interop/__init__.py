@@ -59,12 +59,16 @@ def host_float_array(x: Any, what: str) -> np.ndarray:
     if isinstance(x, (str, bytes)):
         raise DTypeError(f"{what} is a {type(x).__name__}, not an array; pass a float32/float16 array")
     try:
-        arr = to_numpy(x) if dtype is not None else np.asarray(x, dtype=np.float32)
+        arr = to_numpy(x) if dtype is not None else np.asarray(x)
     except (TypeError, BufferError, RuntimeError, ValueError) as e:
         raise DTypeError(
             f"{what} could not be read as a float array ({e}); pass a CPU float32/float16 array "
             "(numpy, torch, or anything with __dlpack__), not a ragged list"
         ) from e
+    if dtype is None:  # nested lists: numbers only (asarray(x, float32) would take "1.5" and True as values)
+        if arr.dtype.kind not in "fiu":
+            raise DTypeError(f"{what} holds {arr.dtype} values, not numbers; pass a float32/float16 array")
+        arr = arr.astype(np.float32)
     if arr.dtype not in (np.float32, np.float16):
         raise DTypeError(f"{what} has dtype {arr.dtype}; kvhal takes float32, float16 or bfloat16")
     return arr

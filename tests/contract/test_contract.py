@@ -615,6 +615,9 @@ def test_bad_input_is_a_typed_error_and_changes_nothing(backend_info, rng):
         (kvhal.DTypeError, lambda: cache.store(s, 0, "kv", "kv")),
         (kvhal.DTypeError, lambda: cache.store(s, 0, [[[1.0] * 64, [1.0] * 63]], [[[1.0] * 64, [1.0] * 63]])),  # ragged
         (kvhal.DTypeError, lambda: cache.store(s, 0, k[:1].astype(np.float64), v[:1])),
+        (kvhal.DTypeError, lambda: cache.store(s, 0, [[["1.5"] * 64] * 2], [[["1.5"] * 64] * 2])),  # text, not numbers
+        (kvhal.DTypeError, lambda: cache.store(s, 0, [[[True] * 64] * 2], [[[True] * 64] * 2])),  # nor flags
+        (kvhal.DTypeError, lambda: cache.store(s, 0, [[[None] * 64] * 2], [[[None] * 64] * 2])),
         (kvhal.DTypeError, lambda: cache.attention(0, "q", [s])),
         (kvhal.ShapeError, lambda: cache.attention(0, q, [s], scale="x")),
         (kvhal.ShapeError, lambda: cache.attention(0, q, [s], scale=float("nan"))),
