@@ -640,8 +640,15 @@ class KVCache:
         ``capacity_tokens``: at least the snapshot's blocks (the default: exactly those). ``options`` go to
         ``KVCache`` (``allow_fallback``, ``backend_options``, ``tiers``...). Fails with a ``SnapshotError``
         as ``restore`` does."""
+        import inspect
+
         from . import snapshot
 
+        takes = [  # KVCache's keywords but the fingerprint, which is the snapshot's
+            n for n, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY and n != "fingerprint"
+        ]
+        if unknown := sorted(set(options) - set(takes)):
+            raise SpecError(f"from_snapshot: no option {', '.join(unknown)}; KVCache's options are {', '.join(takes)}")
         spec, fingerprint, n_blocks = snapshot.header(path)
         if capacity_tokens is None:
             capacity_tokens = max(1, n_blocks) * spec.block_size

@@ -215,6 +215,11 @@ def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
     with pytest.raises(kvhal.SnapshotError):
         c.restore(123)  # type: ignore[arg-type]
     assert_unchanged(before, c)
+    for typo in ({"capcity_tokens": 64}, {"fingerprint": kvhal.Fingerprint("x")}):  # the fingerprint is the file's
+        with pytest.raises(kvhal.SpecError, match="no option"):
+            kvhal.KVCache.from_snapshot(path, "reference", **typo)
+    fresh, ids = kvhal.KVCache.from_snapshot(path, "reference", observe_window=8, capacity_tokens=256)
+    assert len(ids) == len(c.seqs) and fresh.observe_window == 8
 
 
 def test_restore_needs_free_blocks_not_contiguous_ones(saved):
