@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import formats
+from .. import formats, validate
 from ..backend import Backend
 from ..errors import (
     LlamaStateCorruptError,
@@ -116,7 +116,7 @@ class LlamaSeqState:
 
     def to_bytes(self, seq_id: int | None = None) -> bytes:
         """What ``llama_state_seq_get_data`` returns for this state (``llama_state_seq_set_data`` reads it)."""
-        sid = self.seq_id if seq_id is None else _int(seq_id, "seq_id")
+        sid = self.seq_id if seq_id is None else _int(seq_id, "seq_id", -(2**31), 2**31)
         return struct.pack("<Ii", IO_MAGIC, sid) + b"".join(_write_section(s) for s in self.sections)
 
     def to_file_bytes(self) -> bytes:
@@ -132,10 +132,19 @@ class LlamaSeqState:
         Path(_path(path)).write_bytes(self.to_file_bytes())
 
 
-def _int(x: Any, what: str) -> int:
-    if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_)):
+def _int(x: Any, what: str, lo: int | None = None, hi: int | None = None) -> int:
+    """An int; with ``lo``/``hi``, within ``[lo, hi)`` (the state's i32/u32 fields: struct.pack cannot write more)."""
+    if not validate.is_int(x):
         raise SpecError(f"{what} must be an int, got {type(x).__name__}")
+    if lo is not None and hi is not None and not lo <= x < hi:
+        raise SpecError(f"{what} must be in [{lo}, {hi}) (a llama.cpp state field), got {x}")
     return int(x)
+
+
+def _state(state: Any) -> LlamaSeqState:
+    if not isinstance(state, LlamaSeqState):
+        raise SpecError(f"state must be a LlamaSeqState (read_bytes/read_file), got {type(state).__name__}")
+    return state
 
 
 def _path(path: Any) -> str:
@@ -389,6 +398,7 @@ def spec_for(state: LlamaSeqState, *, kv_heads: int, llama_rotation: bool | None
     """The kvhal spec that holds ``state``'s bytes unchanged: its formats, ``kv_heads`` KV heads, and
     ``"hadamard-llama"`` on a quantized side when ``llama_rotation`` (llama.cpp rotates quantized K/V unless
     ``LLAMA_ATTN_ROT_DISABLE=1``; the state does not record it, so a quantized state needs True or False)."""
+    state = _state(state)
     kv_heads = _int(kv_heads, "kv_heads")
     if kv_heads <= 0:
         raise SpecError(f"kv_heads must be positive, got {kv_heads}")
@@ -452,10 +462,10 @@ def import_into(cache: Any, state: LlamaSeqState, *, llama_rotation: bool | None
     nothing: a failure frees the new sequence."""
     from ..cache import KVCache
 
+    tokens = None if tokens is None else validate.token_ids(tokens)  # a list of ints or an int array
     if not isinstance(cache, KVCache):
         raise SpecError(f"cache must be a kvhal.KVCache, got {type(cache).__name__}")
-    if not isinstance(state, LlamaSeqState):
-        raise SpecError(f"state must be a LlamaSeqState (read_bytes/read_file), got {type(state).__name__}")
+    state = _state(state)
     want = spec_for(
         state, kv_heads=cache.spec.n_kv_heads, llama_rotation=llama_rotation, block_size=cache.spec.block_size
     )
@@ -501,6 +511,7 @@ def import_state(
     state; ``model``: the fingerprint's model name (a snapshot of the cache names it)."""
     from ..cache import KVCache
 
+    tokens = None if tokens is None else validate.token_ids(tokens)  # before a cache is made
     if not isinstance(state, LlamaSeqState):
         state = read_bytes(state)
     if not isinstance(model, str):
@@ -530,9 +541,11 @@ def export_state(
         raise SpecError(f"cache must be a kvhal.KVCache, got {type(cache).__name__}")
     if not isinstance(v_trans, bool):
         raise SpecError(f"v_trans must be a bool, got {type(v_trans).__name__}")
-    seq_id, n_stream, stream = _int(seq_id, "seq_id"), _int(n_stream, "n_stream"), _int(stream, "stream")
-    if seq_id < 0 or n_stream < 1 or not 0 <= stream < n_stream:
-        raise SpecError(f"need seq_id >= 0 and 0 <= stream < n_stream, got {seq_id}, {stream}, {n_stream}")
+    # an i32 and a u32 in the state: refused here, not by struct.pack at to_bytes()
+    seq_id, n_stream = _int(seq_id, "seq_id", 0, 2**31), _int(n_stream, "n_stream", 1, 2**32)
+    stream = _int(stream, "stream")
+    if not 0 <= stream < n_stream:
+        raise SpecError(f"need 0 <= stream < n_stream, got stream {stream}, n_stream {n_stream}")
     spec = cache.resolved_spec
     for w in "kv":
         name, rot = getattr(spec, f"{w}_format"), getattr(spec, f"{w}_rotation")
@@ -575,6 +588,12 @@ def export_state(
 
 def check_model(state: LlamaSeqState, model: dict[str, Any]) -> None:
     """Raise ``LlamaStateMismatchError`` unless ``state`` has ``model``'s layers and K/V widths (``model_info``)."""
+    state = _state(state)
+    if not isinstance(model, dict):
+        raise SpecError(f"model must be the dict model_info returns, got {type(model).__name__}")
+    for key in ("n_layers", "n_kv_heads", "head_dim_k", "head_dim_v"):
+        if key in model and not validate.is_int(model[key]):
+            raise SpecError(f"model[{key!r}] must be an int (as model_info returns), got {model[key]!r}")
     try:
         _check_model(state, model)
     except KeyError as e:

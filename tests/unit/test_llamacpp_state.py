@@ -206,7 +206,24 @@ def test_bad_input_is_typed_and_nothing_half_imported() -> None:
         llamacpp.import_into(cache, llamacpp.read_bytes(data), llama_rotation=False)
     with pytest.raises(llamacpp.LlamaStateMismatchError):
         llamacpp.import_into(cache, llamacpp.read_file(file), llama_rotation=True, tokens=[1, 2])
+    with pytest.raises(kvhal.ShapeError, match="token_ids"):
+        llamacpp.import_into(cache, llamacpp.read_bytes(data), llama_rotation=True, tokens=5)
+    with pytest.raises(kvhal.ShapeError, match="token_ids"):
+        llamacpp.import_state(data, kv_heads=H, llama_rotation=True, backend="reference", tokens=5)
     assert (cache.seqs, cache.stats().blocks_used) == before
+    # token ids as an integer array are taken
+    c2, s2 = llamacpp.import_state(data, kv_heads=H, llama_rotation=True, backend="reference", tokens=np.arange(20))
+    assert c2.tokens(s2) == list(range(20))
+    # fields beyond the state's i32/u32 are refused at export, not by struct.pack at to_bytes()
+    for kw in ({"seq_id": 2**31}, {"n_stream": 2**32}, {"n_stream": 2**70}, {"seq_id": -1}):
+        with pytest.raises(kvhal.SpecError, match="must be in"):
+            llamacpp.export_state(c2, s2, **kw)
+    with pytest.raises(kvhal.SpecError, match="must be in"):
+        llamacpp.export_state(c2, s2).to_bytes(2**31)
+    with pytest.raises(kvhal.SpecError, match="LlamaSeqState"):
+        llamacpp.spec_for(None, kv_heads=2, llama_rotation=None)  # type: ignore[arg-type]
+    spec = llamacpp.spec_for(llamacpp.read_bytes(data), kv_heads=H, llama_rotation=True, block_size=np.int64(16))
+    assert spec.block_size == 16 and type(spec.block_size) is int
 
 
 def test_foreign_model_is_refused() -> None:
@@ -217,6 +234,11 @@ def test_foreign_model_is_refused() -> None:
     with pytest.raises(llamacpp.LlamaStateMismatchError, match="another model"):
         llamacpp.check_model(state, {**model, "n_layers": LAYERS, "n_kv_heads": 4})
     llamacpp.check_model(state, {**model, "n_layers": LAYERS})
+    for bad in (None, "m", 1):
+        with pytest.raises(kvhal.SpecError, match="model must be the dict"):
+            llamacpp.check_model(state, bad)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.SpecError, match="must be an int"):
+        llamacpp.check_model(state, {**model, "n_kv_heads": "2"})
 
 
 def test_sliding_window_sections() -> None:
