@@ -135,6 +135,8 @@ def register(fmt: Format) -> Format:
 def get(name: str | Format) -> Format:
     if isinstance(name, Format):
         return name
+    if not isinstance(name, str):  # a list or dict is not a name (nor hashable)
+        raise FormatError(f"a format is a name such as 'q8_0' or a kvhal.formats.Format, got {type(name).__name__}")
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -100,6 +100,8 @@ def test_values_beyond_fp16_rejected(name):
 def test_error_cases():
     with pytest.raises(kvhal.FormatError, match="known formats"):
         formats.get("q3_7")
+    with pytest.raises(kvhal.FormatError, match="name such as"):
+        formats.get(["q8_0"])  # type: ignore[arg-type]
     with pytest.raises(kvhal.FormatError, match="multiple"):
         formats.get("q8_0").quantize(np.ones((1, 40), np.float32))
     with pytest.raises(kvhal.FormatError, match="whole number"):
