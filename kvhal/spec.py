@@ -12,6 +12,7 @@ import numpy as np
 
 from . import formats
 from .errors import FormatError, SpecError
+from .validate import is_int
 
 # a cache scale: None (1.0), a positive finite float, one per KV head, one per KV head for each layer,
 # or "calibrate"
@@ -23,7 +24,10 @@ def _check_scale(name: str, value: object, n_layers: int, n_kv_heads: int) -> No
         # numbers.Real takes numpy's float32/int scalars too; a bool is not a scale
         if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
             return False
-        f = float(x)
+        try:
+            f = float(x)
+        except OverflowError:  # an int beyond float's range is not a finite scale
+            return False
         return math.isfinite(f) and f > 0
 
     if value is None or (isinstance(value, str) and value == "calibrate"):
@@ -93,14 +97,17 @@ class CacheSpec:
 
         for name in ("n_layers", "n_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise SpecError(f"CacheSpec.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.tail, int) or isinstance(self.tail, bool) or self.tail < 0:
+        if not is_int(self.tail) or self.tail < 0:
             raise SpecError(f"CacheSpec.tail must be an int >= 0 (tokens kept in f16), got {self.tail!r}")
-        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+        if not is_int(self.sinks) or self.sinks < 0:
             raise SpecError(
                 f"CacheSpec.sinks must be an int >= 0 (each sequence's first tokens kept in f16), got {self.sinks!r}"
             )
+        for name in ("n_layers", "n_kv_heads", "head_dim", "block_size", "tail", "sinks"):
+            # a numpy int is stored as the plain int it is: one spec, one hash, one fingerprint
+            object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
             if isinstance(value, list):  # a list would make the spec unhashable: take it as the tuple it means

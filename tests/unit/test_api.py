@@ -75,6 +75,17 @@ def test_spec_validation():
         kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=48, k_format="q8_0")
     with pytest.raises(kvhal.FormatError, match="known formats"):
         kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="q9")
+    for bad in (["q8_0"], {}):  # not a name: typed, not "unhashable"
+        with pytest.raises(kvhal.FormatError, match="name such as"):
+            kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=bad)
+    # numpy ints are ints, stored as plain ints (one spec, one hash); a bool is not
+    spec = kvhal.CacheSpec(np.int64(2), np.int32(2), np.int64(64), block_size=np.int64(16), tail=np.int64(0))
+    assert spec == kvhal.CacheSpec(2, 2, 64) and hash(spec) == hash(kvhal.CacheSpec(2, 2, 64))
+    assert all(type(getattr(spec, f)) is int for f in ("n_layers", "n_kv_heads", "head_dim", "block_size", "tail"))
+    with pytest.raises(kvhal.SpecError, match="n_layers"):
+        kvhal.CacheSpec(n_layers=True, n_kv_heads=1, head_dim=32)
+    with pytest.raises(kvhal.SpecError, match="k_scale"):
+        kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_scale=2**1100)  # beyond float: not OverflowError
     with pytest.raises(kvhal.SpecError, match="tail"):
         kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, tail=-4)
     with pytest.raises(kvhal.SpecError, match="capacity_tokens"):
