@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Callable
 
 from ..errors import TierError
-from .keys import BlockKey, Payload, check_payload
+from .keys import BlockKey, Payload, check_count, check_payload
 
 # CRC-32 (zlib's polynomial) of ``data``, continuing from ``value``: zlib-ng's (SIMD, an order of magnitude
 # faster) where installed, else zlib's, the same checksum. Bound directly, not wrapped: a wrapper's call costs
@@ -38,7 +38,7 @@ HEADER_SIZE = _HEADER.size
 
 def blob_size(payload_len: int) -> int:
     """Bytes a blob of a ``payload_len``-byte block takes (what a byte budget counts)."""
-    return HEADER_SIZE + payload_len
+    return HEADER_SIZE + check_count("payload_len", payload_len, minimum=0)  # a byte count: not True, -1 or 1.0
 
 
 def blob_header(key: BlockKey, payload: bytes | memoryview) -> bytes:

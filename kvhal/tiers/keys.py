@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import TierError
+from ..validate import is_int
 
 DIGEST_BYTES = 32  # sha256: the fingerprint digest and the block content hash
 
@@ -80,17 +81,22 @@ def check_payloads(payloads: object, n: int) -> list[bytes | memoryview]:
 
 
 def check_count(name: str, value: object, minimum: int = 1) -> int:
-    """A positive int argument (a bool is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A positive int argument (a bool is not a count; a numpy int is, stored as a plain int)."""
+    if not is_int(value):
         raise TierError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise TierError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    n = int(value)  # type: ignore[call-overload]  # is_int: an int or numpy int
+    if n < minimum:
+        raise TierError(f"{name} must be >= {minimum}, got {n}")
+    return n
 
 
 def check_seconds(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TierError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not value > 0 or value == float("inf"):
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond float's range (its thousand digits would drown the message)
+        raise TierError(f"{name} must be a finite number of seconds > 0, got an int beyond float's range") from None
+    if not seconds > 0 or seconds == float("inf"):
         raise TierError(f"{name} must be a finite number of seconds > 0, got {value}")
-    return float(value)
+    return seconds

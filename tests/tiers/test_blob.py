@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvhal
-from kvhal.tiers import HEADER_SIZE, BlockKey, decode_blob, encode_blob
+from kvhal.tiers import HEADER_SIZE, BlockKey, blob_size, decode_blob, encode_blob
 from kvhal.tiers.blob import payload_view
 
 from .conftest import NS, NS_B, key, payload, version1_blob
@@ -72,6 +72,10 @@ def test_bad_arguments_are_tier_errors():
         encode_blob(b"k" * 32, b"x")  # type: ignore[arg-type]
     with pytest.raises(kvhal.TierError, match="BlockKey"):
         decode_blob("k", b"x")  # type: ignore[arg-type]
+    for bad in (True, -1, 1.0, "1"):
+        with pytest.raises(kvhal.TierError, match="payload_len"):
+            blob_size(bad)  # type: ignore[arg-type]
+    assert blob_size(np.int64(5)) == HEADER_SIZE + 5 and type(blob_size(np.int64(5))) is int
 
 
 def test_block_key_validation():

@@ -109,6 +109,12 @@ def test_constructor_arguments(tmp_path: Path):
         DiskTier(123, 10)  # type: ignore[arg-type]
     with pytest.raises(kvhal.TierError, match="workers"):
         DiskTier(tmp_path, 10, workers=False)
+    with pytest.raises(kvhal.TierError, match="commit_s"):
+        DiskTier(tmp_path, 1 << 20, commit_s=2**2000)  # beyond float: a TierError, not OverflowError
+    # numpy ints are counts, held as plain ints
+    for t in (HostTier(np.int64(1 << 20)), DiskTier(tmp_path / "np", np.int64(1 << 20), workers=np.int64(2))):
+        assert t.put([key(1)], [payload(1)]) == [True] and t.get([key(1)]) == [payload(1)]
+        t.close()
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(kvhal.TierError, match="writable directory"):
         DiskTier(tmp_path / "file" / "sub", 10)

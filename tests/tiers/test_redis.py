@@ -215,7 +215,13 @@ def test_arguments_and_unreachable_server():
     ]:
         with pytest.raises(kvhal.TierError, match=match):
             RedisTier(bad)  # type: ignore[arg-type]
-    for kw in ({"socket_timeout": 0}, {"socket_timeout": True}, {"connect_timeout": float("nan")}, {"cluster": 1}):
+    for kw in (
+        {"socket_timeout": 0},
+        {"socket_timeout": True},
+        {"connect_timeout": float("nan")},
+        {"connect_timeout": 2**2000},  # beyond float: a TierError, not OverflowError
+        {"cluster": 1},
+    ):
         with pytest.raises(kvhal.TierError):
             RedisTier("redis://127.0.0.1:1", **kw)  # type: ignore[arg-type]
     with pytest.raises(kvhal.TierError, match="over TCP"):
