@@ -157,16 +157,21 @@ def queries(q: Any, head_dim: int, n_kv_heads: int, n_seqs: int, q_lens: Any) ->
 
 def attention_options(scale: Any, causal: Any, window: Any, observe: Any, head_dim: int) -> tuple[float, int | None]:
     """The call's scale (default ``1/sqrt(head_dim)``) and window, after checking all four."""
-    if window is not None and (not is_int(window) or window < 1):
-        raise ShapeError(f"window must be a positive int or None, got {window!r}")
+    # past END a window covers any sequence; refused there so no backend meets an int beyond int64
+    if window is not None and (not is_int(window) or not 1 <= window <= END):
+        raise ShapeError(f"window must be a positive int up to 2**62 (or None for no window), got {window!r}")
     check_bool(causal, "causal")
     check_bool(observe, "observe")
     if scale is None:
         return 1.0 / math.sqrt(head_dim), None if window is None else int(window)
+    try:
+        finite = math.isfinite(scale)
+    except (OverflowError, TypeError):  # an int beyond float's range; a non-number (refused below)
+        finite = False
     if (
         not isinstance(scale, (int, float, np.integer, np.floating))
         or isinstance(scale, (bool, np.bool_))
-        or not math.isfinite(scale)
+        or not finite
     ):
         raise ShapeError(f"scale must be a finite real number or None, got {scale!r}")
     return float(scale), None if window is None else int(window)

@@ -129,6 +129,9 @@ def test_validation_errors_change_nothing():
         (kvhal.ShapeError, lambda: c.attention(0, rows(2, heads=4), [s], [1])),
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [])),
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=0)),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=2**63)),  # not OverflowError
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=2**62 + 1)),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], scale=10**400)),  # beyond float
         (kvhal.PositionError, lambda: c.attention(1, rows(1, heads=4), [s])),  # layer 1 holds nothing yet
     ]
     for err, call in bad:
@@ -138,6 +141,13 @@ def test_validation_errors_change_nothing():
     assert c.stats() == snapshot[0]
     for p, k in zip(c.pools.k, snapshot[1]):
         np.testing.assert_array_equal(p, k)
+    # the largest window (2**62) covers the whole sequence on every backend: no window at all
+    for b in (b.name for b in kvhal.backends() if b.name in ("reference", "cpu") and b.available):
+        d = kvhal.KVCache(c.spec, 64, backend=b)
+        t = d.new_seq()
+        d.store(t, 0, rows(5), rows(5))
+        q = rows(1, heads=4, seed=3)
+        np.testing.assert_array_equal(d.attention(0, q, [t], window=2**62), d.attention(0, q, [t]))
 
 
 def test_float16_and_torch_inputs_through_dlpack():
