@@ -269,6 +269,11 @@ class ExpectedAttention(Policy):
                 raise SpecError(f"ExpectedAttention.{what} must be a bool, got {getattr(self, what)!r}")
         _real("ExpectedAttention.epsilon", self.epsilon)
         if self.queries is not None:
+            if not isinstance(self.queries, (tuple, list)):  # an int is not iterable, a str not pairs
+                raise SpecError(
+                    f"ExpectedAttention.queries must be one (mean, cov) pair per layer, as expected_queries returns "
+                    f"(or None), got {type(self.queries).__name__}"
+                )
             for i, pair in enumerate(self.queries):
                 ok = isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, np.ndarray) for x in pair)
                 if not ok or pair[0].ndim != 2 or pair[1].shape != (*pair[0].shape, pair[0].shape[1]):

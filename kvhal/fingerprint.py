@@ -87,6 +87,8 @@ class Fingerprint:
         _check_json(self.extra, "Fingerprint.extra")
 
     def as_dict(self, spec: CacheSpec | None = None) -> dict[str, Any]:
+        if spec is not None and not isinstance(spec, CacheSpec):
+            raise SpecError(f"spec must be a kvhal.CacheSpec or None, got {type(spec).__name__}")
         out: dict[str, Any] = {"format_version": FORMAT_VERSION, "model": self.model, "extra": dict(self.extra)}
         if spec is not None:
             d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}

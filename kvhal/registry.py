@@ -38,6 +38,8 @@ class BackendInfo:
 
     def refusal(self, spec: CacheSpec) -> str | None:
         """None when this backend would take ``spec`` for every op, else why not (probe reason included)."""
+        if not isinstance(spec, CacheSpec):
+            raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
         if not self.available or self.cls is None:
             return f"unavailable: {self.reason}"
         try:

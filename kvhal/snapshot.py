@@ -82,7 +82,15 @@ class SnapshotCache(Protocol):
     def adopt_side(self, side: Any, which: str = "k") -> None: ...
 
 
+def _check_cache(cache: Any) -> None:
+    from .cache import KVCache  # here, not at the top: cache.py imports this module
+
+    if not isinstance(cache, KVCache):
+        raise SnapshotError(f"cache must be a kvhal.KVCache, got {type(cache).__name__}")
+
+
 def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None:
+    _check_cache(cache)
     target = file_path(path)
     if target.is_dir():
         raise SnapshotError(f"{str(target)!r} is a directory; pass a file path, such as {str(target / 'cache.kvs')!r}")
@@ -162,6 +170,7 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
 
 
 def restore(cache: SnapshotCache, path: Any) -> list[int]:
+    _check_cache(cache)
     r = SnapshotReader(file_path(path))
     try:
         r.check_version()

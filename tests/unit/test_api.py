@@ -312,6 +312,8 @@ def test_supports_sees_the_spec_and_auto_moves_on(monkeypatch):
     info = {b.name: b for b in kvhal.backends()}
     assert info["smallheads"].refusal(big) == "head_dim 128 > 64" and info["smallheads"].refusal(small) is None
     assert "no such device here" in info["absent"].refusal(small)
+    with pytest.raises(kvhal.SpecError, match="CacheSpec"):
+        info["reference"].refusal(None)  # type: ignore[arg-type]
     from kvhal.tools.cli import info_data
 
     rows = {r["name"]: r for r in info_data(big)["backends"]}

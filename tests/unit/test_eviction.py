@@ -232,7 +232,8 @@ def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
             expected_queries(*bad)
     with pytest.raises(kvhal.SpecError, match="n_sink"):
         expected_queries(post, pos, inv_freq, n_sink=100)
-    for kw in ({"n_future": 0}, {"n_sink": -1}, {"covariance": 1}, {"epsilon": -1.0}, {"queries": ((mean,),)}):
+    bad_kw = ({"n_future": 0}, {"n_sink": -1}, {"covariance": 1}, {"epsilon": -1.0}, {"queries": ((mean,),)})
+    for kw in (*bad_kw, {"queries": 1}):  # an int, not pairs: typed, not "not iterable"
         with pytest.raises(kvhal.SpecError):
             ExpectedAttention(**kw)
     c, s, _, _ = filled(20)

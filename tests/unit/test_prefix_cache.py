@@ -65,6 +65,10 @@ def test_fingerprint_digest_is_canonical_and_covers_the_spec():
             kvhal.Fingerprint("m", extra=bad)
     with pytest.raises(kvhal.SpecError):
         kvhal.Fingerprint(3)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.SpecError, match="CacheSpec or None"):
+        fp.digest(1)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.SpecError, match="CacheSpec or None"):
+        fp.as_dict("x")  # type: ignore[arg-type]
 
 
 def test_hash_chain_equals_an_independent_computation():
