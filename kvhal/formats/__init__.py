@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, NonFiniteError
+from ..errors import DTypeError, FormatError, NonFiniteError, ShapeError
+from ..validate import is_int
 
 Quantizer = Callable[[np.ndarray], np.ndarray]
 
@@ -74,9 +76,11 @@ class Format:
     def row_bytes(self, n: int) -> int:
         """Bytes of one stored row of ``n`` values."""
         self.check_row_len(n)
-        return n // self.block_len * self.block_bytes
+        return int(n) // self.block_len * self.block_bytes
 
     def check_row_len(self, n: int) -> None:
+        if not is_int(n):  # "32" or 32.0 is not a row length (and would fail the arithmetic below untyped)
+            raise FormatError(f"a row length is an int number of values (head_dim), got {type(n).__name__} {n!r}")
         if n <= 0 or n % self.block_len:
             raise FormatError(
                 f"format {self.name} stores rows in blocks of {self.block_len} values; "
@@ -102,9 +106,19 @@ class Format:
                 "without overflowing to inf; clamp, rescale, or use a wider format (f32/bf16)"
             )
 
+    def _rows(self, x: Any, dtype: type, what: str) -> np.ndarray:
+        """``x`` as a contiguous array of ``dtype`` with at least one axis, or a typed error saying what to pass."""
+        try:
+            out: np.ndarray = np.ascontiguousarray(x, dtype=dtype)
+        except (TypeError, ValueError):  # None, "abc", ragged lists: not numbers
+            raise DTypeError(f"{what} (format {self.name}); got {type(x).__name__}") from None
+        if out.ndim == 0:
+            raise ShapeError(f"{what} (format {self.name}); got a scalar")
+        return out
+
     def quantize(self, x: np.ndarray) -> np.ndarray:
         """Quantize float rows ``[..., n]`` into bytes ``[..., row_bytes(n)]``; rejects non-finite input."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._rows(x, np.float32, "quantize takes float rows [..., n]")
         n = x.shape[-1]
         self.check_row_len(n)
         self.check_values(x)
@@ -114,7 +128,7 @@ class Format:
 
     def dequantize(self, q: np.ndarray) -> np.ndarray:
         """Dequantize bytes ``[..., row_bytes]`` into float32 rows ``[..., n]``."""
-        q = np.ascontiguousarray(q, dtype=np.uint8)
+        q = self._rows(q, np.uint8, "dequantize takes uint8 rows [..., row_bytes]")
         nb = q.shape[-1]
         if nb % self.block_bytes:
             raise FormatError(f"{nb} bytes is not a whole number of {self.name} blocks ({self.block_bytes} B each)")

@@ -106,6 +106,14 @@ def test_error_cases():
         formats.get("q8_0").quantize(np.ones((1, 40), np.float32))
     with pytest.raises(kvhal.FormatError, match="whole number"):
         formats.get("q8_0").dequantize(np.zeros((1, 35), np.uint8))
+    # not arrays of numbers, not ints: typed errors, not ValueError/TypeError from numpy
+    with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
+        formats.get("q8_0").quantize("abc")  # type: ignore[arg-type]
+    with pytest.raises(kvhal.DTypeError, match="dequantize takes uint8 rows"):
+        formats.get("q8_0").dequantize(None)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.FormatError, match="row length is an int"):
+        formats.get("q8_0").row_bytes("32")  # type: ignore[arg-type]
+    assert formats.get("q8_0").row_bytes(np.int64(64)) == 68
 
 
 def test_quantization_error_bounds():
