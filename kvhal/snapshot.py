@@ -98,6 +98,8 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
         raise SequenceError(f"seqs must be a list of sequence ids, got {type(ids).__name__}")
     objs = [cache.seq_table.resident(s, "save") for s in ids]
+    if len({id(o) for o in objs}) < len(objs):  # a restore would make two sequences of one
+        raise SequenceError(f"seqs names a sequence twice: {list(ids)}; list each once")
     if not target.parent.is_dir():
         raise SnapshotError(f"directory {str(target.parent)!r} does not exist; create it first")
     if cache.calibrating():

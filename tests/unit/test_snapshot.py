@@ -399,6 +399,9 @@ def test_save_onto_a_directory_and_dead_savers_temp_files(saved, tmp_path):
     path, c = saved
     with pytest.raises(kvhal.SnapshotError, match="is a directory"):
         c.save(tmp_path)
+    with pytest.raises(kvhal.SequenceError, match="twice"):  # a restore would make two sequences of it
+        c.save(tmp_path / "twice.kvs", seqs=[c.seqs[0], c.seqs[0]])
+    assert not (tmp_path / "twice.kvs").exists()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     dead_tmp = tmp_path / f".good.kvs.kvhal-{dead.pid}-00ff00ff.tmp"
