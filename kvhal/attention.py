@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ShapeError
+from .validate import END
 
 
 def visible_range(
@@ -94,5 +95,5 @@ class AttentionShape:
 
         if not (count(self.n_heads, 1) and count(self.max_q_len, 0) and isinstance(self.causal, (bool, np.bool_))):
             raise ShapeError(f"{self}: n_heads must be an int >= 1, max_q_len an int >= 0 and causal a bool")
-        if self.window is not None and not count(self.window, 1):
-            raise ShapeError(f"{self}: window must be a positive int or None")
+        if self.window is not None and not (count(self.window, 1) and self.window <= END):
+            raise ShapeError(f"{self}: window must be a positive int up to 2**62 or None")

@@ -360,7 +360,8 @@ def test_supports_sees_the_attention_shape():
     assert c.backend.supports(spec, "attention") is None and plain.backend.supports(spec, "attention") is None
     with pytest.raises(kvhal.SpecError, match="AttentionShape"):
         c.backend.supports(spec, "attention", (4, True, None, 1))
-    for bad in ({"n_heads": True}, {"n_heads": 0}, {"n_heads": 4, "window": 0}, {"n_heads": 4, "causal": 1}):
+    for bad in ({"n_heads": True}, {"n_heads": 0}, {"n_heads": 4, "window": 0}, {"n_heads": 4, "window": 2**62 + 1},
+                {"n_heads": 4, "causal": 1}):
         with pytest.raises(kvhal.ShapeError):
             kvhal.AttentionShape(**bad)
 
