@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..errors import TierError
 from .base import Tier
@@ -80,9 +81,15 @@ class RedisTier(Tier):
         from redis.retry import Retry
 
         try:
-            parse_url(url)  # type: ignore[no-untyped-call]
+            parsed = parse_url(url)  # type: ignore[no-untyped-call]
         except ValueError as e:
             raise TierError(f"url {url!r} is malformed: {e}") from e
+        # what redis-py lets pass: a db path that is not a number is dropped ("/abc") or run together ("/3/4")
+        path = urlsplit(url).path
+        if scheme == "unix" and "path" not in parsed:
+            raise TierError(f"url {url!r} names no socket; pass unix:///path/to/redis.sock")
+        if scheme != "unix" and path.strip("/") and not path[1:].isdigit():
+            raise TierError(f"url {url!r}: the path after host:port is a db number such as /0, not {path!r}")
         self.url = url
         self._redis = redis
         # one retry: the first command after a server restart meets a dead pooled connection, the retry reconnects

@@ -212,6 +212,9 @@ def test_arguments_and_unreachable_server():
         ("127.0.0.1:6379", "redis://, rediss:// or unix://"),
         (b"redis://x", "must be a str"),
         ("redis://127.0.0.1:port", "malformed"),
+        ("redis://127.0.0.1:1/abc", "db number"),  # redis-py would drop the db
+        ("redis://127.0.0.1:1/3/4", "db number"),  # ... or read it as db 34
+        ("unix://", "names no socket"),
     ]:
         with pytest.raises(kvhal.TierError, match=match):
             RedisTier(bad)  # type: ignore[arg-type]
