@@ -675,7 +675,7 @@ def add_parser(sub: Any) -> None:
     pe.add_argument(
         "--calibration", metavar="DIR", help="kltq rows read their side data from DIR (--calibrate on another run)"
     )
-    pe.add_argument("--no-limit", action="store_true", help="leave out the rate-distortion limit columns")
+    pe.add_argument("--no-limit", action="store_true", help="skip the rate-distortion limits (their columns show -)")
     pe.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
