@@ -97,7 +97,13 @@ class KVCache:
         self.fingerprint = fingerprint if fingerprint is not None else Fingerprint(model="")
         self.write_through = write_through
         self.backend = registry.resolve(backend, spec, allow_fallback, backend_options)
-        self.pools = self.backend.allocate(spec, self.n_blocks)
+        try:
+            self.pools = self.backend.allocate(spec, self.n_blocks)
+        except MemoryError as e:  # host pools numpy could not allocate (a device's own out-of-memory is its backend's)
+            raise CapacityError(
+                f"capacity_tokens={capacity_tokens} needs {self.n_blocks * spec.block_nbytes} bytes of pools, more than "
+                f"{self.backend.name} can allocate here ({e}); ask for less"
+            ) from None
         allocator = BlockAllocator(self.n_blocks, spec.block_size, reuse_cached=on_full != "raise")
         self.codec = Codec(spec)
         self.pools.side = self.codec.sides  # a kltq K format's side data, per layer, as the backend reads it

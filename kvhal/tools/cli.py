@@ -16,6 +16,7 @@ from ..errors import KVHalError, SpecError
 from ..registry import backends
 from ..spec import CacheSpec
 from . import convert, fidelity, plan
+from .output import output_path, write_json
 
 SPEC_DEFAULTS: dict[str, Any] = {"n_layers": 32, "n_kv_heads": 8, "head_dim": 128, "k_format": "f16", "v_format": "f16"}
 
@@ -28,15 +29,19 @@ def parse_spec(text: str) -> CacheSpec:
         if not sep or key not in CacheSpec.__dataclass_fields__:
             names = ", ".join(CacheSpec.__dataclass_fields__)
             raise SpecError(f"--spec item {item!r} is not FIELD=VALUE with a CacheSpec field ({names})")
-        fields[key] = value if key.endswith("_format") else _int_field(key, value)
+        fields[key] = _spec_field(key, value)
     return CacheSpec(**fields)
 
 
-def _int_field(key: str, value: str) -> int:
+def _spec_field(key: str, value: str) -> Any:
+    """A --spec value as the field takes it: names and paths as text, a scale as a number or "calibrate"."""
+    if key.endswith(("_format", "_rotation", "_side")) or value == "calibrate":
+        return value
     try:
-        return int(value)
+        return float(value) if key.endswith("_scale") else int(value)
     except ValueError:
-        raise SpecError(f"--spec {key}={value!r}: {key} takes an integer") from None
+        kind = 'a number or "calibrate"' if key.endswith("_scale") else "an integer"
+        raise SpecError(f"--spec {key}={value!r}: {key} takes {kind}") from None
 
 
 def _v_only(b: Any) -> dict[str, str]:
@@ -149,13 +154,26 @@ def _ints(text: str) -> list[int]:
     return [_positive(c.strip()) for c in text.split(",") if c.strip()]
 
 
+def _non_negative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+MAX_THREADS = 1024  # past this a pool is all thread start-up (100000 did not finish in 90 s)
+
+
 def _threads(text: str) -> list[int]:
     """A comma list of thread counts; 'all' is every core."""
     counts = [
         (os.cpu_count() or 1) if c.strip() == "all" else _positive(c.strip()) for c in text.split(",") if c.strip()
     ]
-    if not counts:
-        raise argparse.ArgumentTypeError("expected thread counts such as 1,2,all")
+    if not counts or max(counts) > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected thread counts from 1 to {MAX_THREADS} such as 1,2,all")
     return counts
 
 
@@ -223,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     pst.add_argument("--k-format", default="q8_0")
     pst.add_argument("--v-format", default="q4_0")
     pst.add_argument("--steps", type=_positive, default=2000)
-    pst.add_argument("--seed", type=int, default=0, help="replays a run exactly")
+    pst.add_argument("--seed", type=_non_negative, default=0, help="replays a run exactly")
     pst.add_argument("--capacity", type=_positive, default=512, help="capacity_tokens of the cache")
     pst.add_argument("--block-size", type=_positive, default=8)
     pst.add_argument(
@@ -292,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
             data = info_data(parse_spec(args.spec) if args.spec is not None else None)
             print(json.dumps(data, indent=2) if args.json else info_text(data))
             return 0
+        output_path(args.output)
+        _check_bench_options(args)
         if args.lifecycle:
             from . import bench_lifecycle
 
             backend = (args.backend or ["auto"])[0]
             fmt = (args.formats or ["q8_0"])[0]
             life = bench_lifecycle.run(backend, fmt, args.lifecycle_tokens, repeats=args.repeats)
-            if args.output:
-                with open(args.output, "w") as fh:
-                    json.dump(life, fh, indent=2)
+            write_json(args.output, life)
             print(json.dumps(life, indent=2) if args.json else bench_lifecycle.table(life))
             return 0
         if args.streaming:
@@ -315,9 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 repeats=args.repeats,
                 show_progress=not args.json,
             )
-            if args.output:
-                with open(args.output, "w") as fh:
-                    json.dump(res, fh, indent=2)
+            write_json(args.output, res)
             print(json.dumps(res, indent=2) if args.json else bench_streaming.table(res))
             return 0
         from . import bench
@@ -354,17 +370,33 @@ def main(argv: list[str] | None = None) -> int:
             prefill_queries=args.prefill_queries,
             threads=args.threads,
         )
-        if args.output:
-            with open(args.output, "w") as fh:
-                json.dump(result, fh, indent=2)
+        write_json(args.output, result)
         print(json.dumps(result, indent=2) if args.json else bench.table(result))
         return 0
     except KVHalError as e:
         print(f"kvhal: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # a size this machine cannot hold, found where it was allocated
+        print(f"kvhal: error: not enough memory for the sizes asked ({e}); ask for less", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `kvhal info | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _check_bench_options(args: argparse.Namespace) -> None:
+    """The bench's modes take one backend and format each; options of another mode are refused, not ignored."""
+    if args.lifecycle and args.streaming:
+        raise KVHalError("--lifecycle and --streaming are two runs: pass one")
+    mode = "--lifecycle" if args.lifecycle else "--streaming" if args.streaming else None
+    if mode:
+        for opt, value in (("--backend", args.backend), ("--format", args.formats)):
+            if value and len(value) > 1:
+                raise KVHalError(f"{mode} runs one backend and one format: {opt} given {len(value)} times")
+        if args.threads:
+            raise KVHalError(f"{mode} runs at the backend's default threads: drop --threads")
+    elif not args.contexts:
+        raise KVHalError("--contexts needs at least one context length, such as 4096")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from ..tiers.host import HostTier
 from ..tiers.keys import BlockKey
 from ..tiers.redis_tier import RedisTier
 from ..tiers.segments import RECORD_HEADER
+from .output import output_path, write_json
 from .tiers_server import RedisServer, redis_server_path
 
 TIERS = ("host", "disk", "redis")
@@ -397,14 +398,32 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_reachable(url: str) -> None:
+    """The bench measures a server: one that does not answer is an error here, not a tier of misses."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5).ping()
+    except (redis.RedisError, OSError, ValueError) as e:
+        raise KVHalError(f"--redis {url}: no Redis answers there ({e}); start one or pass --redis auto") from None
+
+
 def main(args: argparse.Namespace) -> int:
     tiers = list(dict.fromkeys(args.tier or TIERS))
     sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
+    total = parse_size(args.total)
+    if not sizes:
+        raise KVHalError("--block-sizes needs at least one size, such as 64K")
+    if total < max(sizes):
+        raise KVHalError(f"--total {args.total} is less than one block of {max(sizes)} bytes; move at least one")
     if args.batch < 1 or args.repeats < 1:
         raise KVHalError("--batch and --repeats must be >= 1")
+    output_path(args.output)
     disk_path = Path(args.disk_path or tempfile.gettempdir())
-    if not disk_path.is_dir():
-        raise KVHalError(f"--disk-path {disk_path} is not a directory; create it or pick another")
+    try:
+        tempfile.TemporaryDirectory(dir=disk_path).cleanup()  # what run() makes there (access() passes root)
+    except OSError:
+        raise KVHalError(f"--disk-path {disk_path} is not a writable directory; create it or pick another") from None
     if "redis" in tiers and (args.redis == "none" or (args.redis == "auto" and redis_server_path() is None)):
         why = (
             "--redis none" if args.redis == "none" else "--redis auto needs redis-server (apt-get install redis-server)"
@@ -417,8 +436,9 @@ def main(args: argparse.Namespace) -> int:
         tempfile.TemporaryDirectory(prefix="kvhal-redis-") as work,
         redis_url(args.redis if "redis" in tiers else "none", Path(work)) as url,
     ):
-        result = run(tiers, sizes, parse_size(args.total), args.batch, args.repeats, disk_path, url, not args.json)
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+        if url is not None and args.redis != "auto":
+            _check_reachable(url)
+        result = run(tiers, sizes, total, args.batch, args.repeats, disk_path, url, not args.json)
+    write_json(args.output, result)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0

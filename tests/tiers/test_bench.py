@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvhal.tools.cli import main
+from kvhal.tools.tiers_server import free_port
 
 from .conftest import require_redis
 
@@ -60,7 +61,18 @@ def test_bench_table_and_errors(tmp_path: Path):
         ["disk-nosync", "16K", "get", "read"]]
     bad = subprocess.run([*cmd[:-6], "--block-sizes", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "positive byte count" in bad.stderr
-    bad = subprocess.run([*cmd, "--disk-path", str(tmp_path / "nope")], capture_output=True, text=True)
-    assert bad.returncode == 2 and "not a directory" in bad.stderr
+    for extra, why in (
+        (["--disk-path", str(tmp_path / "nope")], "not a writable directory"),
+        (["--disk-path", "/proc"], "not a writable directory"),  # a directory no file can be made in
+        (["--block-sizes", ","], "at least one size"),
+        (["--total", "1K"], "less than one block"),
+        (["-o", str(tmp_path)], "is a directory"),
+        (["-o", str(tmp_path / "nope" / "x.json")], "does not exist"),
+    ):
+        bad = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+        assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, (extra, bad.stderr)
     bad = subprocess.run([*cmd, "--tier", "redis"], capture_output=True, text=True)  # with --redis none
     assert bad.returncode == 2 and "cannot bench the redis tier: --redis none" in bad.stderr
+    nobody = [*cmd[:-2], "--tier", "redis", "--redis", f"redis://127.0.0.1:{free_port()}"]  # nothing listens there
+    bad = subprocess.run(nobody, capture_output=True, text=True)
+    assert bad.returncode == 2 and "no Redis answers there" in bad.stderr and "Traceback" not in bad.stderr

@@ -393,6 +393,15 @@ def test_info_spec_cli(capsys):
     assert main(["info", "--spec", "head_dim=x"]) == 2
     assert "takes an integer" in capsys.readouterr().err
     assert main(["info", "--spec", "nope=1"]) == 2
+    capsys.readouterr()
+    # every CacheSpec field as it is written: rotations and formats by name, scales as numbers or "calibrate"
+    for text, field, want in (("k_format=q4_0,k_rotation=hadamard", "k_rotation", "hadamard"),
+                              ("k_format=fp8_e4m3,k_scale=0.5", "k_scale", 0.5),
+                              ("k_format=fp8_e4m3,k_scale=calibrate", "k_scale", "calibrate")):  # fmt: skip
+        assert main(["info", "--spec", text, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["spec"][field] == want
+    assert main(["info", "--spec", "k_scale=big"]) == 2
+    assert 'takes a number or "calibrate"' in capsys.readouterr().err
 
 
 def test_info_marks_formats_a_backend_runs_as_v_only():
@@ -559,3 +568,26 @@ def test_load_out_of_tail_sink_and_transformed_caches_is_the_f32_load_cast(backe
             c.load(s, 0, p0, p1, out=out, dtype=dtype)
             for o, w in zip(out, want):
                 np.testing.assert_array_equal(o.view(np.uint8), w.astype(np_dtype).view(np.uint8))
+
+
+ALLOC_LIMITED = """
+import resource, sys
+import kvhal
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # 3 GiB of address space for this process
+spec = kvhal.CacheSpec(4, 8, 128, "f16", "f16")  # 16 KiB per token
+try:
+    kvhal.KVCache(spec, 1 << 20, backend=sys.argv[1])  # 16 GiB of pools
+except kvhal.CapacityError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_pools_the_machine_cannot_allocate_are_a_capacity_error(backend):
+    """Past what the process may map, the cache refuses with a CapacityError that names the bytes, not numpy's
+    MemoryError or mmap's OSError (a real allocation under a real address-space limit)."""
+    if backend not in [b.name for b in kvhal.backends() if b.available]:
+        pytest.skip(f"{backend} is not installed here")
+    out = subprocess.run([sys.executable, "-c", ALLOC_LIMITED, backend], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("refused: capacity_tokens=1048576 needs 17179869184 bytes"), out.stdout

@@ -169,7 +169,8 @@ def test_cli_no_prefill(capsys):
     "args, message",
     [
         (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
-        (["--threads", ","], "argument --threads: expected thread counts such as 1,2,all"),
+        (["--threads", ","], "argument --threads: expected thread counts from 1 to 1024 such as 1,2,all"),
+        (["--threads", "100000"], "argument --threads: expected thread counts from 1 to 1024"),
         (["--contexts", "4k"], "argument --contexts: expected a positive integer, got '4k'"),
         (["--repeats", "-1"], "argument --repeats: expected a positive integer, got '-1'"),
     ],
@@ -179,6 +180,24 @@ def test_cli_bench_rejects_bad_numbers(args, message, capsys):
         main(["bench", "--backend", "reference", *args])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lifecycle", "--streaming"], "--lifecycle and --streaming are two runs"),
+        (["--lifecycle", "--format", "q8_0"], "--format given 2 times"),
+        (["--streaming", "--threads", "1"], "drop --threads"),
+        (["--contexts", ","], "--contexts needs at least one context length"),
+        (["-o", "."], "is a directory"),
+        (["-o", "no/such/dir/x.json"], "does not exist"),
+    ],
+)
+def test_cli_bench_refuses_what_it_would_ignore_or_fail_on_late(args, message, capsys):
+    """Checked before any figure is taken: one line, exit 2, no traceback after minutes of work."""
+    assert main(["bench", "--backend", "reference", "--format", "f16", "--contexts", "32", "--no-sdpa", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_prefill_shorter_than_its_queries_is_a_clear_error(capsys):

@@ -119,7 +119,10 @@ def _zeros(shape: tuple[int, ...]) -> np.ndarray:
     n = int(np.prod(shape))
     if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return np.zeros(shape, np.uint8)
-    buf = mmap.mmap(-1, n + _HUGE)  # anonymous, zero-filled; extra room to start on a 2 MiB boundary
+    try:
+        buf = mmap.mmap(-1, n + _HUGE)  # anonymous, zero-filled; extra room to start on a 2 MiB boundary
+    except OSError as e:  # ENOMEM: what numpy reports as MemoryError (the cache says so as a CapacityError)
+        raise MemoryError(f"cannot map {n} bytes: {e.strerror}") from None
     base = np.frombuffer(buf, np.uint8)
     start = (-base.ctypes.data) % _HUGE
     try:
