@@ -33,6 +33,7 @@ from ..cache import KVCache
 from ..errors import CapacityError, KVHalError
 from ..eviction import EvictionResult, EvictOnFull, SinkWindow
 from ..fingerprint import Fingerprint
+from ..formats.ggml import round_f16
 from ..progress import progress
 from ..spec import CacheSpec
 
@@ -83,37 +84,103 @@ def rows(tokens: list[int], start: int, layer: int, heads: int, dim: int) -> tup
 
 
 class _Audit:
-    """The expected state: per sequence its tokens and, per layer, the quantized bytes of every row."""
+    """The expected state: per sequence its tokens and, per layer, the quantized bytes of every row.
+
+    A cache with an f16 tail (``spec.uses_tail``: a per-channel K format such as kivi4, whose K page is quantized
+    once, when its last token arrives) keeps the newest tokens in f16 and only whole blocks in its pages: a
+    sequence of ``n`` tokens holds ``paged(n)`` of them in ``paged(n) / block_size`` blocks
+    (``TailStore.paged_after``). There the audit keeps each row's f16 value instead (what the cache quantizes a
+    page from), derives the pages' bytes from them (per-channel K pages with the format's page codec), checks the
+    tail's rows through ``load``, and follows the cache's documented relayout rules when an eviction moves rows
+    (``TailStore.keep_rows``)."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.spec = cache.spec
-        self.k: dict[int, list[np.ndarray]] = {}  # seq -> per layer uint8 [n, H, k_row_bytes]
+        self.tailed = self.spec.uses_tail
+        # seq -> per layer uint8 [n, H, k_row_bytes] (with a tail: f32 [n, H, D] holding f16 values)
+        self.k: dict[int, list[np.ndarray]] = {}
         self.v: dict[int, list[np.ndarray]] = {}
         self.toks: dict[int, list[int]] = {}
         self.freed: list[list[int]] = []  # token ids of the last sequences freed (prompts that come back)
+
+    def paged(self, n: int) -> int:
+        """Tokens of a sequence of ``n`` that the cache holds in its pages (all of them without a tail)."""
+        if not self.tailed:
+            return n
+        return max(0, n - self.spec.tail) // self.spec.block_size * self.spec.block_size
+
+    def _rows(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        spec = self.spec
+        if self.tailed:
+            return round_f16(k), round_f16(v)
+        return spec.k_fmt.quantize(k), spec.v_fmt.quantize(v)
 
     def add(self, s: int, tokens: list[int]) -> None:
         spec = self.spec
         self.toks[s] = list(tokens)
         self.k[s], self.v[s] = [], []
         for layer in range(spec.n_layers):
-            k, v = rows(tokens, 0, layer, spec.n_kv_heads, spec.head_dim)
-            self.k[s].append(spec.k_fmt.quantize(k))
-            self.v[s].append(spec.v_fmt.quantize(v))
+            k, v = self._rows(*rows(tokens, 0, layer, spec.n_kv_heads, spec.head_dim))
+            self.k[s].append(k)
+            self.v[s].append(v)
 
     def extend(self, s: int, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.k[s][layer] = np.concatenate([self.k[s][layer], self.spec.k_fmt.quantize(k)])
-        self.v[s][layer] = np.concatenate([self.v[s][layer], self.spec.v_fmt.quantize(v)])
+        k, v = self._rows(k, v)
+        self.k[s][layer] = np.concatenate([self.k[s][layer], k])
+        self.v[s][layer] = np.concatenate([self.v[s][layer], v])
 
     def select(self, s: int, t: int, idx: np.ndarray, tail: bool = True) -> None:
         """Sequence ``t`` now holds ``s``'s positions ``idx`` (ascending; a layer keeps those it has).
         ``tail``: token ids appended past the stored rows stay, after the kept ones (not for a copy)."""
         n = max(len(x) for x in self.k[s])
         toks = self.toks[s]
-        self.k[t] = [x[idx[idx < len(x)]] for x in self.k[s]]
-        self.v[t] = [x[idx[idx < len(x)]] for x in self.v[s]]
+        if self.tailed:
+            kv = [self._relaid(k, v, idx[idx < len(k)]) for k, v in zip(self.k[s], self.v[s])]
+            self.k[t], self.v[t] = [k for k, _ in kv], [v for _, v in kv]
+        else:
+            self.k[t] = [x[idx[idx < len(x)]] for x in self.k[s]]
+            self.v[t] = [x[idx[idx < len(x)]] for x in self.v[s]]
         self.toks[t] = [toks[i] for i in idx.tolist() if i < len(toks)] + (toks[n:] if tail else [])
+
+    def _k_pages(self, k: np.ndarray) -> np.ndarray:
+        """The per-channel K pages of f16 rows ``k`` [whole pages * bs, H, D]: uint8 [pages, H, page bytes]."""
+        spec, bs = self.spec, self.spec.block_size
+        assert spec.k_fmt.k_page is not None
+        n, H, D = k.shape
+        x = np.ascontiguousarray(k.reshape(n // bs, bs, H, D).transpose(0, 2, 1, 3)).reshape(-1, bs, D)
+        return spec.k_fmt.k_page.quantize_page(x).reshape(n // bs, H, -1)
+
+    def _relaid(self, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's f16 rows after the cache keeps old positions ``idx`` at 0.. (``TailStore.keep_rows``): a
+        row that stays in the pages keeps its bytes (a per-channel K page: only when it moves whole to a page
+        boundary), a page row that leaves them is its dequantized value rounded to f16, a tail row its f16 value."""
+        spec, bs = self.spec, self.spec.block_size
+        P, new_p = self.paged(len(k)), self.paged(len(idx))
+        from_page = idx < P
+        deq_v = round_f16(spec.v_fmt.dequantize(spec.v_fmt.quantize(v[:P]))) if P else v[:0]
+        nv = v[idx].copy()
+        moved = from_page & (np.arange(len(idx)) >= new_p)  # page rows now in the tail
+        nv[moved] = deq_v[idx[moved]]
+        codec = spec.k_fmt.k_page
+        nk = k[idx].copy()
+        if codec is None:
+            deq_k = round_f16(spec.k_fmt.dequantize(spec.k_fmt.quantize(k[:P]))) if P else k[:0]
+            nk[moved] = deq_k[idx[moved]]
+            return nk, nv
+        H, D = k.shape[1:]
+        deq_k = k[:0]
+        if P:
+            pages = self._k_pages(k[:P]).reshape(P // bs * H, -1)
+            x = codec.dequantize_page(pages, bs).reshape(P // bs, H, bs, D)
+            deq_k = round_f16(np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(P, H, D))
+        keep = ~from_page  # tail rows keep their f16 values
+        for first in range(0, new_p, bs):  # pages that move whole to a page boundary keep their bytes
+            src = idx[first : first + bs]
+            if src[0] % bs == 0 and src[-1] < P and np.array_equal(src, src[0] + np.arange(bs)):
+                keep[first : first + bs] = True
+        nk[~keep] = deq_k[idx[~keep]]
+        return nk, nv
 
     def drop(self, s: int) -> None:
         del self.k[s], self.v[s], self.toks[s]
@@ -132,32 +199,69 @@ class _Audit:
         expected_tokens = sum(max(x.shape[0] for x in self.k[s]) for s in self.k)
         if st.tokens != expected_tokens:
             return f"accounting: stats says {st.tokens} tokens, the sequences hold {expected_tokens}"
-        if not held:
-            return ""
-        ids = np.unique(held)
-        raw = c.backend.read_blocks(c.pools, ids)
-        where = {int(b): i for i, b in enumerate(ids.tolist())}
         kb, vb = spec.page_nbytes("k"), spec.page_nbytes("v")
         bs = spec.block_size
+        ids = np.unique(held) if held else np.zeros(0, np.int64)
+        raw = c.backend.read_blocks(c.pools, ids) if held else None
+        where = {int(b): i for i, b in enumerate(ids.tolist())}
         for s in c.seqs:
             blocks = c.block_ids(s)
-            if len(blocks) != math.ceil(max(x.shape[0] for x in self.k[s]) / bs):
-                return f"sequence {s}: {len(blocks)} pages for {max(x.shape[0] for x in self.k[s])} tokens"
+            n = max(x.shape[0] for x in self.k[s])
+            # whole blocks of the tokens in the pages (a tail keeps the rest in f16)
+            want_pages = max(math.ceil(self.paged(len(x)) / bs) for x in self.k[s])
+            if len(blocks) != want_pages:
+                return f"sequence {s}: {len(blocks)} pages for {n} tokens ({want_pages} expected)"
             if c.tokens(s) != self.toks[s]:
                 return f"sequence {s}: token ids differ from those appended"
             rows_idx = np.array([where[b] for b in blocks], np.int64)
             for layer in range(spec.n_layers):
-                at = layer * (kb + vb)
-                for which, off, rb, want in (
-                    ("K", at, spec.k_row_bytes, self.k[s][layer]),
-                    ("V", at + kb, spec.v_row_bytes, self.v[s][layer]),
-                ):
-                    width = spec.n_kv_heads * bs * rb
-                    pages = raw[rows_idx, off : off + width].reshape(len(blocks), spec.n_kv_heads, bs, rb)
-                    got = pages.transpose(0, 2, 1, 3).reshape(len(blocks) * bs, spec.n_kv_heads, rb)[: len(want)]
+                why = self._check_layer(s, layer, raw, rows_idx, layer * (kb + vb), kb)
+                if why:
+                    return why
+        return ""
+
+    def _check_layer(self, s: int, layer: int, raw: Any, rows_idx: np.ndarray, at: int, kb: int) -> str:
+        c, spec, bs = self.cache, self.spec, self.spec.block_size
+        kx, vx = self.k[s][layer], self.v[s][layer]
+        P = self.paged(len(kx))
+        if not self.tailed:
+            want_k, want_v = kx, vx
+        else:
+            want_k = kx[:P] if spec.k_paged else spec.k_fmt.quantize(kx[:P])
+            want_v = spec.v_fmt.quantize(vx[:P])
+            if len(kx) > P:  # the f16 tail: its rows exactly
+                k, v = (np.asarray(c.backend.to_numpy(x), np.float32) for x in c.load(s, layer, P, len(kx)))
+                for which, got, want in (("K", k, kx[P:]), ("V", v, vx[P:])):
                     bad = np.flatnonzero((got != want).any(axis=(1, 2)))
                     if bad.size:
-                        return f"sequence {s} layer {layer} {which}: {bad.size} token(s) differ, first at position {bad[0]}"
+                        return (
+                            f"sequence {s} layer {layer} {which}: {bad.size} token(s) differ, first at position "
+                            f"{P + bad[0]} (f16 tail)"
+                        )
+        H = spec.n_kv_heads
+        nb = math.ceil(len(want_k) / bs)
+        if not nb:
+            return ""
+        idx = rows_idx[:nb]
+        for which, off, rb, want in (
+            ("K", at, spec.k_row_bytes, want_k),
+            ("V", at + kb, spec.v_row_bytes, want_v),
+        ):
+            width = H * bs * rb
+            pages = raw[idx, off : off + width].reshape(nb, H, bs, rb)
+            if which == "K" and self.tailed and spec.k_paged:  # per-channel pages: compare page by page
+                got_p, want_p = pages.reshape(nb, H, bs * rb), self._k_pages(want)
+                bad = np.flatnonzero((got_p != want_p).any(axis=(1, 2)))
+                if bad.size:
+                    return (
+                        f"sequence {s} layer {layer} K: {bad.size * bs} token(s) differ, first at position "
+                        f"{bad[0] * bs} (a per-channel page)"
+                    )
+                continue
+            got = pages.transpose(0, 2, 1, 3).reshape(nb * bs, H, rb)[: len(want)]
+            bad = np.flatnonzero((got != want).any(axis=(1, 2)))
+            if bad.size:
+                return f"sequence {s} layer {layer} {which}: {bad.size} token(s) differ, first at position {bad[0]}"
         return ""
 
 
@@ -179,6 +283,18 @@ def run(
     names = _tier_names(tiers)
     if faults and not names:
         raise KVHalError("--faults injects tier faults: name the tiers too, e.g. --tiers host,disk,redis")
+    replay = _replay_args(
+        backend=backend,
+        k_format=k_format,
+        v_format=v_format,
+        capacity_tokens=capacity_tokens,
+        block_size=block_size,
+        n_layers=n_layers,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        tiers=",".join(names),
+        faults=faults,
+    )
     with ExitStack() as stack:
         audited = _make_tiers(names, stack)
         return _run(
@@ -195,7 +311,41 @@ def run(
             show_progress,
             audited,
             faults,
+            replay,
         )
+
+
+# run()'s options and the kvhal stress flag of each (None: run() only); a replay repeats those not at their default
+_REPLAY_FLAGS: dict[str, tuple[str | None, Any]] = {
+    "backend": ("--backend", "reference"),
+    "k_format": ("--k-format", "q8_0"),
+    "v_format": ("--v-format", "q4_0"),
+    "capacity_tokens": ("--capacity", 512),
+    "block_size": ("--block-size", 8),
+    "tiers": ("--tiers", ""),
+    "faults": ("--faults", False),
+    "n_layers": (None, 2),
+    "n_kv_heads": (None, 2),
+    "head_dim": (None, 32),
+}
+
+
+def _replay_args(**options: Any) -> str:
+    """The options of a run that differ from their defaults, as ``kvhal stress`` flags (run()-only ones, which the
+    command line does not take, as ``stress.run`` keywords after it)."""
+    flags, kwargs = [], []
+    for name, value in options.items():
+        flag, default = _REPLAY_FLAGS[name]
+        if value == default:
+            continue
+        if flag is None:
+            kwargs.append(f"{name}={value!r}")
+        elif isinstance(value, bool):
+            flags.append(flag)
+        else:
+            flags.append(f"{flag} {value}")
+    out = "".join(f" {f}" for f in flags)
+    return out + (f"; with kvhal.tools.stress.run({', '.join(kwargs)})" if kwargs else "")
 
 
 def _run(
@@ -212,6 +362,7 @@ def _run(
     show_progress: bool,
     audited: list[Any],
     faults: bool,
+    replay: str = "",
 ) -> StressReport:
     spec = CacheSpec(
         n_layers=n_layers,
@@ -267,7 +418,7 @@ def _run(
             rep.lost_to_rounding_at_peak = _empty_slots(cache)
         rep.steps_run = step + 1
         if why:
-            rep.failure = f"step {step} (replay: kvhal stress --seed {seed} --steps {step + 1}): {why}"
+            rep.failure = f"step {step} (replay: kvhal stress --seed {seed} --steps {step + 1}{replay}): {why}"
             rep.tokens_lost = max(1, _count_lost(why))
             break
     st = cache.stats()
@@ -445,12 +596,17 @@ def _step(cache: KVCache, audit: _Audit, rng: np.random.Generator, op: str, live
         try:
             _store(cache, audit, t, tokens[m:], m, spec)
         except CapacityError:
-            cache.free_seq(t)  # the request is refused as a whole
-            audit.drop(t)
+            if t in audit.toks:  # the request is refused as a whole
+                cache.free_seq(t)
+                audit.drop(t)
             raise
     elif op == "append":
         n = int(rng.integers(1, 2 * spec.block_size))
         _store(cache, audit, s, rng.integers(0, VOCAB, n).tolist(), len(audit.toks[s]), spec)
+    elif op == "fork" and audit.tailed:  # the cache copies only a whole sequence with an f16 tail
+        n = max(x.shape[0] for x in audit.k[s])
+        t = cache.seq_cp(s, 0, -1)
+        audit.select(s, t, np.arange(n), tail=False)
     elif op == "fork":
         n = max(x.shape[0] for x in audit.k[s])
         lo = (
@@ -463,8 +619,11 @@ def _step(cache: KVCache, audit: _Audit, rng: np.random.Generator, op: str, live
         audit.select(s, t, np.arange(lo, hi), tail=False)
     elif op == "remove":
         n = max(x.shape[0] for x in audit.k[s])
-        lo = int(rng.integers(0, n + 1))
-        hi = int(rng.integers(lo, n + 1))
+        if audit.tailed:  # with an f16 tail the cache removes only a suffix within the tail
+            lo, hi = int(rng.integers(max(audit.paged(len(x)) for x in audit.k[s]), n + 1)), n
+        else:
+            lo = int(rng.integers(0, n + 1))
+            hi = int(rng.integers(lo, n + 1))
         cache.seq_rm(s, lo, hi)
         audit.select(s, s, np.r_[np.arange(lo), np.arange(hi, n)])
     elif op == "evict":
@@ -504,6 +663,11 @@ def _store(cache: KVCache, audit: _Audit, s: int, tokens: list[int], start: int,
     except CapacityError:
         # as an engine would: roll the step back to the positions every layer holds, token ids included
         keep = min(cache.seq_len(s, layer) for layer in range(spec.n_layers))
+        if audit.tailed and keep < max(audit.paged(len(x)) for x in audit.k[s]):
+            # with an f16 tail, quantized pages cannot be removed back: the engine drops the request instead
+            cache.free_seq(s)
+            audit.drop(s)
+            raise
         cache.seq_rm(s, keep, -1)
         audit.select(s, s, np.arange(keep), tail=False)
         raise
