@@ -128,8 +128,14 @@ class LlamaSeqState:
         return head + b"".join(_write_section(s) for s in self.sections)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the state as a sequence-state file (``.ggsq``)."""
-        Path(_path(path)).write_bytes(self.to_file_bytes())
+        """Write the state as a sequence-state file (``.ggsq``). A path that cannot be written (a directory, a
+        missing directory, no permission) is a ``LlamaStateError``."""
+        target = Path(_path(path))
+        data = self.to_file_bytes()
+        try:
+            target.write_bytes(data)
+        except OSError as e:
+            raise LlamaStateError(f"cannot write {str(target)!r}: {e.strerror or e}") from None
 
 
 def _int(x: Any, what: str, lo: int | None = None, hi: int | None = None) -> int:

@@ -42,11 +42,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--v-layout",
         choices=("rows", "transposed"),
-        default="rows",
+        default=None,
         help="V as llama.cpp holds it (.kvs -> .ggsq): rows with flash attention (default, llama.cpp's default "
         "on CPU), transposed without (f16/f32/bf16 only)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per kvhal page (.ggsq -> .kvs; default 16)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per kvhal page (.ggsq -> .kvs; default 16)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -59,6 +59,35 @@ def _kind(path: str) -> str:
     return kind
 
 
+def _check_output(path: str) -> None:
+    """OUT must be a file path in an existing directory: checked before anything is converted."""
+    target = Path(path)
+    if target.is_dir():
+        raise SpecError(
+            f"OUT {path!r} is a directory; pass a file path, such as {str(target / ('out' + target.suffix))!r}"
+        )
+    if not target.parent.is_dir():
+        raise SpecError(f"OUT {path!r}: directory {str(target.parent)!r} does not exist; create it first")
+
+
+def _check_options(args: argparse.Namespace, src: str) -> None:
+    """Refuse the options that do not apply to this direction (they would be ignored), and bad values."""
+    given = {
+        "--v-layout": args.v_layout is not None,
+        "--block-size": args.block_size is not None,
+    }
+    other = {"llama.cpp": ["--v-layout"], "kvhal": ["--block-size"]}[src]
+    wrong = [flag for flag in other if given[flag]]
+    if wrong:
+        direction = ".ggsq -> .kvs" if src == "llama.cpp" else ".kvs -> .ggsq"
+        applies = ".kvs -> .ggsq" if src == "llama.cpp" else ".ggsq -> .kvs"
+        raise SpecError(f"{' and '.join(wrong)} applies to {applies} only, not to this {direction} conversion")
+    if args.kv_heads is not None and args.kv_heads <= 0:
+        raise SpecError(f"--kv-heads must be a positive number of KV heads, got {args.kv_heads}")
+    if args.block_size is not None and args.block_size <= 0:
+        raise SpecError(f"--block-size must be a positive number of tokens, got {args.block_size}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..cache import KVCache
     from ..interop import llamacpp
@@ -68,6 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SpecError(f"IN and OUT are both {src} files; convert moves between .ggsq and .kvs")
     if not Path(args.input).is_file():
         raise SpecError(f"{args.input!r} does not exist")
+    _check_options(args, src)
+    _check_output(args.output)
     rotation = None if args.llama_rotation is None else args.llama_rotation == "on"
     model = llamacpp.model_info(args.model) if args.model else None
     t0 = time.perf_counter()
@@ -83,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kv_heads=kv_heads,
             llama_rotation=rotation,
             backend="reference",
-            block_size=args.block_size,
+            block_size=16 if args.block_size is None else args.block_size,
             model=model["fingerprint"] if model is not None else "",
         )
         cache.save(args.output, [seq])
@@ -93,6 +124,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if len(seqs) != 1:
             raise SpecError(f"{args.input!r} holds {len(seqs)} sequences; a .ggsq file holds one")
         spec = cache.spec
+        if args.kv_heads is not None and args.kv_heads != spec.n_kv_heads:
+            raise SpecError(
+                f"--kv-heads {args.kv_heads}, but the snapshot {args.input!r} holds {spec.n_kv_heads} KV heads: it "
+                "is another model's cache (or drop --kv-heads: a .kvs file knows its heads)"
+            )
         if rotation is not None:
             rotated = any(r == "hadamard-llama" for r in (spec.k_rotation, spec.v_rotation))
             quantized = any(f not in llamacpp.PLAIN for f in (spec.k_format, spec.v_format))

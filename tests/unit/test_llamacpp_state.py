@@ -309,3 +309,42 @@ def test_convert_cli_both_ways_with_tokens(tmp_path: Path, capsys: pytest.Captur
     other = kvhal.KVCache(kvhal.CacheSpec(3, H, D, "q8_0", "q8_0"), 256, "reference", fingerprint=cache.fingerprint)
     with pytest.raises(kvhal.FingerprintMismatchError):
         other.restore(kvs)
+
+
+def test_convert_cli_refuses_bad_outputs_and_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = make(20, "f16", "f16", layers=2)
+    ggsq, kvs = tmp_path / "a.ggsq", tmp_path / "a.kvs"
+    ggsq.write_bytes(as_file(section(rows, "f16", "f16"), list(range(20))))
+    assert main(["convert", str(ggsq), str(kvs), "--kv-heads", "2"]) == 0
+    capsys.readouterr()
+    (tmp_path / "d.ggsq").mkdir()
+    (tmp_path / "d.kvs").mkdir()
+    missing = str(tmp_path / "no" / "x")
+    bad = {
+        (str(kvs), missing + ".ggsq"): "does not exist; create it first",
+        (str(kvs), str(tmp_path / "d.ggsq")): "is a directory",
+        (str(ggsq), missing + ".kvs", "--kv-heads", "2"): "does not exist; create it first",
+        (str(ggsq), str(tmp_path / "d.kvs"), "--kv-heads", "2"): "is a directory",
+        (str(kvs), str(tmp_path / "o.ggsq"), "--kv-heads", "4"): "holds 2 KV heads",
+        (str(kvs), str(tmp_path / "o.ggsq"), "--kv-heads", "0"): "--kv-heads must be a positive",
+        (str(ggsq), str(tmp_path / "o.kvs"), "--kv-heads", "0"): "--kv-heads must be a positive",
+        (str(ggsq), str(tmp_path / "o.kvs"), "--kv-heads", "2", "--v-layout", "transposed"): "--v-layout applies to",
+        (str(kvs), str(tmp_path / "o.ggsq"), "--block-size", "8"): "--block-size applies to",
+        (str(ggsq), str(tmp_path / "o.kvs"), "--kv-heads", "2", "--block-size", "0"): "--block-size must be",
+    }
+    for argv, why in bad.items():
+        assert main(["convert", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert not (tmp_path / "o.ggsq").exists() and not (tmp_path / "o.kvs").exists()
+    # the options of each direction still work: the heads it holds, V transposed, another block size
+    out = tmp_path / "o.ggsq"
+    assert main(["convert", str(kvs), str(out), "--kv-heads", "2", "--v-layout", "transposed"]) == 0
+    assert llamacpp.read_file(out).sections[0].v_trans
+    assert main(["convert", str(ggsq), str(tmp_path / "o.kvs"), "--kv-heads", "2", "--block-size", "8"]) == 0
+    # the API: an unwritable path is a typed error, not an OSError
+    state = llamacpp.read_file(ggsq)
+    with pytest.raises(llamacpp.LlamaStateError, match="cannot write"):
+        state.save(tmp_path / "d.ggsq")
+    with pytest.raises(llamacpp.LlamaStateError, match="cannot write"):
+        state.save(missing + ".ggsq")
