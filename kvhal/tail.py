@@ -67,7 +67,8 @@ class TailStore:
         """seq_rm with a tail: a suffix that lies in the tail only (its rows are dropped there)."""
         paged = max(s.pages(), default=0)
         n = max(s.lens, default=0)
-        if lo >= n:
+        if lo >= n:  # past every stored row: only token ids recorded ahead of their rows go, as without a tail
+            del s.tokens[lo:hi]
             return
         if hi < n or lo < paged:
             raise UnsupportedError(

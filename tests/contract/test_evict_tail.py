@@ -359,3 +359,21 @@ def test_a_store_that_does_not_fit_leaves_sinks_and_tail_as_they_were(backend_in
         assert all(np.array_equal(a, b) for a, b in zip(before, after)) and c.seq_len(s) == first
         c.store(s, 0, k[first:], v[first:])
         np.testing.assert_array_equal(c.load(s, 0)[0][:4], np.float16(k[:4]).astype(np.float32))  # the f16 sinks
+
+
+@pytest.mark.parametrize("tail", [0, 12])
+def test_seq_rm_past_the_stored_rows_drops_the_token_ids_recorded_ahead(backend_info, tail):
+    """An engine records a step's token ids, its store is refused, it rolls back with seq_rm(s, n, -1): the ids
+    past the stored rows go with or without an f16 tail, so the sequence never names tokens it does not hold."""
+    fmt = next((f for f in ("q8_0", "q4_0") if f in backend_info.formats), None)
+    if fmt is None:
+        pytest.skip(f"{backend_info.name} claims neither q8_0 nor q4_0")
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, k_format=fmt, v_format=fmt, block_size=8,
+                           tail=tail)  # fmt: skip
+    c = kvhal.KVCache(spec, 64, backend=backend_info.name)
+    s = c.new_seq()
+    k = np.random.default_rng(3).standard_normal((12, 2, 64), dtype=np.float32)
+    c.store(s, 0, k, k)
+    c.append_tokens(s, list(range(15)))
+    c.seq_rm(s, 12, -1)
+    assert c.tokens(s) == list(range(12)) and c.seq_len(s) == 12

@@ -98,19 +98,20 @@ def test_a_per_channel_k_format_is_audited_by_the_caches_page_rule(capsys):
     assert rep["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvhal/tail.py TailStore.remove returns early when p0 >= the stored length and keeps the token ids "
-    "appended past it (seq_rm(s, n, -1) drops them on a cache without a tail): the engine-style rollback of a "
-    "refused append leaves token ids the sequence does not hold",
-)
 def test_a_per_channel_k_format_past_capacity():
     rep = stress.run(k_format="kivi4", steps=60, seed=0, capacity_tokens=64, show_progress=False)
     assert rep.failure == "", rep.failure
 
 
-def test_the_replay_command_repeats_every_option_of_the_run():
-    rep = stress.run(k_format="kivi4", steps=60, seed=0, capacity_tokens=64, show_progress=False)
+def test_the_replay_command_repeats_every_option_of_the_run(monkeypatch):
+    real, calls = BlockAllocator.release, {"n": 0}
+
+    def leaky(self, blocks):  # the 30th release keeps one block: a leak the audit must report, with its replay
+        calls["n"] += 1
+        return real(self, list(blocks)[1:] if calls["n"] == 30 else blocks)
+
+    monkeypatch.setattr(BlockAllocator, "release", leaky)
+    rep = stress.run(k_format="kivi4", steps=3000, seed=0, capacity_tokens=64, show_progress=False)
     assert rep.failure.startswith(
         f"step {rep.steps_run - 1} (replay: kvhal stress --seed 0 --steps {rep.steps_run} --k-format kivi4 --capacity 64):"
     )
