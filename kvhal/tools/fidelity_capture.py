@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,13 @@ class Capture:
             raise ShapeError(
                 f"a capture needs q, k, v for the same layers (got {len(self.q)}, {len(self.k)}, {len(self.v)})"
             )
+        for name, arrays in (("q", self.q), ("k", self.k), ("v", self.v)):
+            for i, x in enumerate(arrays):
+                if not isinstance(x, np.ndarray) or x.ndim != 3 or 0 in x.shape:
+                    raise ShapeError(
+                        f"capture {name}[{i}]: expected a float32 array [tokens, heads, head_dim], got "
+                        f"{type(x).__name__} of shape {getattr(x, 'shape', '')}"
+                    )
         t, h, d = self.q[0].shape
         kvh = self.k[0].shape[1]
         for name, arrays, heads in (("q", self.q, h), ("k", self.k, kvh), ("v", self.v, kvh)):
@@ -88,16 +97,40 @@ class Capture:
 
     @classmethod
     def load(cls, path: str) -> Capture:
+        """Read a capture ``save`` wrote; a file that is not one (not a zip, truncated, a ``meta`` or an array
+        that is not what ``save`` writes) is a ``SpecError`` naming the file and what is wrong."""
+        what = "not a capture written by kvhal eval --save-capture"
+        if not os.path.exists(path):
+            raise SpecError(f"--capture {path}: no such file (write one with kvhal eval --save-capture)")
         try:
-            with np.load(path, allow_pickle=False) as z:
+            archive = np.load(path, allow_pickle=False)
+            if not hasattr(archive, "files"):  # a .npy: one array
+                raise SpecError(f"{path}: {what} (one .npy array, not an .npz archive)")
+            with archive as z:
+                if "meta" not in z.files:
+                    raise SpecError(f"{path}: {what} (no 'meta' entry)")
                 meta = json.loads(str(z["meta"]))
                 n = sum(1 for key in z.files if key.startswith("q"))
                 q, k, v = (tuple(np.asarray(z[f"{c}{i}"]) for i in range(n)) for c in "qkv")
-        except (OSError, KeyError, ValueError) as e:
-            raise SpecError(
-                f"{path}: not a capture written by kvhal eval --save-capture ({type(e).__name__}: {e})"
-            ) from None
-        return cls(q, k, v, float(meta["scale"]), str(meta["model"]), str(meta["note"]), bool(meta["causal_encoder"]))
+        except SpecError:
+            raise
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a torn zip: EOFError too
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            raise SpecError(f"{path}: {what} ({why})") from None
+        fields = {"scale": ((int, float), "number"), "model": ((str,), "string"), "note": ((str,), "string"),
+                  "causal_encoder": ((bool,), "boolean")}  # fmt: skip
+        if not isinstance(meta, dict):
+            raise SpecError(f"{path}: {what} (its meta is a JSON {type(meta).__name__}, not an object)")
+        for key, (types, kind) in fields.items():
+            if key not in meta:
+                raise SpecError(f"{path}: {what} (its meta has no {key!r})")
+            value = meta[key]
+            if not isinstance(value, types) or (key == "scale" and isinstance(value, bool)):
+                raise SpecError(f"{path}: {what} (its meta's {key!r} is {value!r}, expected a {kind})")
+        try:
+            return cls(q, k, v, float(meta["scale"]), meta["model"], meta["note"], meta["causal_encoder"])
+        except ShapeError as e:
+            raise SpecError(f"{path}: {what} ({e})") from None
 
     def first(self, layers: int | None = None, tokens: int | None = None) -> Capture:
         """The first ``layers`` layers and ``tokens`` tokens."""

@@ -477,6 +477,76 @@ def test_cli_refuses_a_file_that_is_no_capture(tmp_path, capsys):
     assert "not a capture written by kvhal eval" in capsys.readouterr().err
 
 
+def _corrupt(path, tmp_path, how):
+    """A copy of the capture at ``path`` damaged one way."""
+    out = tmp_path / f"{how}.npz"
+    data = dict(np.load(path))
+    meta = json.loads(str(data["meta"]))
+    if how == "truncated":
+        out.write_bytes(open(path, "rb").read()[:3000])
+        return str(out)
+    if how == "npy":
+        with open(out, "wb") as fh:
+            np.save(fh, data["q0"])
+        return str(out)
+    if how == "meta_list":
+        data["meta"] = np.array(json.dumps([1, 2]))
+    elif how == "meta_no_model":
+        del meta["model"]
+        data["meta"] = np.array(json.dumps(meta))
+    elif how == "meta_scale_text":
+        data["meta"] = np.array(json.dumps({**meta, "scale": "x"}))
+    elif how == "no_meta":
+        del data["meta"]
+    elif how == "rank2":
+        data["q0"] = data["q0"][:, 0]
+    elif how == "rank4":
+        data["k1"] = data["k1"][None]
+    elif how == "missing_v":
+        del data["v1"]
+    np.savez(out, **data)
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("truncated", "BadZipFile"),
+        ("npy", "not an .npz archive"),
+        ("meta_list", "its meta is a JSON list"),
+        ("meta_no_model", "its meta has no 'model'"),
+        ("meta_scale_text", "its meta's 'scale' is 'x', expected a number"),
+        ("no_meta", "no 'meta' entry"),
+        ("rank2", "capture q[0]: expected a float32 array [tokens, heads, head_dim]"),
+        ("rank4", "capture k[1]: expected a float32 array [tokens, heads, head_dim]"),
+        ("missing_v", "KeyError"),
+    ],
+)
+def test_cli_refuses_a_corrupt_capture_in_one_line(tmp_path, capsys, how, message):
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=2, t=16).save(path)
+    bad = _corrupt(path, tmp_path, how)
+    assert main(["eval", "--capture", bad, "--formats", "q8_0", "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvhal: error: {bad}: not a capture written by kvhal eval")
+    assert message in err
+    with pytest.raises(SpecError, match="not a capture"):
+        Capture.load(bad)
+
+
+def test_cli_refuses_a_capture_that_does_not_exist(tmp_path, capsys):
+    assert main(["eval", "--capture", str(tmp_path / "none.npz")]) == 2
+    assert "no such file (write one with kvhal eval --save-capture)" in capsys.readouterr().err
+
+
+def test_capture_refuses_arrays_of_the_wrong_rank_with_a_shape_error():
+    cap = synthetic(layers=1, t=8)
+    with pytest.raises(ShapeError, match=r"capture q\[0\]: expected a float32 array"):
+        Capture((cap.q[0][:, 0],), cap.k, cap.v, 0.1, "x")
+    with pytest.raises(ShapeError, match=r"capture v\[0\]"):
+        Capture(cap.q, cap.k, (cap.v[0][:0],), 0.1, "x")
+
+
 def test_import_kvhal_stays_light():
     import subprocess
     import sys
