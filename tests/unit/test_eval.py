@@ -470,6 +470,25 @@ def test_cli_refuses_a_model_path_that_does_not_exist(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("evict", [False, True])
+@pytest.mark.parametrize("kind", ["not_gguf", "empty_dir"])
+def test_cli_refuses_a_model_transformers_cannot_load_in_one_line(tmp_path, capsys, evict, kind):
+    """The same load, the same one-line error, with and without --evict (no model is downloaded or run)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    if kind == "not_gguf":
+        model = tmp_path / "model.gguf"
+        model.write_bytes(b"not a gguf file")
+    else:
+        model = tmp_path / "empty"
+        model.mkdir()
+    args = ["eval", "--evict", "--tokens", "64"] if evict else ["eval", "--formats", "q8_0", "--tokens", "64"]
+    assert main([*args, "--model", str(model)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvhal")]
+    assert len(err) == 1 and err[0].startswith(f"kvhal: error: cannot load {model} with transformers: ")
+    assert err[0].endswith("--model takes a .gguf file or a transformers model directory")
+
+
 def test_cli_refuses_a_file_that_is_no_capture(tmp_path, capsys):
     bad = tmp_path / "x.npz"
     bad.write_bytes(b"not a capture")
