@@ -137,17 +137,24 @@ class CodecRun:
 def write_calibration(
     directory: str, cap: Capture, budgets: list[tuple[float, bool, int]], v: list[tuple[float, int]]
 ) -> list[str]:
-    """Side data of every (K budget, weighted, sinks) and V budget on this capture, into ``directory``."""
-    os.makedirs(directory, exist_ok=True)
+    """Side data of every (K budget, weighted, sinks) and V budget on this capture, into ``directory`` (made if
+    missing; its parent is not). A path that is no directory, or one that cannot be written, is a ``SpecError``."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise SpecError(f"{directory}: exists and is not a directory; name a directory for the kltq side data")
     out = []
-    for bits, weighted, sinks in budgets:
-        path = side_path(directory, bits, weighted, sinks)
-        kltq.calibrate(cap.k, bits, cap.q if weighted else None, skip=min(sinks, cap.tokens - 2)).save(path)
-        out.append(path)
-    for bits, sinks in v:
-        path = side_path(directory, bits, False, sinks, "v")
-        kltq.calibrate(cap.v, bits, None, skip=min(sinks, cap.tokens - 2)).save(path)
-        out.append(path)
+    try:
+        if not os.path.isdir(directory):
+            os.mkdir(directory)
+        for bits, weighted, sinks in budgets:
+            path = side_path(directory, bits, weighted, sinks)
+            kltq.calibrate(cap.k, bits, cap.q if weighted else None, skip=min(sinks, cap.tokens - 2)).save(path)
+            out.append(path)
+        for bits, sinks in v:
+            path = side_path(directory, bits, False, sinks, "v")
+            kltq.calibrate(cap.v, bits, None, skip=min(sinks, cap.tokens - 2)).save(path)
+            out.append(path)
+    except OSError as e:
+        raise SpecError(f"cannot write the kltq side data into {directory}: {e}") from None
     return out
 
 
