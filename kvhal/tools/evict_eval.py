@@ -291,9 +291,16 @@ def table(res: dict[str, Any]) -> str:
 
 
 def cli(args: Any) -> int:
+    from .fidelity import NOT_WITH_EVICT, check_backend, given, parse_descriptor
+
+    ignored = given(args, NOT_WITH_EVICT)
+    if ignored:
+        raise SpecError(
+            f"--evict runs its own model and passage and does not read {', '.join(ignored)}: drop them, or drop --evict"
+        )
     try:
         tokens = DEFAULT_TOKENS if args.tokens is None else int(args.tokens)
-        keep = float(args.keep)
+        keep = 0.5 if args.keep is None else float(args.keep)
         block_size = int(args.block_size)
     except ValueError as e:
         raise SpecError(f"--tokens, --keep and --block-size take numbers: {e}") from None
@@ -301,9 +308,8 @@ def cli(args: Any) -> int:
         raise SpecError(f"--keep takes a fraction in (0, 1], got {args.keep!r}")
     if tokens < 1 or block_size < 1:
         raise SpecError(f"--tokens and --block-size take positive integers, got {args.tokens!r}, {args.block_size!r}")
-    from .fidelity import parse_descriptor
-
-    choice = parse_descriptor(args.evict_format)
+    check_backend(args.backend)  # before the model's run, as eval without --evict checks it
+    choice = parse_descriptor("f16" if args.evict_format is None else args.evict_format)
     names = getattr(args, "policies", None)
     chosen(tokens, keep, names)  # a bad --policies fails before the model loads
     kvpress = getattr(args, "kvpress", None)

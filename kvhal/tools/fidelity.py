@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -421,6 +422,8 @@ def run(
         raise SpecError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if decode is not None and (not is_int(decode) or decode < 1):
         raise SpecError(f"decode must be None or the prefill's token count (a positive int), got {decode!r}")
+    if decode is not None and decode > capture.tokens:
+        raise SpecError(f"decode {decode}: the prefill is longer than the capture's {capture.tokens} tokens")
     check_backend(backend)
     start = time.perf_counter()
     cap, n = capture, capture.tokens
@@ -647,10 +650,10 @@ def add_parser(sub: Any) -> None:
         help="instead: eviction policies compressing a --tokens context (default 1628) to --keep before a question, "
         "KL of the first answer token against an uncompressed cache, pages freed, prefill time vs plain",
     )
-    pe.add_argument("--keep", default="0.5", help="--evict: the fraction of the context kept (default 0.5)")
+    pe.add_argument("--keep", default=None, help="--evict: the fraction of the context kept (default 0.5)")
     pe.add_argument(
         "--evict-format",
-        default="f16",
+        default=None,
         help="--evict: the cache's formats, K[/V] and --formats' modifiers (e.g. q8_0:tail32:sink4; default f16)",
     )
     pe.add_argument(
@@ -666,7 +669,9 @@ def add_parser(sub: Any) -> None:
         "environment with kvpress (it pins transformers < 5.3: python -m venv kvpress-venv && kvpress-venv/bin/pip "
         "install kvpress==0.5.5 'transformers<5.3' torch==2.13.0 numpy)",
     )
-    pe.add_argument("--offset", type=str, default="0", help="start the passage at this token (a second passage)")
+    pe.add_argument(
+        "--offset", type=str, default=None, help="start the passage at this token (a second passage; default 0)"
+    )
     pe.add_argument(
         "--calibrate",
         metavar="DIR",
@@ -691,9 +696,50 @@ def _count(flag: str, text: str | None) -> int | None:
     return n
 
 
+# options only ``kvhal eval --evict`` reads, and options it does not read (dest, flag); each refused where it
+# would be ignored, when the user gave it (argparse's default is None, or False for a switch)
+EVICT_ONLY = (("keep", "--keep"), ("evict_format", "--evict-format"), ("policies", "--policies"))
+NOT_WITH_EVICT = (
+    ("capture", "--capture"),
+    ("save_capture", "--save-capture"),
+    ("formats", "--formats"),
+    ("layers", "--layers"),
+    ("decode", "--decode"),
+    ("offset", "--offset"),
+    ("calibrate", "--calibrate"),
+    ("calibration", "--calibration"),
+    ("no_limit", "--no-limit"),
+)
+
+
+def given(args: Any, options: tuple[tuple[str, str], ...]) -> list[str]:
+    """The flags of ``options`` the command line set (a value, or a switch turned on)."""
+    return [flag for dest, flag in options if getattr(args, dest, None) not in (None, False)]
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """``path`` is a directory, or can be made as one: its parent exists (no parents are made)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SpecError(f"{flag} {path}: exists and is not a directory; name a directory (made if missing)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(path) and not os.path.isdir(parent):
+        raise SpecError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+
+
+def _check_output_file(flag: str, path: str) -> None:
+    if os.path.isdir(path):
+        raise SpecError(f"{flag} {path}: is a directory; name a file")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise SpecError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+
+
 def cli(args: Any) -> int:
     import sys
 
+    evict_only = given(args, EVICT_ONLY)
+    if evict_only:
+        raise SpecError(f"{', '.join(evict_only)} set up eval --evict's run: add --evict, or drop them")
     layers = _count("--layers", args.layers)
     tokens = _count("--tokens", args.tokens)
     block_size = _count("--block-size", args.block_size)
@@ -705,25 +751,49 @@ def cli(args: Any) -> int:
     )
     if args.capture is not None and (args.model is not None or args.save_capture is not None):
         raise SpecError("--capture replays a saved capture: pass it without --model or --save-capture")
-    show = not args.json and sys.stderr.isatty()
-    if args.capture is not None:
-        cap = Capture.load(args.capture).first(layers, tokens)
-    else:
-        from . import fidelity_model
-
+    if args.capture is not None and args.offset is not None:
+        raise SpecError("--offset starts the model's run later in the passage; a --capture replays as saved: drop it")
+    offset = 0
+    if args.offset is not None:
         offset = int(args.offset) if str(args.offset).isdigit() else -1
         if offset < 0:
             raise SpecError(f"--offset takes an integer >= 0, got {args.offset!r}")
+    kltq_rows = [c for c in choices if isinstance(c, CodecChoice)]
+    if args.calibrate is not None:
+        if not kltq_rows:
+            raise SpecError("--calibrate writes the side data of kltq rows: name some in --formats (kltq:4.5:sink1)")
+        check_output_dir("--calibrate", args.calibrate)
+    if args.calibration is not None:
+        if not kltq_rows:
+            raise SpecError("--calibration feeds kltq rows their side data: name some in --formats (kltq:4.5:sink1)")
+        if not os.path.isdir(args.calibration):
+            raise SpecError(f"--calibration {args.calibration}: no such directory (write one with --calibrate DIR)")
+    if args.save_capture is not None:
+        _check_output_file("--save-capture", args.save_capture)
+    if decode is not None and args.capture is None and decode >= (tokens or DEFAULT_TOKENS):
+        raise SpecError(
+            f"--decode {decode}: the prefill must be shorter than the {tokens or DEFAULT_TOKENS} tokens evaluated "
+            "(the rest are decoded one at a time)"
+        )
+    show = not args.json and sys.stderr.isatty()
+    if args.capture is not None:
+        cap = Capture.load(args.capture).first(layers, tokens)
+        if decode is not None and decode >= cap.tokens:
+            raise SpecError(
+                f"--decode {decode}: the prefill must be shorter than the {cap.tokens} tokens evaluated (the "
+                "capture's, or --tokens); the rest are decoded one at a time"
+            )
+    else:
+        from . import fidelity_model
+
         cap = fidelity_model.capture(args.model, tokens or DEFAULT_TOKENS, layers, show_progress=show, offset=offset)
         if args.save_capture is not None:
             cap.save(args.save_capture)
     if args.calibrate is not None:
         from .fidelity_codec import write_calibration
 
-        ks = sorted({(c.bits, c.weighted, c.sinks) for c in choices if isinstance(c, CodecChoice)})
-        vs = sorted({(c.v_bits, c.sinks) for c in choices if isinstance(c, CodecChoice) and c.v_bits is not None})
-        if not ks:
-            raise SpecError("--calibrate writes the side data of kltq rows: name some in --formats (kltq:4.5:sink1)")
+        ks = sorted({(c.bits, c.weighted, c.sinks) for c in kltq_rows})
+        vs = sorted({(c.v_bits, c.sinks) for c in kltq_rows if c.v_bits is not None})
         for path in write_calibration(args.calibrate, cap, ks, vs):
             print(f"kvhal eval: wrote {path}", file=sys.stderr)
     result = run(

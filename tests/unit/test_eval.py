@@ -566,6 +566,134 @@ def test_capture_refuses_arrays_of_the_wrong_rank_with_a_shape_error():
         Capture(cap.q, cap.k, (cap.v[0][:0],), 0.1, "x")
 
 
+def test_cli_refuses_a_calibrate_path_that_cannot_be_a_directory(tmp_path, capsys):
+    from kvhal.tools.fidelity_codec import write_calibration
+
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=1, t=16).save(path)
+    args = ["eval", "--capture", path, "--backend", "reference", "--formats", "kltq:4", "--no-limit"]
+    afile = tmp_path / "good.kvs"
+    afile.write_text("not a directory")
+    assert main([*args, "--calibrate", str(afile)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    missing = tmp_path / "nonexistent" / "cal"
+    assert main([*args, "--calibrate", str(missing)]) == 2
+    assert f"the directory {missing.parent} does not exist" in capsys.readouterr().err
+    assert not missing.parent.exists()  # no parents made
+    with pytest.raises(SpecError, match="exists and is not a directory"):
+        write_calibration(str(afile), synthetic(layers=1, t=16), [(4.0, True, 0)], [])
+    with pytest.raises(SpecError, match="cannot write the kltq side data"):
+        write_calibration(str(missing), synthetic(layers=1, t=16), [(4.0, True, 0)], [])
+    assert not missing.parent.exists()
+    assert main([*args, "--calibration", str(missing)]) == 2
+    assert "no such directory (write one with --calibrate DIR)" in capsys.readouterr().err
+    assert main(["eval", "--capture", path, "--formats", "q8_0", "--calibration", str(tmp_path)]) == 2
+    assert "--calibration feeds kltq rows" in capsys.readouterr().err
+    assert main([*args, "--calibrate", str(tmp_path / "cal")]) == 0  # a missing last directory is made
+    assert (tmp_path / "cal" / "kltq-k-4-sink0.npz").is_file()
+
+
+def test_cli_refuses_a_save_capture_path_before_the_model_runs(tmp_path, capsys):
+    assert main(["eval", "--formats", "q8_0", "--save-capture", str(tmp_path / "no" / "cap.npz")]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert main(["eval", "--formats", "q8_0", "--save-capture", str(tmp_path)]) == 2
+    assert "is a directory; name a file" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading or running a model fails the test: the arguments must be refused before that."""
+    from kvhal.tools import evict_eval
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(evict_eval, "_load", loaded)
+    from kvhal.tools import fidelity_model
+
+    monkeypatch.setattr(fidelity_model, "capture", loaded)
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags"),
+    [
+        (["--capture", "cap.npz"], "--capture"),
+        (["--save-capture", "cap.npz"], "--save-capture"),
+        (["--formats", "q8_0"], "--formats"),
+        (["--layers", "2"], "--layers"),
+        (["--decode", "8"], "--decode"),
+        (["--offset", "0"], "--offset"),  # the default, given: still ignored by --evict
+        (["--calibrate", "cal"], "--calibrate"),
+        (["--calibration", "cal"], "--calibration"),
+        (["--no-limit"], "--no-limit"),
+        (["--formats", "q8_0", "--no-limit", "--layers", "1"], "--formats, --layers, --no-limit"),
+    ],
+)
+def test_cli_refuses_options_evict_does_not_read(capsys, no_model, extra, flags):
+    assert main(["eval", "--evict", "--tokens", "64", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"does not read {flags}: drop them, or drop --evict" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags"),
+    [
+        (["--keep", "0.3"], "--keep"),
+        (["--keep", "0.5"], "--keep"),  # the documented default, given: still ignored without --evict
+        (["--policies", "SnapKV"], "--policies"),
+        (["--evict-format", "q8_0"], "--evict-format"),
+        (["--evict-format", "f16", "--keep", "0.5"], "--keep, --evict-format"),
+    ],
+)
+def test_cli_refuses_evict_options_without_evict(tmp_path, capsys, extra, flags):
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=1, t=16).save(path)
+    assert main(["eval", "--capture", path, "--formats", "q8_0", "--backend", "reference", *extra]) == 2
+    assert f"{flags} set up eval --evict's run: add --evict" in capsys.readouterr().err
+
+
+def test_cli_refuses_offset_with_a_capture(tmp_path, capsys):
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=1, t=16).save(path)
+    for offset in ("5", "0"):
+        assert main(["eval", "--capture", path, "--formats", "q8_0", "--offset", offset]) == 2
+        assert "a --capture replays as saved" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_decode_prefill_not_below_the_tokens(tmp_path, capsys, no_model):
+    path = str(tmp_path / "cap.npz")
+    synthetic(layers=1, t=64).save(path)
+    args = ["eval", "--capture", path, "--formats", "q8_0", "--backend", "reference"]
+    for extra, n in ((["--decode", "1000"], 64), (["--decode", "64"], 64), (["--decode", "32", "--tokens", "32"], 32)):
+        assert main([*args, *extra]) == 2
+        assert f"the prefill must be shorter than the {n} tokens evaluated" in capsys.readouterr().err
+    assert main(["eval", "--formats", "q8_0", "--tokens", "64", "--decode", "64"]) == 2  # before the model runs
+    assert "shorter than the 64 tokens" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="longer than the capture's 64 tokens"):
+        run(synthetic(layers=1, t=64), parse_formats("q8_0"), "reference", decode=65)
+
+
+def test_cli_evict_checks_the_backend_before_the_model(capsys, no_model):
+    assert main(["eval", "--evict", "--backend", "nope", "--tokens", "64"]) == 2
+    assert "no backend named 'nope'" in capsys.readouterr().err
+
+
+def test_cli_evict_keeps_its_documented_defaults(monkeypatch, capsys):
+    from kvhal.tools import evict_eval
+
+    seen = {}
+
+    def fake_run(model, tokens, keep, k_format, v_format, backend, block_size, names, kvpress, options):
+        seen.update(tokens=tokens, keep=keep, k_format=k_format, v_format=v_format, names=names)
+        raise KVHalError("stop")
+
+    monkeypatch.setattr(evict_eval, "run", fake_run)
+    assert main(["eval", "--evict"]) == 2
+    assert seen == {"tokens": 1628, "keep": 0.5, "k_format": "f16", "v_format": "f16", "names": None}
+    assert main(["eval", "--evict", "--keep", "0.25", "--evict-format", "q8_0/q4_0", "--policies", "Knorm"]) == 2
+    assert seen == {"tokens": 1628, "keep": 0.25, "k_format": "q8_0", "v_format": "q4_0", "names": "Knorm"}
+
+
 def test_import_kvhal_stays_light():
     import subprocess
     import sys
