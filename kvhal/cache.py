@@ -253,7 +253,7 @@ class KVCache:
         first store)."""
         return self.codec.scales()
 
-    def adopt_scales(self, per_layer: dict[str, list[np.ndarray | None]]) -> None:
+    def adopt_scales(self, per_layer: dict[str, Any]) -> None:
         """Take calibrated scales for every layer (a snapshot's, before this cache stored anything):
         ``{"k": [layer 0's per-head scales, ...], "v": ...}`` for a ``"calibrate"`` scale no store has fixed
         yet, one positive finite float per KV head. Checked whole, as the spec they make, before any is taken."""

@@ -16,13 +16,11 @@ import math
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backend import Backend, Pools
 from .backend_util import blocks_to_pages, pages_to_blocks
-from .codec import Codec
 from .errors import (
     CapacityError,
     FingerprintMismatchError,
@@ -32,9 +30,9 @@ from .errors import (
     SnapshotError,
     UnsupportedError,
 )
-from .fingerprint import FORMAT_VERSION, Fingerprint, hash_chain
+from .fingerprint import FORMAT_VERSION, hash_chain
 from .fsutil import fsync_path
-from .seqs import Seq, SeqTable
+from .seqs import Seq
 from .snapshot_file import (
     SNAPSHOT_VERSION,
     SnapshotReader,
@@ -50,46 +48,21 @@ from .snapshot_file import (
     threads,
     validate,
 )
-from .spec import CacheSpec
 
-__all__ = ["SNAPSHOT_VERSION", "SnapshotCache", "header", "inspect", "restore", "save", "validate"]
+if TYPE_CHECKING:  # cache.py imports this module when a cache saves or restores
+    from .cache import KVCache
 
-
-class SnapshotCache(Protocol):
-    """What a snapshot reads of a cache and writes into it (``kvhal.KVCache`` is one)."""
-
-    spec: CacheSpec
-    backend: Backend
-    pools: Pools
-    fingerprint: Fingerprint
-    n_blocks: int
-    seq_table: SeqTable
-    codec: Codec
-
-    @property
-    def seqs(self) -> list[int]: ...
-
-    @property
-    def resolved_spec(self) -> CacheSpec: ...
-
-    @property
-    def root_hash(self) -> bytes: ...
-
-    def calibrating(self) -> bool: ...
-
-    def adopt_scales(self, per_layer: dict[str, list[np.ndarray | None]]) -> None: ...
-
-    def adopt_side(self, side: Any, which: str = "k") -> None: ...
+__all__ = ["SNAPSHOT_VERSION", "header", "inspect", "restore", "save", "validate"]
 
 
 def _check_cache(cache: Any) -> None:
-    from .cache import KVCache  # here, not at the top: cache.py imports this module
+    from .cache import KVCache
 
     if not isinstance(cache, KVCache):
         raise SnapshotError(f"cache must be a kvhal.KVCache, got {type(cache).__name__}")
 
 
-def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None:
+def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     _check_cache(cache)
     target = file_path(path)
     if target.is_dir():
@@ -171,7 +144,7 @@ def save(cache: SnapshotCache, path: Any, seqs: list[int] | None = None) -> None
     fsync_path(str(target.parent))
 
 
-def restore(cache: SnapshotCache, path: Any) -> list[int]:
+def restore(cache: KVCache, path: Any) -> list[int]:
     _check_cache(cache)
     r = SnapshotReader(file_path(path))
     try:
@@ -182,7 +155,7 @@ def restore(cache: SnapshotCache, path: Any) -> list[int]:
         r.close()
 
 
-def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
+def _restore(cache: KVCache, r: SnapshotReader) -> list[int]:
     r.check_version()
     meta, spec = r.meta, cache.spec
     fp = meta.get("fingerprint", {})
@@ -297,7 +270,7 @@ def _restore(cache: SnapshotCache, r: SnapshotReader) -> list[int]:
     return out
 
 
-def _adopt_side(cache: SnapshotCache, r: SnapshotReader, saved: Any) -> tuple[dict[str, Any], bytes]:
+def _adopt_side(cache: KVCache, r: SnapshotReader, saved: Any) -> tuple[dict[str, Any], bytes]:
     """The kltq side data ("k"/"v" -> Side) a cache that has not calibrated any layer of it yet (nor was given
     any) would take from a snapshot (with the root hash it gives), when that makes the specs equal; else none
     and the cache's root."""
@@ -324,7 +297,7 @@ def _adopt_side(cache: SnapshotCache, r: SnapshotReader, saved: Any) -> tuple[di
     return sides, cache.fingerprint.digest(cand)
 
 
-def _adopt_scales(cache: SnapshotCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:
+def _adopt_scales(cache: KVCache, saved: Any) -> tuple[dict[str, list[np.ndarray | None]], bytes]:
     """Scales a "calibrate" cache that has not calibrated yet would take from a snapshot's spec (with the
     root hash they give), when that makes the specs equal; else nothing and the cache's own root."""
     import dataclasses

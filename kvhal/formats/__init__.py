@@ -109,6 +109,9 @@ class Format:
     def _rows(self, x: Any, dtype: type, what: str) -> np.ndarray:
         """``x`` as a contiguous array of ``dtype`` with at least one axis, or a typed error saying what to pass."""
         try:
+            # nested lists: numbers only (a cast to dtype would read "1.5" and True as values)
+            if getattr(x, "dtype", None) is None and np.asarray(x).dtype.kind not in "fiu":
+                raise TypeError
             out: np.ndarray = np.ascontiguousarray(x, dtype=dtype)
         except (TypeError, ValueError):  # None, "abc", ragged lists: not numbers
             raise DTypeError(f"{what} (format {self.name}); got {type(x).__name__}") from None

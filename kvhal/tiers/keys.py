@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..errors import TierError
 from ..validate import is_int
@@ -91,7 +94,7 @@ def check_count(name: str, value: object, minimum: int = 1) -> int:
 
 
 def check_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):  # numpy's numbers too
         raise TierError(f"{name} must be a number of seconds, got {type(value).__name__}")
     try:
         seconds = float(value)

@@ -88,7 +88,7 @@ class RedisTier(Tier):
         path = urlsplit(url).path
         if scheme == "unix" and "path" not in parsed:
             raise TierError(f"url {url!r} names no socket; pass unix:///path/to/redis.sock")
-        if scheme != "unix" and path.strip("/") and not path[1:].isdigit():
+        if scheme != "unix" and path.strip("/") and not path.strip("/").isdigit():
             raise TierError(f"url {url!r}: the path after host:port is a db number such as /0, not {path!r}")
         self.url = url
         self._redis = redis

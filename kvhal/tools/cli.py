@@ -170,7 +170,9 @@ MAX_THREADS = 1024  # past this a pool is all thread start-up (100000 did not fi
 def _threads(text: str) -> list[int]:
     """A comma list of thread counts; 'all' is every core."""
     counts = [
-        (os.cpu_count() or 1) if c.strip() == "all" else _positive(c.strip()) for c in text.split(",") if c.strip()
+        min(os.cpu_count() or 1, MAX_THREADS) if c.strip() == "all" else _positive(c.strip())
+        for c in text.split(",")
+        if c.strip()
     ]
     if not counts or max(counts) > MAX_THREADS:
         raise argparse.ArgumentTypeError(f"expected thread counts from 1 to {MAX_THREADS} such as 1,2,all")
@@ -395,8 +397,8 @@ def _check_bench_options(args: argparse.Namespace) -> None:
                 raise KVHalError(f"{mode} runs one backend and one format: {opt} given {len(value)} times")
         if args.threads:
             raise KVHalError(f"{mode} runs at the backend's default threads: drop --threads")
-    elif not args.contexts:
-        raise KVHalError("--contexts needs at least one context length, such as 4096")
+    elif not args.contexts and (args.no_prefill or not args.prefill_contexts):
+        raise KVHalError("nothing to measure: give --contexts or --prefill-contexts at least one length, such as 4096")
 
 
 if __name__ == "__main__":

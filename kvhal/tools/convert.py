@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
+from .output import output_path
 
 KINDS = {".ggsq": "llama.cpp", ".kvs": "kvhal"}
 
@@ -59,17 +60,6 @@ def _kind(path: str) -> str:
     return kind
 
 
-def _check_output(path: str) -> None:
-    """OUT must be a file path in an existing directory: checked before anything is converted."""
-    target = Path(path)
-    if target.is_dir():
-        raise SpecError(
-            f"OUT {path!r} is a directory; pass a file path, such as {str(target / ('out' + target.suffix))!r}"
-        )
-    if not target.parent.is_dir():
-        raise SpecError(f"OUT {path!r}: directory {str(target.parent)!r} does not exist; create it first")
-
-
 def _check_options(args: argparse.Namespace, src: str) -> None:
     """Refuse the options that do not apply to this direction (they would be ignored), and bad values."""
     given = {
@@ -98,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not Path(args.input).is_file():
         raise SpecError(f"{args.input!r} does not exist")
     _check_options(args, src)
-    _check_output(args.output)
+    output_path(args.output, "OUT")
     rotation = None if args.llama_rotation is None else args.llama_rotation == "on"
     model = llamacpp.model_info(args.model) if args.model else None
     t0 = time.perf_counter()

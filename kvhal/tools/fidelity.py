@@ -58,6 +58,7 @@ from .fidelity_codec import parse as _parse_codec
 from .fidelity_kvarn import KVarnChoice, KVarnRun
 from .fidelity_kvarn import is_kvarn as _is_kvarn
 from .fidelity_kvarn import parse as _parse_kvarn
+from .output import output_dir, output_path
 
 TOP_P = 0.9
 DEFAULT_TOKENS = 512
@@ -423,7 +424,9 @@ def run(
     if decode is not None and (not is_int(decode) or decode < 1):
         raise SpecError(f"decode must be None or the prefill's token count (a positive int), got {decode!r}")
     if decode is not None and decode > capture.tokens:
-        raise SpecError(f"decode {decode}: the prefill is longer than the capture's {capture.tokens} tokens")
+        raise SpecError(
+            f"decode {decode}: the prefill is longer than the capture's {capture.tokens} tokens; pass at most that"
+        )
     check_backend(backend)
     start = time.perf_counter()
     cap, n = capture, capture.tokens
@@ -717,23 +720,6 @@ def given(args: Any, options: tuple[tuple[str, str], ...]) -> list[str]:
     return [flag for dest, flag in options if getattr(args, dest, None) not in (None, False)]
 
 
-def check_output_dir(flag: str, path: str) -> None:
-    """``path`` is a directory, or can be made as one: its parent exists (no parents are made)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SpecError(f"{flag} {path}: exists and is not a directory; name a directory (made if missing)")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(path) and not os.path.isdir(parent):
-        raise SpecError(f"{flag} {path}: the directory {parent} does not exist; create it first")
-
-
-def _check_output_file(flag: str, path: str) -> None:
-    if os.path.isdir(path):
-        raise SpecError(f"{flag} {path}: is a directory; name a file")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise SpecError(f"{flag} {path}: the directory {parent} does not exist; create it first")
-
-
 def cli(args: Any) -> int:
     import sys
 
@@ -762,14 +748,14 @@ def cli(args: Any) -> int:
     if args.calibrate is not None:
         if not kltq_rows:
             raise SpecError("--calibrate writes the side data of kltq rows: name some in --formats (kltq:4.5:sink1)")
-        check_output_dir("--calibrate", args.calibrate)
+        output_dir(args.calibrate, "--calibrate")
     if args.calibration is not None:
         if not kltq_rows:
             raise SpecError("--calibration feeds kltq rows their side data: name some in --formats (kltq:4.5:sink1)")
         if not os.path.isdir(args.calibration):
             raise SpecError(f"--calibration {args.calibration}: no such directory (write one with --calibrate DIR)")
     if args.save_capture is not None:
-        _check_output_file("--save-capture", args.save_capture)
+        output_path(args.save_capture, "--save-capture")
     if decode is not None and args.capture is None and decode >= (tokens or DEFAULT_TOKENS):
         raise SpecError(
             f"--decode {decode}: the prefill must be shorter than the {tokens or DEFAULT_TOKENS} tokens evaluated "

@@ -22,6 +22,7 @@ from ..errors import FormatError, SpecError
 from ..formats import kltq
 from ..formats.ggml import round_f16
 from .fidelity_capture import Capture
+from .output import output_dir
 
 DEFAULT_V = "q8_0"
 
@@ -139,8 +140,7 @@ def write_calibration(
 ) -> list[str]:
     """Side data of every (K budget, weighted, sinks) and V budget on this capture, into ``directory`` (made if
     missing; its parent is not). A path that is no directory, or one that cannot be written, is a ``SpecError``."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise SpecError(f"{directory}: exists and is not a directory; name a directory for the kltq side data")
+    output_dir(directory, "--calibrate")
     out = []
     try:
         if not os.path.isdir(directory):

@@ -1,4 +1,5 @@
-"""The tools' ``-o FILE``: checked before a run that may take minutes, written with a typed error."""
+"""The tools' output paths (``-o FILE``, ``OUT``, ``--calibrate DIR``...): checked before a run that may take
+minutes, written with a typed error."""
 
 from __future__ import annotations
 
@@ -6,18 +7,28 @@ import json
 import os
 from typing import Any
 
-from ..errors import KVHalError
+from ..errors import SpecError
 
 
-def output_path(path: str | None) -> str | None:
-    """``-o FILE`` checked before a run that may take minutes: a file in an existing, writable directory."""
+def output_path(path: str | None, flag: str = "-o") -> str | None:
+    """A file to write: not a directory, in an existing directory this process may write."""
     if path is None:
         return None
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise KVHalError(f"-o {path}: is a directory; pass a file path such as {os.path.join(path, 'result.json')}")
+        raise SpecError(f"{flag} {path}: is a directory; pass a file path such as {os.path.join(path, 'out.json')}")
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise KVHalError(f"-o {path}: directory {parent} does not exist or is not writable")
+        raise SpecError(f"{flag} {path}: the directory {parent} does not exist (or is not writable); create it first")
+    return path
+
+
+def output_dir(path: str, flag: str) -> str:
+    """A directory to write into: one that exists, or one to make in an existing directory (no parents made)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SpecError(f"{flag} {path}: exists and is not a directory; name a directory (made if missing)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(path) and not os.path.isdir(parent):
+        raise SpecError(f"{flag} {path}: the directory {parent} does not exist; create it first")
     return path
 
 
@@ -27,4 +38,4 @@ def write_json(path: str | None, data: Any) -> None:
             with open(path, "w") as fh:
                 json.dump(data, fh, indent=2)
         except OSError as e:
-            raise KVHalError(f"-o {path}: cannot write the result ({e.strerror})") from e
+            raise SpecError(f"-o {path}: cannot write the result ({e.strerror})") from e

@@ -18,6 +18,7 @@ tier's back, at random steps: tiers must answer misses then, never other bytes.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import tempfile
@@ -283,7 +284,7 @@ def run(
     names = _tier_names(tiers)
     if faults and not names:
         raise KVHalError("--faults injects tier faults: name the tiers too, e.g. --tiers host,disk,redis")
-    replay = _replay_args(
+    shape: dict[str, Any] = dict(
         backend=backend,
         k_format=k_format,
         v_format=v_format,
@@ -292,52 +293,39 @@ def run(
         n_layers=n_layers,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        tiers=",".join(names),
-        faults=faults,
     )
+    replay = _replay_args(**shape, tiers=",".join(names), faults=faults)
     with ExitStack() as stack:
         audited = _make_tiers(names, stack)
-        return _run(
-            backend,
-            k_format,
-            v_format,
-            steps,
-            seed,
-            capacity_tokens,
-            block_size,
-            n_layers,
-            n_kv_heads,
-            head_dim,
-            show_progress,
-            audited,
-            faults,
-            replay,
-        )
+        return _run(**shape, steps=steps, seed=seed, show_progress=show_progress, audited=audited, faults=faults,
+                    replay=replay)  # fmt: skip
 
 
-# run()'s options and the kvhal stress flag of each (None: run() only); a replay repeats those not at their default
-_REPLAY_FLAGS: dict[str, tuple[str | None, Any]] = {
-    "backend": ("--backend", "reference"),
-    "k_format": ("--k-format", "q8_0"),
-    "v_format": ("--v-format", "q4_0"),
-    "capacity_tokens": ("--capacity", 512),
-    "block_size": ("--block-size", 8),
-    "tiers": ("--tiers", ""),
-    "faults": ("--faults", False),
-    "n_layers": (None, 2),
-    "n_kv_heads": (None, 2),
-    "head_dim": (None, 32),
+# run()'s options and the kvhal stress flag of each (None: run() only); a replay repeats those not at run()'s default
+_REPLAY_FLAGS: dict[str, str | None] = {
+    "backend": "--backend",
+    "k_format": "--k-format",
+    "v_format": "--v-format",
+    "capacity_tokens": "--capacity",
+    "block_size": "--block-size",
+    "tiers": "--tiers",
+    "faults": "--faults",
+    "n_layers": None,
+    "n_kv_heads": None,
+    "head_dim": None,
 }
 
 
 def _replay_args(**options: Any) -> str:
     """The options of a run that differ from their defaults, as ``kvhal stress`` flags (run()-only ones, which the
     command line does not take, as ``stress.run`` keywords after it)."""
+    defaults = inspect.signature(run).parameters
     flags, kwargs = [], []
     for name, value in options.items():
-        flag, default = _REPLAY_FLAGS[name]
-        if value == default:
+        default = defaults[name].default
+        if value == default or (not value and not default):  # tiers: "" and () alike
             continue
+        flag = _REPLAY_FLAGS[name]
         if flag is None:
             kwargs.append(f"{name}={value!r}")
         elif isinstance(value, bool):

@@ -402,10 +402,13 @@ def _check_reachable(url: str) -> None:
     """The bench measures a server: one that does not answer is an error here, not a tier of misses."""
     import redis
 
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5).ping()
+        client.ping()
     except (redis.RedisError, OSError, ValueError) as e:
         raise KVHalError(f"--redis {url}: no Redis answers there ({e}); start one or pass --redis auto") from None
+    finally:
+        client.close()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvhal
@@ -229,6 +230,8 @@ def test_arguments_and_unreachable_server():
             RedisTier("redis://127.0.0.1:1", **kw)  # type: ignore[arg-type]
     with pytest.raises(kvhal.TierError, match="over TCP"):
         RedisTier("unix:///tmp/x.sock", cluster=True)
+    # numpy's numbers are numbers; a db path redis-py reads as db 0 is one
+    RedisTier("redis://127.0.0.1:1/0/", socket_timeout=np.float32(0.5), connect_timeout=np.int64(1)).close()
     url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
     for kw in ({"reconnect_s": 0}, {"max_reconnect_s": "1"}):
         with pytest.raises(kvhal.TierError, match="reconnect"):

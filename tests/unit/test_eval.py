@@ -582,7 +582,7 @@ def test_cli_refuses_a_calibrate_path_that_cannot_be_a_directory(tmp_path, capsy
     assert not missing.parent.exists()  # no parents made
     with pytest.raises(SpecError, match="exists and is not a directory"):
         write_calibration(str(afile), synthetic(layers=1, t=16), [(4.0, True, 0)], [])
-    with pytest.raises(SpecError, match="cannot write the kltq side data"):
+    with pytest.raises(SpecError, match="does not exist; create it first"):
         write_calibration(str(missing), synthetic(layers=1, t=16), [(4.0, True, 0)], [])
     assert not missing.parent.exists()
     assert main([*args, "--calibration", str(missing)]) == 2
@@ -595,9 +595,9 @@ def test_cli_refuses_a_calibrate_path_that_cannot_be_a_directory(tmp_path, capsy
 
 def test_cli_refuses_a_save_capture_path_before_the_model_runs(tmp_path, capsys):
     assert main(["eval", "--formats", "q8_0", "--save-capture", str(tmp_path / "no" / "cap.npz")]) == 2
-    assert "does not exist; create it first" in capsys.readouterr().err
+    assert "does not exist (or is not writable); create it first" in capsys.readouterr().err
     assert main(["eval", "--formats", "q8_0", "--save-capture", str(tmp_path)]) == 2
-    assert "is a directory; name a file" in capsys.readouterr().err
+    assert "is a directory; pass a file path" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -109,6 +109,10 @@ def test_error_cases():
     # not arrays of numbers, not ints: typed errors, not ValueError/TypeError from numpy
     with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
         formats.get("q8_0").quantize("abc")  # type: ignore[arg-type]
+    for text_or_flags in (["1.5"] * 32, [True] * 32):  # numpy would read both as values
+        with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
+            formats.get("q8_0").quantize(text_or_flags)  # type: ignore[arg-type]
+    assert formats.get("q8_0").quantize([[1.0] * 32]).shape == (1, 34)  # lists of numbers are arrays
     with pytest.raises(kvhal.DTypeError, match="dequantize takes uint8 rows"):
         formats.get("q8_0").dequantize(None)  # type: ignore[arg-type]
     with pytest.raises(kvhal.FormatError, match="row length is an int"):

@@ -321,9 +321,9 @@ def test_convert_cli_refuses_bad_outputs_and_options(tmp_path: Path, capsys: pyt
     (tmp_path / "d.kvs").mkdir()
     missing = str(tmp_path / "no" / "x")
     bad = {
-        (str(kvs), missing + ".ggsq"): "does not exist; create it first",
+        (str(kvs), missing + ".ggsq"): "does not exist (or is not writable); create it first",
         (str(kvs), str(tmp_path / "d.ggsq")): "is a directory",
-        (str(ggsq), missing + ".kvs", "--kv-heads", "2"): "does not exist; create it first",
+        (str(ggsq), missing + ".kvs", "--kv-heads", "2"): "does not exist (or is not writable); create it first",
         (str(ggsq), str(tmp_path / "d.kvs"), "--kv-heads", "2"): "is a directory",
         (str(kvs), str(tmp_path / "o.ggsq"), "--kv-heads", "4"): "holds 2 KV heads",
         (str(kvs), str(tmp_path / "o.ggsq"), "--kv-heads", "0"): "--kv-heads must be a positive",

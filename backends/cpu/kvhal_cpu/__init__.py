@@ -10,6 +10,7 @@ are ``OPTIONS`` below, each also read from its environment variable.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -122,6 +123,8 @@ def _zeros(shape: tuple[int, ...]) -> np.ndarray:
     try:
         buf = mmap.mmap(-1, n + _HUGE)  # anonymous, zero-filled; extra room to start on a 2 MiB boundary
     except OSError as e:  # ENOMEM: what numpy reports as MemoryError (the cache says so as a CapacityError)
+        if e.errno != errno.ENOMEM:
+            raise
         raise MemoryError(f"cannot map {n} bytes: {e.strerror}") from None
     base = np.frombuffer(buf, np.uint8)
     start = (-base.ctypes.data) % _HUGE
