@@ -93,22 +93,40 @@ class LoadOut:
 def host_out_view(x: Any, what: str) -> tuple[np.ndarray, str]:
     """A writable numpy view of the caller's output buffer ``x`` (numpy array, ``ml_dtypes.bfloat16`` array or CPU
     torch tensor) and its dtype name, one of OUT_DTYPES; bfloat16 comes back as its uint16 bits. Raises DTypeError
-    for another array type or dtype, UnsupportedError for a tensor off the host."""
+    for another array type or dtype (a non-native byte order, a sparse or negated/conjugated-view tensor included),
+    UnsupportedError for a tensor off the host."""
     from ..errors import UnsupportedError
 
     module = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
         name = x.dtype.name
+        if name in OUT_DTYPES and not x.dtype.isnative:  # '>f4' is named float32 too: load would write swapped bytes
+            raise DTypeError(
+                f"{what} has dtype {x.dtype.str} (non-native byte order); pass a native-byte-order array "
+                f"(np.empty(shape, {name!r}))"
+            )
         view = x.view(np.uint16) if name == "bfloat16" and x.dtype.itemsize == 2 else x
     elif module == "torch" and hasattr(x, "device"):
+        import torch  # already imported: x is a tensor
+
+        if not isinstance(x, torch.Tensor):
+            raise DTypeError(
+                f"{what} is a {type(x).__module__}.{type(x).__name__}; out takes numpy arrays or CPU torch tensors"
+            )
         if x.device.type != "cpu":
             raise UnsupportedError(
                 f"{what} is a torch tensor on {x.device}; load writes host memory: pass a CPU tensor (or a numpy "
                 "array) and move it to the device afterwards"
             )
-        import torch  # already imported: x is a tensor
-
+        if x.layout != torch.strided:
+            raise DTypeError(f"{what} is a {x.layout} tensor; pass a dense (strided) CPU tensor (torch.empty)")
+        if x.is_neg() or x.is_conj():
+            raise DTypeError(
+                f"{what} is a lazily negated/conjugated view; pass a plain tensor (torch.empty), not a view of one"
+            )
         name = str(x.dtype).replace("torch.", "")
+        if name not in OUT_DTYPES:
+            raise DTypeError(f"{what} has dtype {name}; load writes {', '.join(OUT_DTYPES)}")
         t = x.detach()
         view = t.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else t.numpy()
     else:

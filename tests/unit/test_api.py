@@ -539,6 +539,26 @@ def test_load_out_is_validated_and_a_refused_call_writes_nothing(backend):
         c.load(s, 0, 3, 13, out=(torch.zeros((10, 2, 32), dtype=torch.int32),) * 2)
 
 
+def test_load_out_refuses_swapped_sparse_and_lazy_view_buffers():
+    """A buffer load would fill with wrong values (byte-swapped, a sparse tensor, a lazily negated view) is a typed
+    error that says what to pass, and nothing is written."""
+    c = cache()
+    s = c.new_seq()
+    c.store(s, 0, rows(10), rows(10, seed=1))
+    k_out = np.full((10, 2, 32), 7, np.float32)
+    for dt in (">f4", ">f2"):  # named float32/float16 like the native ones
+        swapped = np.full((10, 2, 32), 7, dt)
+        with pytest.raises(kvhal.DTypeError, match="native-byte-order"):
+            c.load(s, 0, out=(k_out, swapped))
+        assert (k_out == 7).all() and (swapped == 7).all()
+    torch = pytest.importorskip("torch")
+    with pytest.raises(kvhal.DTypeError, match="dense"):
+        c.load(s, 0, out=(k_out, torch.zeros((10, 2, 32)).to_sparse()))
+    with pytest.raises(kvhal.DTypeError, match="plain tensor"):
+        c.load(s, 0, out=(k_out, torch._neg_view(torch.zeros((10, 2, 32)))))
+    assert (k_out == 7).all()
+
+
 def test_load_bfloat16_without_ml_dtypes_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes now raises ImportError
     c = cache()
