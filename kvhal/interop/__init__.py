@@ -7,42 +7,116 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DTypeError
+from ..errors import DTypeError, KVHalError
+
+
+def _not_an_array(x: Any, what: str = "x") -> DTypeError:
+    return DTypeError(
+        f"{what} is {'None' if x is None else 'a ' + type(x).__name__}, not an array; pass a numpy, torch, cupy or "
+        "pyopencl array (or anything with __dlpack__)"
+    )
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """Any backend's output (numpy, torch, cupy, pyopencl arrays) as a host numpy array."""
+    """Any backend's output (numpy, torch, cupy, pyopencl arrays) as a host numpy array.
+
+    A numpy array comes back as it is; a CPU torch tensor as a numpy view of its memory (a lazily negated or
+    conjugated view resolved first), a torch bfloat16 tensor widened exactly to float32 (numpy has no bfloat16).
+    A (rectangular) nested list of numbers is taken as ``np.asarray`` takes it. Raises DTypeError for what holds no
+    array of numbers: None, a str, a ragged list, a sparse or meta tensor, a dtype numpy cannot hold.
+    """
     if isinstance(x, np.ndarray):
         return x
+    if x is None or isinstance(x, (str, bytes)):
+        raise _not_an_array(x)
     module = type(x).__module__.split(".")[0]
-    if module == "torch":
-        return x.detach().to("cpu").numpy()
-    if module in ("cupy", "pyopencl") or hasattr(x, "get") and hasattr(x, "shape") and not hasattr(x, "__dlpack__"):
-        return np.asarray(x.get())
-    if hasattr(x, "__dlpack__"):
-        return np.from_dlpack(x)
-    return np.asarray(x)
+    try:
+        if module == "torch":
+            import torch  # already imported: x comes from torch
+
+            if isinstance(x, torch.Tensor):
+                return _torch_to_numpy(x, torch)
+        if module in ("cupy", "pyopencl") or hasattr(x, "get") and hasattr(x, "shape") and not hasattr(x, "__dlpack__"):
+            arr = np.asarray(x.get())
+        elif hasattr(x, "__dlpack__"):
+            arr = np.from_dlpack(x)
+        else:
+            arr = np.asarray(x)
+    except KVHalError:
+        raise
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, BufferError, AttributeError) as e:
+        raise DTypeError(
+            f"x ({type(x).__module__}.{type(x).__name__}) could not be read as a host array ({e}); pass a numpy, "
+            "torch, cupy or pyopencl array (or anything with __dlpack__), or a rectangular list of numbers"
+        ) from e
+    if arr.dtype.kind in "OSU":
+        raise DTypeError(
+            f"x ({type(x).__name__}) holds {arr.dtype} values, not numbers; pass a numeric array or list of numbers"
+        )
+    return arr
+
+
+def _torch_to_numpy(x: Any, torch: Any) -> np.ndarray:
+    t = x.detach()
+    if not t.is_cpu:
+        if t.device.type == "meta":
+            raise DTypeError("x is a meta tensor: it has a shape but no values; pass a tensor that holds data")
+        t = t.to("cpu")
+    if t.layout != torch.strided:
+        raise DTypeError(f"x is a {t.layout} tensor; convert it with .to_dense() first")
+    if t.dtype == torch.bfloat16:  # numpy has no bf16; widening is exact
+        t = t.float()
+    if t.is_neg() or t.is_conj():  # a lazy view: numpy() would refuse it
+        t = t.resolve_conj().resolve_neg()
+    return t.numpy()
 
 
 def to_like(x: Any, like: Any) -> Any:
     """``x`` (a backend's output) in the array library and on the device of ``like`` (the caller's input).
 
-    torch in, torch out: a host numpy result becomes a CPU tensor sharing its memory (``torch.from_numpy``),
-    a device array goes through DLPack without a copy when it already sits on ``like``'s device. Anything
-    else comes back as it is.
+    torch in, torch out: a host numpy result becomes a CPU tensor sharing its memory (``torch.from_numpy``; one in
+    a layout torch cannot share, such as non-native byte order, is copied), a device array goes through DLPack
+    without a copy when it already sits on ``like``'s device, another backend output (a pyopencl array) through
+    ``to_numpy``. Anything else comes back as it is. Raises DTypeError where ``like`` is a torch object but not a
+    tensor, or ``x`` is not an array of numbers.
     """
     if type(like).__module__.split(".")[0] != "torch":
         return x
-    import torch  # already imported: ``like`` is a torch tensor
+    import torch  # already imported: ``like`` comes from torch
     from torch.utils.dlpack import from_dlpack
 
-    if isinstance(x, np.ndarray):
-        t = torch.from_numpy(x)
-    elif isinstance(x, torch.Tensor):
+    if not isinstance(like, torch.Tensor):
+        raise DTypeError(
+            f"like is a {type(like).__module__}.{type(like).__name__}, not a tensor; pass the tensor (or array) whose "
+            "library and device the result should have"
+        )
+    if isinstance(x, torch.Tensor):
         t = x
+    elif isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
+        t = _numpy_to_torch(to_numpy(x), torch)
     else:
-        t = from_dlpack(x)
+        try:
+            t = from_dlpack(x)
+        except (TypeError, ValueError, RuntimeError, BufferError) as e:
+            raise DTypeError(
+                f"x ({type(x).__module__}.{type(x).__name__}) could not be taken through DLPack ({e}); pass a "
+                "numpy or torch array, or bring it to the host with kvhal.to_numpy first"
+            ) from e
     return t if t.device == like.device else t.to(like.device)
+
+
+def _numpy_to_torch(x: np.ndarray, torch: Any) -> Any:
+    if x.dtype.name == "bfloat16" and x.dtype.itemsize == 2:  # ml_dtypes: torch takes the bits
+        return _numpy_to_torch(x.view(np.int16), torch).view(torch.bfloat16)
+    try:
+        return torch.from_numpy(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        if x.dtype.kind not in "biufc":
+            raise DTypeError(f"x has dtype {x.dtype}, which torch does not take; pass a numeric array") from e
+    try:  # negative strides or non-native byte order: a native, contiguous copy
+        return torch.from_numpy(np.ascontiguousarray(x, x.dtype.newbyteorder("=")))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DTypeError(f"x has dtype {x.dtype}, which torch does not take; pass a numeric array") from e
 
 
 def host_float_array(x: Any, what: str) -> np.ndarray:

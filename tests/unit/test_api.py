@@ -477,6 +477,33 @@ def test_visible_range_matches_the_rule():
         assert list(zip(seq.tolist(), pos.tolist(), lo.tolist(), hi.tolist())) == want
 
 
+def test_to_numpy_and_to_like_refuse_what_is_not_an_array():
+    for bad, match in ((None, "None, not an array"), ("abc", "str, not an array"), ([[1.0], [1.0, 2.0]], "rectangular"),
+                       (object(), "not numbers")):
+        with pytest.raises(kvhal.DTypeError, match=match):
+            kvhal.to_numpy(bad)
+    np.testing.assert_array_equal(kvhal.to_numpy([[1.0, 2.0]]), [[1.0, 2.0]])  # a list of numbers is still taken
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.5, -2.0, 3.25])
+    got = kvhal.to_numpy(x.bfloat16())  # widened exactly, as stores take bf16
+    assert got.dtype == np.float32 and got.tolist() == [1.5, -2.0, 3.25]
+    np.testing.assert_array_equal(kvhal.to_numpy(torch._neg_view(x)), -x.numpy())  # lazy view resolved
+    with pytest.raises(kvhal.DTypeError, match="meta tensor"):
+        kvhal.to_numpy(torch.zeros(2, device="meta"))
+    with pytest.raises(kvhal.DTypeError, match="to_dense"):
+        kvhal.to_numpy(torch.zeros(2).to_sparse())
+    for bad, match in (("abc", "str, not an array"), (None, "None, not an array"), (np.array([None]), "object")):
+        with pytest.raises(kvhal.DTypeError, match=match):
+            kvhal.to_like(bad, x)
+    with pytest.raises(kvhal.DTypeError, match="not a tensor"):
+        kvhal.to_like(np.ones(2, np.float32), torch.float32)
+    swapped = kvhal.to_like(np.array([1.5, -2.0], ">f4"), x)  # torch cannot share it: copied, same values
+    assert swapped.dtype == torch.float32 and swapped.tolist() == [1.5, -2.0]
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = kvhal.to_like(np.array([1.5, -2.0], ml_dtypes.bfloat16), x)
+    assert bf.dtype == torch.bfloat16 and bf.tolist() == [1.5, -2.0]
+
+
 def test_format_table_comes_from_the_registry():
     from kvhal.backend_util import format_id, format_table
 
