@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DTypeError, KVHalError
+from ..errors import DTypeError, KVHalError, ShapeError, SpecError
 
 
 def _not_an_array(x: Any, what: str = "x") -> DTypeError:
@@ -234,7 +234,21 @@ def bf16_bits(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def cast_into(dst: np.ndarray, dtype: str, src: np.ndarray) -> None:
-    """Write f32 ``src`` into a view ``host_out_view`` returned (``dtype`` its name), rounding to nearest even."""
+    """Write f32 ``src`` into a view ``host_out_view`` returned (``dtype`` its name), rounding to nearest even.
+    Raises DTypeError, ShapeError or SpecError (before writing anything) where ``dst`` is not such a view: not a
+    numpy array, not of ``src``'s shape, read-only, or ``dtype`` not one of OUT_DTYPES."""
+    if not isinstance(dst, np.ndarray):
+        raise DTypeError(f"cast_into writes a numpy view (host_out_view's), got {type(dst).__name__}")
+    if dtype not in OUT_DTYPES:
+        raise DTypeError(f"cast_into writes {', '.join(OUT_DTYPES)}, got dtype {dtype!r}")
+    if dtype == "bfloat16" and (dst.dtype != np.uint16 or not dst.flags.c_contiguous):
+        raise DTypeError(f"a bfloat16 out is written as C-contiguous uint16 bits (host_out_view's), got {dst.dtype}")
+    if dtype != "bfloat16" and (dst.dtype.name != dtype or not dst.dtype.isnative):
+        raise DTypeError(f"cast_into was told {dtype} for an out of dtype {dst.dtype.str}")
+    if np.shape(src) != dst.shape:
+        raise ShapeError(f"cast_into got src of shape {np.shape(src)} for an out of shape {dst.shape}")
+    if not dst.flags.writeable:
+        raise SpecError("cast_into got a read-only out; pass a writable buffer")
     if dtype == "bfloat16":
         bf16_bits(src, dst)
     else:

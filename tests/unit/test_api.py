@@ -638,3 +638,25 @@ def test_pools_the_machine_cannot_allocate_are_a_capacity_error(backend):
     out = subprocess.run([sys.executable, "-c", ALLOC_LIMITED, backend], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("refused: capacity_tokens=1048576 needs 17179869184 bytes"), out.stdout
+
+
+def test_cast_into_refuses_an_out_it_cannot_write():
+    from kvhal.interop import cast_into
+
+    src = np.ones((3, 2), np.float32)
+    ro = np.zeros((3, 2), np.float32)
+    ro.flags.writeable = False
+    cases = [
+        (kvhal.ShapeError, "shape", np.zeros((4, 2), np.float32), "float32"),
+        (kvhal.SpecError, "read-only", ro, "float32"),
+        (kvhal.DTypeError, "float99", np.zeros((3, 2), np.float32), "float99"),  # not a plain copy
+        (kvhal.DTypeError, "told float16", np.zeros((3, 2), np.float32), "float16"),
+        (kvhal.DTypeError, "uint16", np.zeros((3, 2), np.float32), "bfloat16"),
+        (kvhal.DTypeError, "list", [[0.0, 0.0]] * 3, "float32"),
+    ]
+    for err, match, dst, dtype in cases:
+        with pytest.raises(err, match=match):
+            cast_into(dst, dtype, src)
+    dst = np.zeros((3, 2), np.float16)
+    cast_into(dst, "float16", src)
+    assert (dst == 1).all()
