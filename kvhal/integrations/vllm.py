@@ -46,6 +46,7 @@ from ..errors import KVHalError, SpecError, UnsupportedError
 from ..fingerprint import Fingerprint, extra_digest, hash_chain
 from ..spec import CacheSpec
 from ..tiers import BlockKey, DiskTier, HostTier, RedisTier, Tier
+from ..validate import is_int
 
 __all__ = ["ConnectorConfig", "ConnectorStats", "KVHalConnector", "KVHalConnectorMetadata"]
 
@@ -69,26 +70,44 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(_KEYS))
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise SpecError(
+                f"kv_connector_extra_config must be a dict such as {{'disk_path': '/var/cache/kvhal'}}, got "
+                f"{type(extra).__name__}"
+            )
+        extra = dict(extra)
+        unknown = sorted((k for k in extra if k not in _KEYS), key=repr)
         if unknown:
             raise SpecError(
                 f"kv_connector_extra_config has unknown key(s) {unknown}; KVHalConnector takes {list(_KEYS)}"
             )
         for key in ("disk_path", "redis_url", "format", "model_id"):
-            if extra.get(key) is not None and not isinstance(extra[key], str):
-                raise SpecError(f"kv_connector_extra_config[{key!r}] must be a str, got {type(extra[key]).__name__}")
+            value = extra.get(key)
+            if value is not None and not isinstance(value, str):
+                raise SpecError(f"kv_connector_extra_config[{key!r}] must be a str, got {type(value).__name__}")
+            if value == "":
+                raise SpecError(f"kv_connector_extra_config[{key!r}] is an empty string; give a value or leave it out")
+        sizes: dict[str, int] = {}
         for key in ("disk_max_bytes", "host_max_bytes"):
             value = extra.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SpecError(f"kv_connector_extra_config[{key!r}] must be a positive int (bytes), got {value!r}")
+            if value is not None:
+                if not is_int(value) or value < 1:
+                    raise SpecError(f"kv_connector_extra_config[{key!r}] must be a positive int (bytes), got {value!r}")
+                sizes[key] = int(value)
+        if "disk_max_bytes" in sizes and extra.get("disk_path") is None:
+            raise SpecError(
+                "kv_connector_extra_config sets disk_max_bytes but no disk_path; set disk_path (a directory) for "
+                "the disk tier, or leave disk_max_bytes out"
+            )
         cfg = cls(
-            disk_path=extra.get("disk_path") or None,
-            disk_max_bytes=extra.get("disk_max_bytes") or DEFAULT_DISK_BYTES,
-            redis_url=extra.get("redis_url") or None,
-            host_max_bytes=extra.get("host_max_bytes"),
+            disk_path=extra.get("disk_path"),
+            disk_max_bytes=sizes.get("disk_max_bytes", DEFAULT_DISK_BYTES),
+            redis_url=extra.get("redis_url"),
+            host_max_bytes=sizes.get("host_max_bytes"),
             format=extra.get("format") or "bf16",
-            model_id=extra.get("model_id") or None,
+            model_id=extra.get("model_id"),
         )
         if cfg.disk_path is None and cfg.redis_url is None and cfg.host_max_bytes is None:
             raise SpecError(
