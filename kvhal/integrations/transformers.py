@@ -50,7 +50,7 @@ from ..eviction import (
 from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
-from ..validate import is_int
+from ..validate import is_int, token_ids
 from .versions import need_transformers, require_transformers
 
 _found = require_transformers()
@@ -278,27 +278,42 @@ class KVHalCache(Cache):  # type: ignore[misc]
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             raise ShapeError(f"input_ids must be a 2D torch tensor [batch, columns], got {type(input_ids).__name__}")
         batch, cols = (int(x) for x in input_ids.shape)
+        if batch < 1 or cols < 1:
+            raise ShapeError(
+                f"input_ids has shape {(batch, cols)}; match_prefix needs at least one row and one column (the "
+                "prompt generate will run)"
+            )
         if attention_mask is None:
             real = np.ones((batch, cols), bool)
         elif isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == (batch, cols):
             real = attention_mask.detach().to("cpu", torch.bool).numpy()
         else:
             raise ShapeError(f"attention_mask must be a torch tensor of input_ids' shape {(batch, cols)} or None")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ShapeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         ids = input_ids.detach().to("cpu").numpy()
-        rows = [ids[r][real[r]].tolist() for r in range(batch)]
+        # every row checked before the first kv.match_prefix: a refused row leaves no sequence behind
+        rows = [token_ids(ids[r][real[r]]) for r in range(batch)]
         if any(not np.all(real[r][np.argmax(real[r]) :]) for r in range(batch) if real[r].any()):
             raise UnsupportedError("match_prefix takes left padding only (padding before every real token)")
-        matched = [self.kv.match_prefix(row) for row in rows]
-        pads = [cols - len(row) for row in rows]
-        reused = min(pad + n for pad, (_, n) in zip(pads, matched))  # columns every row holds
-        reused = min(reused, cols - 1)  # generate computes at least the last column
-        out = []
-        for (seq, n), pad, row in zip(matched, pads, rows):
-            keep = max(0, reused - pad)
-            if n > keep:
-                self.kv.seq_rm(seq, keep, -1)
-            self.kv.append_tokens(seq, row[keep:])  # the ids of the positions generate will store
-            out.append(keep)
+        matched: list[tuple[int, int]] = []
+        try:
+            for row in rows:
+                matched.append(self.kv.match_prefix(row))
+            pads = [cols - len(row) for row in rows]
+            reused = min(pad + n for pad, (_, n) in zip(pads, matched))  # columns every row holds
+            reused = min(reused, cols - 1)  # generate computes at least the last column
+            out = []
+            for (seq, n), pad, row in zip(matched, pads, rows):
+                keep = max(0, reused - pad)
+                if n > keep:
+                    self.kv.seq_rm(seq, keep, -1)
+                self.kv.append_tokens(seq, row[keep:])  # the ids of the positions generate will store
+                out.append(keep)
+        except BaseException:
+            for seq, _ in matched:  # not yet rows of this cache: reset() could not free them
+                self.kv.free_seq(seq)
+            raise
         self.seqs = [seq for seq, _ in matched]
         self._real = real[:, :reused].copy()
         self._cols = [reused] * len(self._cols)
@@ -481,6 +496,11 @@ class KVHalCache(Cache):  # type: ignore[misc]
             raise ShapeError(f"{what} must hold row indices in [0, {len(self.seqs)}), got {idx!r:.80}")
         if not self.seqs:
             return
+        if not idx:
+            raise ShapeError(
+                f"{what} is empty but the cache holds {len(self.seqs)} rows: keep at least one row, or call reset() "
+                "to drop them all"
+            )
         self._in_step(what)
         old, kept, new = self.seqs, set(), []
         for i in idx:  # seq_cp of a whole sequence shares pages: it allocates nothing and cannot fail midway

@@ -354,3 +354,42 @@ def test_prefix_reuse_across_generate_calls(models, backend_info):
     assert cache.kv.stats().prefix_hit_tokens >= hits_before
     with pytest.raises(kvhal.KVHalError, match="reset"):
         solo.match_prefix(more[:1])
+
+
+def test_refused_match_prefix_leaves_no_sequence_behind(models):
+    """Row 1's invalid id is refused before row 0 gets a kvhal sequence that no row (nor reset) would free."""
+    cache = kv_cache(models["llama"], "reference")
+    for bad in (torch.tensor([[1, 2, 3, 4], [1, 2, -1, 4]]), torch.tensor([[1.0, 2.0]]), torch.ones(1, 2, dtype=bool)):
+        with pytest.raises(kvhal.ShapeError):
+            cache.match_prefix(bad)
+        assert cache.kv.stats().n_seqs == 0 and cache.seqs == []
+    cache.reset()
+    assert cache.kv.stats().n_seqs == 0 and cache.kv.stats().blocks_used == 0
+    assert cache.match_prefix(torch.tensor([[1, 2, 3, 4]])) == [0]
+
+
+def test_match_prefix_needs_a_row_and_a_column(models):
+    cache = kv_cache(models["llama"], "reference")
+    for shape in ((1, 0), (0, 4)):
+        with pytest.raises(kvhal.ShapeError, match="at least one row and one column"):
+            cache.match_prefix(torch.zeros(shape, dtype=torch.long))
+        assert cache.get_seq_length() == 0 and cache.kv.stats().n_seqs == 0
+
+
+@pytest.mark.parametrize("how", ["reorder_list", "reorder_tensor", "select"])
+def test_empty_row_selection_is_refused_while_rows_are_held(models, how):
+    model = models["llama"]
+    cache = kv_cache(model, "reference")
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3, 4]]), cache=cache)
+    with pytest.raises(kvhal.ShapeError, match="empty.*reset\\(\\)"):
+        if how == "reorder_list":
+            cache.reorder_cache([])
+        elif how == "reorder_tensor":
+            cache.reorder_cache(torch.tensor([], dtype=torch.long))
+        else:
+            cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    assert len(cache.seqs) == 1 and cache.kv.stats().n_seqs == 1 and cache.get_seq_length() == 4
+    with torch.inference_mode():
+        model(torch.tensor([[5]]), cache=cache)  # the cache goes on as it was
+    assert cache.kv.seq_len(cache.seqs[0]) == 5
