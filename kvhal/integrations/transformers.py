@@ -36,7 +36,7 @@ import numpy as np
 
 from ..backend import Backend
 from ..cache import KVCache
-from ..errors import CacheMismatchError, KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
+from ..errors import CacheMismatchError, DTypeError, KVHalError, PositionError, ShapeError, SpecError, UnsupportedError
 from ..eviction import (
     EvictionResult,
     EvictOnFull,
@@ -50,7 +50,8 @@ from ..eviction import (
 from ..fingerprint import Fingerprint
 from ..interop import to_like
 from ..spec import CacheSpec
-from ..validate import is_int, token_ids
+from ..validate import attention_options, is_int, token_ids
+from ..validate import layer as validate_layer
 from .versions import need_transformers, require_transformers
 
 _found = require_transformers()
@@ -349,6 +350,7 @@ class KVHalCache(Cache):  # type: ignore[misc]
             raise ShapeError(
                 f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ"
             )
+        _check_dtypes(key_states=key_states, value_states=value_states)
         spec = self.kv.spec
         if key_states.shape[1] != spec.n_kv_heads or key_states.shape[3] != spec.head_dim:
             raise ShapeError(
@@ -560,9 +562,32 @@ class KVHalCache(Cache):  # type: ignore[misc]
     ) -> torch.Tensor:
         """Store this step's new ``key``/``value`` columns of ``layer`` and attend with ``query`` over the cache:
         what ``attn_implementation="kvhal"`` runs for each layer (``[batch, heads, tokens, head_dim]`` tensors)."""
-        batch, n_heads, n_new, head_dim = query.shape
-        if tuple(key.shape[::2]) != (batch, n_new):
-            raise ShapeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on batch or tokens")
+        # every argument checked before _plan changes anything: a refused call leaves the cache as it was
+        layer = validate_layer(layer, len(self._cols))
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4:
+                got = f"{type(x).__name__} of shape {tuple(x.shape)}" if hasattr(x, "shape") else repr(x)[:80]
+                raise ShapeError(f"{name} must be a 4D torch tensor [batch, heads, n_new, head_dim], got {got}")
+        _check_dtypes(query=query, key=key, value=value)
+        spec = self.kv.spec
+        batch, n_heads, n_new, head_dim = (int(n) for n in query.shape)
+        if key.shape != value.shape or tuple(key.shape) != (batch, spec.n_kv_heads, n_new, spec.head_dim):
+            raise ShapeError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [{batch}, {spec.n_kv_heads}, "
+                f"{n_new}, {spec.head_dim}] (query's batch and tokens, the cache's KV heads and head_dim)"
+            )
+        if head_dim != spec.head_dim or n_heads == 0 or n_heads % spec.n_kv_heads:
+            raise ShapeError(
+                f"query has shape {tuple(query.shape)}; expected head_dim {spec.head_dim} and a head count that is a "
+                f"positive multiple of the cache's {spec.n_kv_heads} KV heads"
+            )
+        if batch < 1 or n_new < 1:
+            raise ShapeError(f"query has shape {tuple(query.shape)}; attend needs at least one row and one token")
+        if self.seqs and batch != len(self.seqs):
+            raise ShapeError(
+                f"the cache holds {len(self.seqs)} rows but this step has {batch}; call reset() for a new batch"
+            )
+        scale, _ = attention_options(scale, True, None, False, head_dim)
         window = self.windows[layer]
         kv = self.kv
         pressing = self.press is not None and self._pressed_cols is None
@@ -713,6 +738,16 @@ def kvhal_attention(
         )
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
     return cache.attend(layer, query, key, value, attention_mask, scale), None
+
+
+def _check_dtypes(**tensors: torch.Tensor) -> None:
+    """The dtypes kvhal stores and attends with, refused before any state changes."""
+    for name, x in tensors.items():
+        if x.dtype not in _LOAD_DTYPES:
+            raise DTypeError(
+                f"{name} has dtype {x.dtype}; kvhal takes float32, float16 or bfloat16: run the model in one of "
+                "them (model.float(), .half() or .bfloat16())"
+            )
 
 
 def _check_implementation(impl: Any) -> None:

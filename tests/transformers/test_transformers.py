@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -393,3 +394,52 @@ def test_empty_row_selection_is_refused_while_rows_are_held(models, how):
     with torch.inference_mode():
         model(torch.tensor([[5]]), cache=cache)  # the cache goes on as it was
     assert cache.kv.seq_len(cache.seqs[0]) == 5
+
+
+@pytest.mark.parametrize("impl", ["kvhal", "sdpa"])
+def test_float64_model_is_refused_without_poisoning_the_cache(impl):
+    """kvhal stores f32/f16/bf16: a float64 model is refused before anything is stored, so the cache needs no
+    reset() and goes on once the model runs in float32."""
+    model = make_model("llama").double()
+    model.set_attn_implementation(impl)
+    cache = KVHalCache.from_model(model, k_format="f32", v_format="f32", capacity_tokens=64, backend="reference",
+                                  block_size=8)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(kvhal.DTypeError, match="float32, float16 or bfloat16"), torch.inference_mode():
+        model(ids, cache=cache)
+    assert cache._failed is None and cache.seqs == [] and cache.get_seq_length() == 0
+    model.float()
+    with torch.inference_mode():
+        model(ids, cache=cache)
+    assert cache.get_seq_length() == 3 and cache.kv.seq_len(cache.seqs[0]) == 3
+
+
+def test_attend_checks_its_arguments_before_changing_state(models):
+    cache = kv_cache(models["llama"], "reference")
+    q, k = torch.zeros(1, 4, 1, 32), torch.zeros(1, 2, 1, 32)
+    bad_calls = [
+        (kvhal.PositionError, ("a", q, k, k, None, 0.1)),
+        (kvhal.PositionError, (5, q, k, k, None, 0.1)),
+        (kvhal.PositionError, (True, q, k, k, None, 0.1)),
+        (kvhal.PositionError, (-1, q, k, k, None, 0.1)),
+        (kvhal.ShapeError, (0, q[0], k, k, None, 0.1)),
+        (kvhal.ShapeError, (0, q, k.numpy(), k.numpy(), None, 0.1)),
+        (kvhal.ShapeError, (0, q, k, k, None, "x")),
+        (kvhal.ShapeError, (0, q, k, k, None, float("nan"))),
+        (kvhal.ShapeError, (0, torch.zeros(1, 3, 1, 32), k, k, None, 0.1)),
+        (kvhal.ShapeError, (0, q, torch.zeros(1, 2, 2, 32), torch.zeros(1, 2, 2, 32), None, 0.1)),
+        (kvhal.ShapeError, (0, q, torch.zeros(1, 3, 1, 32), torch.zeros(1, 3, 1, 32), None, 0.1)),
+        (kvhal.DTypeError, (0, q, k.double(), k.double(), None, 0.1)),
+        (kvhal.DTypeError, (0, q.double(), k, k, None, 0.1)),
+    ]
+    for error, args in bad_calls:
+        with pytest.raises(error):
+            cache.attend(*args)
+        assert cache._failed is None and cache.seqs == [] and cache._real.shape == (0, 0), args[:1]
+    out = cache.attend(0, q, k, k, None, np.float32(0.1))  # a good call still runs on the untouched cache
+    assert out.shape == (1, 1, 4, 32) and cache.get_seq_length(0) == 1
+    with pytest.raises(kvhal.ShapeError, match="holds 1 rows"):
+        cache.attend(1, torch.zeros(2, 4, 1, 32), torch.zeros(2, 2, 1, 32), torch.zeros(2, 2, 1, 32), None, 0.1)
+    assert cache._failed is None
+    cache.attend(1, q, k, k, None, 0.1)
+    assert cache.get_seq_length(1) == 1
