@@ -108,7 +108,7 @@ class KVHalLayer(CacheLayerMixin):  # type: ignore[misc]
         return self.owner.update(key_states, value_states, self.layer)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.get_seq_length(self.layer) + query_length, 0
+        return self.owner.get_mask_sizes(query_length, self.layer)
 
     def get_seq_length(self) -> int:
         return self.owner.get_seq_length(self.layer)
@@ -417,11 +417,19 @@ class KVHalCache(Cache):  # type: ignore[misc]
         return dense_k, dense_v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns seen (padding included), as transformers counts positions."""
-        return self._cols[layer_idx] if 0 <= layer_idx < len(self._cols) else 0
+        """Columns seen (padding included), as transformers counts positions. Layer indices work as on
+        transformers' ``DynamicCache``: a negative one counts from the last layer, one past the last gives 0."""
+        if not is_int(layer_idx):
+            raise PositionError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
+        n = len(self._cols)
+        if layer_idx < -n:
+            raise PositionError(f"layer_idx {layer_idx} is out of range; the cache has layers 0..{n - 1} (or -{n}..-1)")
+        return self._cols[layer_idx] if layer_idx < n else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
+        if not is_int(query_length) or query_length < 0:
+            raise ShapeError(f"query_length must be an int >= 0, got {type(query_length).__name__} {query_length!r}")
+        return self.get_seq_length(layer_idx) + int(query_length), 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

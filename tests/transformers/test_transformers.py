@@ -443,3 +443,24 @@ def test_attend_checks_its_arguments_before_changing_state(models):
     assert cache._failed is None
     cache.attend(1, q, k, k, None, 0.1)
     assert cache.get_seq_length(1) == 1
+
+
+def test_layer_indices_of_the_length_queries_work_as_on_dynamic_cache(models):
+    model, ids = models["llama"], torch.tensor([[1, 2, 3, 4]])
+    cache, dynamic = kv_cache(model, "reference"), transformers.DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids, cache=cache)
+        model.set_attn_implementation("sdpa")
+        model(ids, cache=dynamic)
+    for layer in (0, 1, -1, -2, 2, 5, np.int64(1), np.int32(-1)):
+        assert cache.get_seq_length(layer) == dynamic.get_seq_length(layer), layer
+        assert cache.get_mask_sizes(3, layer) == dynamic.get_mask_sizes(3, layer), layer
+    assert cache.layers[1].get_mask_sizes(2) == (6, 0)
+    for layer in ("a", 1.0, True, None, -3):
+        with pytest.raises(kvhal.PositionError, match="layer_idx"):
+            cache.get_seq_length(layer)
+        with pytest.raises(kvhal.PositionError, match="layer_idx"):
+            cache.get_mask_sizes(0, layer)
+    for length in ("a", -1, 1.0, False):
+        with pytest.raises(kvhal.ShapeError, match="query_length"):
+            cache.get_mask_sizes(length, 0)
