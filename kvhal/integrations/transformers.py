@@ -166,6 +166,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._step: _Step | None = None
         self._failed: str | None = None
         self._config = config  # its attention implementation is read per update: sdpa/eager get dense K/V
+        self._layers_checked = False  # the model's layer count compared with the cache's (config or first attention)
+        if config is not None:
+            self._check_layer_count(config)
         self.press, self.keep = press, keep
         self.evictions: list[EvictionResult] = []  # what the press dropped from each row, in row order
         self._pressed_cols: int | None = None  # columns at the press (None: the prefill is still to come)
@@ -336,6 +339,8 @@ class KVHalCache(Cache):  # type: ignore[misc]
                 f"layer_idx {layer_idx!r} is out of range; the cache has layers 0..{len(self._cols) - 1}"
             )
         layer = int(layer_idx)
+        if self._cols[layer] == max(self._cols) != min(self._cols):  # a new forward pass, yet a layer lags behind
+            raise SpecError(self._layers_lagging())
         pending = _PENDING.get()
         if pending is not None and pending[0] is self:
             _PENDING.set(None)
@@ -493,7 +498,34 @@ class KVHalCache(Cache):  # type: ignore[misc]
 
     def _in_step(self, what: str) -> None:
         if len(set(self._cols)) != 1 or _PENDING.get() is not None:
-            raise KVHalError(f"{what} between the layers of a forward pass; call it between forward passes")
+            raise KVHalError(
+                f"{what} between the layers of a forward pass; call it between forward passes"
+                + ("" if _PENDING.get() is not None else f" ({self._layers_lagging()})")
+            )
+
+    def _layers_lagging(self) -> str:
+        top = max(self._cols)
+        ran = [i for i, c in enumerate(self._cols) if c == top]
+        return (
+            f"the last forward pass updated {len(ran)} of the cache's {len(self._cols)} layers (layers {ran}): a "
+            f"model of {len(ran)} layers needs a cache of {len(ran)} (build it with KVHalCache.from_model), and a "
+            "forward pass that stopped midway needs reset()"
+        )
+
+    def _check_layer_count(self, config: Any) -> None:
+        """Refuse a model whose layer count (from its text config, as ``from_model`` counts them) is not the cache's."""
+        try:
+            if hasattr(config, "get_text_config"):
+                config = config.get_text_config(decoder=True)
+            n_model = len(get_layer_types_and_kwargs(config)[1])
+        except Exception:  # not a transformers config (a stand-in): nothing to compare
+            return
+        self._layers_checked = True
+        if n_model != len(self._cols):
+            raise SpecError(
+                f"the model has {n_model} attention layers but the cache has {len(self._cols)}: build the cache "
+                "with one window per model layer (KVHalCache.from_model(model, ...) does)"
+            )
 
     def _select(self, idx: Any, what: str) -> None:
         """Rows become ``old[idx[0]], old[idx[1]], ...``: each old row's first use keeps its sequence, later
@@ -731,6 +763,8 @@ def kvhal_attention(
         )
     _PENDING.set(None)
     cache, layer = pending[0], pending[1]
+    if not cache._layers_checked and getattr(module, "config", None) is not None:
+        cache._check_layer_count(module.config)  # a cache built without config: checked at its first attention
     if dropout:
         raise UnsupportedError(f"kvhal attention has no dropout (got {dropout}); run the model in eval() mode")
     for name in ("softcap", "position_bias", "s_aux"):

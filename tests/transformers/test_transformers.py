@@ -464,3 +464,28 @@ def test_layer_indices_of_the_length_queries_work_as_on_dynamic_cache(models):
     for length in ("a", -1, 1.0, False):
         with pytest.raises(kvhal.ShapeError, match="query_length"):
             cache.get_mask_sizes(length, 0)
+
+
+def test_cache_with_more_layers_than_the_model_is_refused(models):
+    model = models["llama"]
+    model.set_attn_implementation("kvhal")
+    spec = kvhal.CacheSpec(n_layers=3, n_kv_heads=2, head_dim=32, k_format="f32", v_format="f32", block_size=8)
+    kv = kvhal.KVCache(spec, 64, "reference")
+    with pytest.raises(kvhal.SpecError, match="model has 2 attention layers but the cache has 3"):
+        KVHalCache(kv, [None] * 3, config=model.config)
+    cache = KVHalCache(kv, [None] * 3)  # no config: the model's attention module tells, before anything is stored
+    with pytest.raises(kvhal.SpecError, match="model has 2 attention layers but the cache has 3"), torch.inference_mode():
+        model.generate(torch.tensor([[1, 2, 3]]), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert cache.seqs == [] and kv.stats().n_seqs == 0 and cache._failed is None
+    # driven by hand (no module to ask): the next forward pass's first update finds the layer left behind
+    cache = KVHalCache(kv, [None] * 3)
+    q, k = torch.zeros(1, 4, 1, 32), torch.zeros(1, 2, 1, 32)
+    for layer in (0, 1):
+        key, value = cache.update(k, k, layer)
+        kvhal_attention(torch.nn.Module(), q, key, value, None, scaling=0.1)
+    with pytest.raises(kvhal.KVHalError, match="updated 2 of the cache's 3 layers"):
+        cache.crop(-1)
+    with pytest.raises(kvhal.SpecError, match="updated 2 of the cache's 3 layers.*from_model"):
+        cache.update(k, k, 0)
+    cache.reset()
+    assert kv.stats().n_seqs == 0
