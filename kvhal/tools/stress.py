@@ -284,7 +284,7 @@ def run(
     names = _tier_names(tiers)
     if faults and not names:
         raise KVHalError("--faults injects tier faults: name the tiers too, e.g. --tiers host,disk,redis")
-    shape: dict[str, Any] = dict(
+    options: dict[str, Any] = dict(  # the cache's, and what a replay repeats
         backend=backend,
         k_format=k_format,
         v_format=v_format,
@@ -294,10 +294,10 @@ def run(
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
     )
-    replay = _replay_args(**shape, tiers=",".join(names), faults=faults)
+    replay = _replay_args(**options, tiers=",".join(names), faults=faults)
     with ExitStack() as stack:
         audited = _make_tiers(names, stack)
-        return _run(**shape, steps=steps, seed=seed, show_progress=show_progress, audited=audited, faults=faults,
+        return _run(**options, steps=steps, seed=seed, show_progress=show_progress, audited=audited, faults=faults,
                     replay=replay)  # fmt: skip
 
 
