@@ -139,6 +139,8 @@ def queries(q: Any, head_dim: int, n_kv_heads: int, n_seqs: int, q_lens: Any) ->
     if n_heads == 0 or n_heads % n_kv_heads:
         raise ShapeError(f"q has {n_heads} heads, not a multiple of the cache's {n_kv_heads} KV heads (GQA needs one)")
     if q_lens is None:
+        if q.shape[0] == 0:  # as q_lens=[0] is: a sequence with no query has nothing to attend for
+            raise ShapeError("q has no rows; attention needs at least one query per sequence")
         if n_seqs != 1 and q.shape[0] != n_seqs:
             raise ShapeError("pass q_lens when attending over several sequences with more than one query each")
         return [int(q.shape[0])] if n_seqs == 1 else [1] * n_seqs

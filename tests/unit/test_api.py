@@ -128,6 +128,8 @@ def test_validation_errors_change_nothing():
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=3), [s])),
         (kvhal.ShapeError, lambda: c.attention(0, rows(2, heads=4), [s], [1])),
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [])),
+        (kvhal.ShapeError, lambda: c.attention(0, rows(0, heads=4), [s])),  # as q_lens=[0] is
+        (kvhal.ShapeError, lambda: c.attention(0, rows(0, heads=4), [s], [0])),
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=0)),
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=2**63)),  # not OverflowError
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=2**62 + 1)),
