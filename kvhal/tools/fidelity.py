@@ -423,9 +423,10 @@ def run(
         raise SpecError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if decode is not None and (not is_int(decode) or decode < 1):
         raise SpecError(f"decode must be None or the prefill's token count (a positive int), got {decode!r}")
-    if decode is not None and decode > capture.tokens:
+    if decode is not None and decode >= capture.tokens:  # as the command: at least one token is decoded
         raise SpecError(
-            f"decode {decode}: the prefill is longer than the capture's {capture.tokens} tokens; pass at most that"
+            f"decode {decode}: the prefill must be shorter than the capture's {capture.tokens} tokens (the rest are "
+            "decoded one at a time); pass fewer, or None to attend once over the whole capture"
         )
     check_backend(backend)
     start = time.perf_counter()
