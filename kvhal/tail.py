@@ -425,6 +425,9 @@ class TailStore:
 
     def rows(self, s: Seq, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Stored-form f32 rows of tail positions ``[lo, hi)`` (counted from the tail's start)."""
+        if layer not in s.tail_k:  # a layer not stored yet (an evict reads every layer)
+            empty = np.zeros((0, self.spec.n_kv_heads, self.spec.head_dim), np.float32)
+            return empty, empty
         return s.tail_k[layer][lo:hi].astype(np.float32), s.tail_v[layer][lo:hi].astype(np.float32)
 
     def attention(

@@ -96,8 +96,9 @@ def test_snapkv_matches_the_published_rule_with_torch_pooling():
 
 def test_on_full_evicts_the_longest_sequence_with_a_record():
     seen = []
-    c = kvhal.KVCache(SPEC, 32, backend="reference", on_full=EvictOnFull(SinkWindow(sinks=4), keep_tokens=12),
-                      on_evict=seen.append)
+    c = kvhal.KVCache(
+        SPEC, 32, backend="reference", on_full=EvictOnFull(SinkWindow(sinks=4), keep_tokens=12), on_evict=seen.append
+    )
     rng = np.random.default_rng(0)
     a, b = c.new_seq(), c.new_seq()
     big = rng.standard_normal((24, 2, 32), dtype=np.float32)
@@ -150,8 +151,12 @@ def test_raise_mode_keeps_cached_prefixes():
 def test_eviction_argument_validation():
     c, s, _, _ = filled(10)
     before = c.stats()
-    for policy, keep, err in ((None, 4, kvhal.SpecError), (SinkWindow(), 4.0, kvhal.PositionError),
-                              (SinkWindow(), True, kvhal.PositionError), (SinkWindow(), -1, kvhal.PositionError)):
+    for policy, keep, err in (
+        (None, 4, kvhal.SpecError),
+        (SinkWindow(), 4.0, kvhal.PositionError),
+        (SinkWindow(), True, kvhal.PositionError),
+        (SinkWindow(), -1, kvhal.PositionError),
+    ):
         with pytest.raises(err):
             c.evict(s, policy, keep)
     with pytest.raises(kvhal.SequenceError):
@@ -249,3 +254,17 @@ def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
     stats = [expected_queries(q, np.arange(20), 1.0 / 10000 ** (np.arange(0, 32, 2) / 32)) for _ in (0, 1)]
     res = c.evict(s, ExpectedAttention().with_queries(stats), 10)
     assert len(res.kept) == 10 and res.kept[:4].tolist() == [0, 1, 2, 3] and c.seq_len(s) == 10  # sinks kept
+
+
+def test_evict_with_a_tail_of_a_sequence_not_stored_at_every_layer():
+    """A layer never stored has no f16 tail yet: evict reads it as empty (it raised a raw KeyError)."""
+    spec = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="f32", v_format="f32", block_size=4, tail=3)
+    c = kvhal.KVCache(spec, 64, backend="reference")
+    x = np.random.default_rng(0).standard_normal((2, 10, 2, 32)).astype(np.float16).astype(np.float32)
+    s, empty = c.new_seq(), c.new_seq()
+    c.store(s, 1, x[0], x[1])
+    r = c.evict(s, SinkWindow(sinks=2), keep_tokens=6)
+    assert r.kept.tolist() == [0, 1, 6, 7, 8, 9] and c.seq_len(s, 0) == 0 and c.seq_len(s, 1) == 6
+    for got, want in zip(c.load(s, 1), x):
+        np.testing.assert_array_equal(got, want[r.kept])
+    assert c.evict(empty, SinkWindow(), keep_tokens=0).kept.size == 0
