@@ -59,6 +59,7 @@ class Scores:
     key_norms: Callable[[], np.ndarray] | None = None
     # a layer's K, V of positions [0, n) as ``load`` returns them, f32 ``[n, n_kv_heads, head_dim]`` (``ExpectedAttention``)
     kv: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+    n_layers: int = 0  # the cache's layers (``ExpectedAttention`` needs statistics for each)
 
 
 class Policy(ABC):
@@ -299,8 +300,11 @@ class ExpectedAttention(Policy):
                 "ExpectedAttention needs each layer's query statistics: KVHalCache.from_model(..., press=) fills them "
                 "from the prefill; for KVCache.evict pass policy.with_queries([expected_queries(...) per layer])"
             )
-        if len(self.queries) <= layer:
-            raise SpecError(f"ExpectedAttention has query statistics for {len(self.queries)} layers, not layer {layer}")
+        if len(self.queries) != scores.n_layers:  # more would read layers the cache lacks, fewer would ignore some
+            raise SpecError(
+                f"ExpectedAttention has query statistics for {len(self.queries)} layers but the cache has "
+                f"{scores.n_layers}: pass one expected_queries(...) per layer"
+            )
         mean, cov = self.queries[layer]
         k, v = (np.asarray(x, np.float64) for x in scores.kv(layer))
         n_kv_heads, d = k.shape[1], k.shape[2]
@@ -608,7 +612,7 @@ class Evictor:
             k, v = self.load(s, layer)
             return k[:n], v[:n]
 
-        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms, kv)
+        return Scores(total, window, self.observe_window, bool(s.mass), heads, key_norms, kv, len(s.lens))
 
     def _compact(self, sid: int, s: Seq, kept: np.ndarray, policy: str, cause: str) -> EvictionResult:
         n = max(s.lens, default=0)

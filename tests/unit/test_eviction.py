@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvhal
-from kvhal.eviction import H2O, EvictOnFull, SinkWindow, SnapKV
+from kvhal.eviction import H2O, AdaKV, EvictOnFull, SinkWindow, SnapKV
 from tests.oracle import attention_f64
 
 SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="f32", v_format="f32", block_size=4)
@@ -252,6 +252,12 @@ def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
     # a direct evict with the statistics: every layer's (4 query heads over the cache's 2 KV heads, head_dim 32)
     q = rng.standard_normal((20, 4, 32))
     stats = [expected_queries(q, np.arange(20), 1.0 / 10000 ** (np.arange(0, 32, 2) / 32)) for _ in (0, 1)]
+    # statistics for another layer count than the cache's 2: refused (3 raised a raw IndexError, 1 was taken)
+    for wrong in (stats[:1], stats * 2):
+        for policy in (ExpectedAttention().with_queries(wrong), AdaKV(ExpectedAttention()).with_queries(wrong)):
+            with pytest.raises(kvhal.SpecError, match=f"for {len(wrong)} layers but the cache has 2"):
+                c.evict(s, policy, 10)
+    assert c.seq_len(s) == 20
     res = c.evict(s, ExpectedAttention().with_queries(stats), 10)
     assert len(res.kept) == 10 and res.kept[:4].tolist() == [0, 1, 2, 3] and c.seq_len(s) == 10  # sinks kept
 
