@@ -94,7 +94,9 @@ class TailStore:
                 f"seq_cp [{lo}, {hi}) with an f16 tail: only a copy of the whole sequence (p0=0, p1=-1) is supported "
                 "yet; a part would need quantized blocks back in f16"
             )
-        return self.table.share_all(s)
+        t = self.table.share_all(s)
+        del t.tokens[hi:]  # ids recorded ahead of the rows past [lo, hi) are not the copy's (as SeqTable.fork)
+        return t
 
     def values(self, s: Seq, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Stored-form f32 K, V of every position of ``s`` at ``layer`` as attention reads them: the pages dequantized

@@ -394,6 +394,25 @@ def test_tail_lifecycle(rng, tmp_path):
             )
 
 
+def test_tail_copy_of_a_range_keeps_only_its_token_ids():
+    """seq_cp [0, n) with a tail, of a sequence whose token ids run ahead of its rows, takes the ids of [0, n) only
+    (it took them all: the copy's own rows at n.. were then hashed under the original's ids, and a match_prefix of
+    those ids was served the copy's rows)."""
+    spec = kvhal.CacheSpec(1, 1, 32, "f32", "f32", 4, tail=2)
+    c = kvhal.KVCache(spec, 64, backend="reference")
+    s = c.new_seq()
+    c.append_tokens(s, list(range(16)))
+    ones = np.ones((8, 1, 32), np.float32)
+    c.store(s, 0, ones, ones)
+    t = c.seq_cp(s, 0, 8)
+    assert c.tokens(t) == list(range(8))
+    c.append_tokens(t, list(range(20, 26)))
+    c.store(t, 0, 5 * ones[:6], 5 * ones[:6])  # positions 8..13: blocks 0-2 paged and hashed
+    assert c.tokens(t) == [*range(8), *range(20, 26)]
+    m, n = c.match_prefix(list(range(16)))
+    assert n == 8  # the third block is t's tokens 20..23, not 8..11
+
+
 def test_transforms_enter_the_fingerprint():
     base = kvhal.CacheSpec(1, 2, 64, "q8_0")
     fp = kvhal.Fingerprint("m")
