@@ -207,6 +207,7 @@ typedef struct {
     float *o;            /* O^T [RP/32][D][32] */
     float *m, *l;        /* [RP] */
     int32_t *lo, *hi;    /* [RP] visible KV positions of each row, within the item's range */
+    int32_t *tend;       /* [RP/32] each row block's amx_tend for the current tile */
     int nq, nk, nv, np;  /* pieces of q, K, V, P */
     int nqk, npv;        /* products kept: pieces i, j with i + j < these */
 } amx_ws;
@@ -227,6 +228,7 @@ static size_t amx_layout(int D, int rows, uint8_t *base, amx_ws *L) {
     TAKE(l, float, RP);
     TAKE(lo, int32_t, RP);
     TAKE(hi, int32_t, RP);
+    TAKE(tend, int32_t, RP / 32);
 #undef TAKE
     return off;
 }
@@ -323,6 +325,7 @@ typedef struct {
     float *s;
     size_t qoff;                     /* the row block's Q^T within each piece */
     int D, tb, kk, i, jj, nj, lastb; /* the next step */
+    int tend;                        /* tokens of the tile the block sees any of (amx_tend) */
     int done;
 } amx_sc;
 
@@ -334,8 +337,9 @@ static inline void amx_sc_load_a(const amx_sc *st) {
     TLOAD(5, k0 + (size_t)16 * st->D, (long)st->D * 2);
 }
 
-static void amx_sc_begin(amx_sc *st, const amx_ws *L, int D, int rb, float *s) {
-    *st = (amx_sc){L, s, (size_t)(rb / 32) * D * 16, D, 0, 0, 0, 0, amx_sc_nj(L, 0), -1, 0};
+static void amx_sc_begin(amx_sc *st, const amx_ws *L, int D, int rb, float *s, int tend) {
+    *st = (amx_sc){L, s, (size_t)(rb / 32) * D * 16, D, 0, 0, 0, 0, amx_sc_nj(L, 0), -1, tend, tend == 0};
+    if (st->done) return;
     TZERO(0);
     TZERO(1);
     TZERO(2);
@@ -378,7 +382,7 @@ static inline void amx_sc_step(amx_sc *st) {
     TSTORE(1, sp + 16, 128);
     TSTORE(2, sp + 16 * 32, 128);
     TSTORE(3, sp + 16 * 32 + 16, 128);
-    if ((st->tb += 32) < AMX_T) {
+    if ((st->tb += 32) < st->tend) {
         TZERO(0);
         TZERO(1);
         TZERO(2);
@@ -389,10 +393,10 @@ static inline void amx_sc_step(amx_sc *st) {
     st->done = 1;
 }
 
-static inline int amx_sc_steps(const amx_ws *L, int D) { /* steps of one row block's scores */
+static inline int amx_sc_steps(const amx_ws *L, int D, int tend) { /* steps of one row block's scores */
     int n = 0;
     for (int i = 0; i < L->nk; i++) n += amx_sc_nj(L, i);
-    return n * (D / 32) * (AMX_T / 32);
+    return n * (D / 32) * (tend / 32);
 }
 
 /* O^T += V^T . P^T for row block rb, over the pieces (V piece i with P piece j, i + j < the larger
@@ -405,6 +409,7 @@ typedef struct {
     uint32_t *const *p; /* the row block's P^T pieces */
     float *ob;          /* the row block's O^T */
     int D, db, kt, i, jj, nj, lastb;
+    int tend; /* as amx_sc: the block's p past it are 0 and not written */
     int started, done;
 } amx_pvs;
 
@@ -425,8 +430,8 @@ static inline void amx_pv_load_c(const amx_pvs *st) {
 }
 
 /* the steps of row block rb's P.V, none issued yet (the tiles may still hold another unit's work) */
-static void amx_pv_begin(amx_pvs *st, const amx_ws *L, int D, int rb, uint32_t *const *p) {
-    *st = (amx_pvs){L, p, L->o + (size_t)(rb / 32) * D * 32, D, 0, 0, 0, 0, amx_pv_nj(L, 0), -1, 0, 0};
+static void amx_pv_begin(amx_pvs *st, const amx_ws *L, int D, int rb, uint32_t *const *p, int tend) {
+    *st = (amx_pvs){L, p, L->o + (size_t)(rb / 32) * D * 32, D, 0, 0, 0, 0, amx_pv_nj(L, 0), -1, tend, 0, tend == 0};
 }
 
 static inline void amx_pv_step(amx_pvs *st) {
@@ -458,7 +463,7 @@ static inline void amx_pv_step(amx_pvs *st) {
     st->i = 0;
     st->nj = amx_pv_nj(L, 0);
     st->lastb = -1;
-    if ((st->kt += 16) < AMX_T / 2) {
+    if ((st->kt += 16) < st->tend / 2) {
         amx_pv_load_a(st);
         return;
     }
@@ -476,10 +481,10 @@ static inline void amx_pv_step(amx_pvs *st) {
     st->done = 1;
 }
 
-static inline int amx_pv_steps(const amx_ws *L, int D) { /* steps of one row block's P.V */
+static inline int amx_pv_steps(const amx_ws *L, int D, int tend) { /* steps of one row block's P.V */
     int n = 0;
     for (int i = 0; i < L->nv; i++) n += amx_pv_nj(L, i);
-    return n * (D / 32) * (AMX_T / 32);
+    return n * (D / 32) * (tend / 32);
 }
 
 /* The tile unit's work that one row block's softmax hides: the next block's scores, then the previous
@@ -513,13 +518,28 @@ static inline void amx_p_pieces(const amx_ws *L, uint32_t *const *pw, size_t off
     }
 }
 
-/* the online softmax of row block rb over the tile [t0, t0 + AMX_T), 16 rows per vector: S -> P^T pieces,
- * with (m, l) and O^T rescaled where a row's max moved */
-static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbuf, uint32_t *const *pw, amx_next *next) {
+/* The tokens of the tile [t0, t0 + AMX_T) that row block rb sees any of: [t0, t0 + tend), tend a multiple of
+ * 32 (0: none). A causal prefill's rows see less of the tile that holds their own positions, so the tile
+ * unit's work and the softmax stop there instead of scoring keys that every row of the block masks. */
+static int amx_tend(const amx_ws *L, int rb, int t0) {
+    int end = 0;
+    for (int r = rb; r < rb + 32; r++)
+        if (L->lo[r] <= L->hi[r] && L->lo[r] < t0 + AMX_T && L->hi[r] >= t0) {
+            const int e = (L->hi[r] < t0 + AMX_T - 1 ? L->hi[r] : t0 + AMX_T - 1) - t0 + 1;
+            end = e > end ? e : end;
+        }
+    return (end + 31) & ~31;
+}
+
+/* the online softmax of row block rb over the tokens [t0, t0 + tend) of the tile, 16 rows per vector: S ->
+ * P^T pieces, with (m, l) and O^T rescaled where a row's max moved */
+static void amx_softmax(const amx_ws *L, int D, int rb, int t0, int tend, const float *sbuf, uint32_t *const *pw,
+                        amx_next *next) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    /* one step of the tile unit's work every `every` iterations of the loops below (2 AMX_T per block) */
-    const int steps = (next->sc.done ? 0 : amx_sc_steps(L, D)) + (next->pv.done ? 0 : amx_pv_steps(L, D));
-    const int every = steps == 0 ? 1 << 30 : (2 * AMX_T) / (steps + 1) > 0 ? (2 * AMX_T) / (steps + 1) : 1;
+    /* one step of the tile unit's work every `every` iterations of the loops below (2 tend per block) */
+    const int steps = (next->sc.done ? 0 : amx_sc_steps(L, D, next->sc.tend)) +
+                      (next->pv.done ? 0 : amx_pv_steps(L, D, next->pv.tend));
+    const int every = steps == 0 ? 1 << 30 : (2 * tend) / (steps + 1) > 0 ? (2 * tend) / (steps + 1) : 1;
     int tick = 0;
 #define AMX_TICK()                                  \
     do {                                            \
@@ -532,7 +552,7 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
         const int r = rb + g;
         const __m512i lo = _mm512_loadu_si512((const void *)(L->lo + r)), hi = _mm512_loadu_si512((const void *)(L->hi + r));
         /* the tile lies inside every row's visible range: no masks */
-        const int inside = _mm512_reduce_max_epi32(lo) <= t0 && _mm512_reduce_min_epi32(hi) >= t0 + AMX_T - 1;
+        const int inside = _mm512_reduce_max_epi32(lo) <= t0 && _mm512_reduce_min_epi32(hi) >= t0 + tend - 1;
         const __m512 m0 = _mm512_loadu_ps(L->m + r);
         float *s = (float *)sbuf + g;
         /* a tile inside the visible range of rows whose max is set: max and p in one pass over S, p taken
@@ -540,7 +560,7 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
          * rarely later) the pass is done again below, with the max taken first */
         if (inside && !_mm512_cmp_ps_mask(m0, ninf, _CMP_EQ_OQ)) {
             __m512 mx0 = ninf, mx1 = ninf, sum0 = _mm512_setzero_ps(), sum1 = sum0;
-            for (int tp = 0; tp < AMX_T / 2; tp++) {
+            for (int tp = 0; tp < tend / 2; tp++) {
                 AMX_TICK(); /* twice: the ticks of the max pass this one saves */
                 AMX_TICK();
                 const __m512 s0 = _mm512_loadu_ps(s + (2 * tp) * 32), s1 = _mm512_loadu_ps(s + (2 * tp + 1) * 32);
@@ -558,13 +578,13 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
         }
         __m512 mx0 = ninf, mx1 = ninf;
         if (inside)
-            for (int t = 0; t < AMX_T; t += 2) { /* NaN scores are skipped: max_ps returns its second operand */
+            for (int t = 0; t < tend; t += 2) { /* NaN scores are skipped: max_ps returns its second operand */
                 mx0 = _mm512_max_ps(_mm512_loadu_ps(s + t * 32), mx0);
                 mx1 = _mm512_max_ps(_mm512_loadu_ps(s + t * 32 + 32), mx1);
                 AMX_TICK();
             }
         else
-            for (int t = 0; t < AMX_T; t++) {
+            for (int t = 0; t < tend; t++) {
                 if (t & 1) AMX_TICK();
                 const __m512i pos = _mm512_set1_epi32(t0 + t);
                 const __mmask16 vis = _mm512_cmp_epi32_mask(lo, pos, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(pos, hi, _MM_CMPINT_LE);
@@ -586,7 +606,7 @@ static void amx_softmax(const amx_ws *L, int D, int rb, int t0, const float *sbu
         /* a row with nothing visible yet keeps max -inf: its scores are all -inf and give p = 0 */
         const __m512 mu = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
         __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-        for (int tp = 0; tp < AMX_T / 2; tp++) {
+        for (int tp = 0; tp < tend / 2; tp++) {
             AMX_TICK();
             const __m512 p0 = amx_exp2(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * tp) * 32), mu));
             const __m512 p1 = amx_exp2(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * tp + 1) * 32), mu));
@@ -667,25 +687,26 @@ void kv_amx_attn_item(const kv_call *c, const kv_item *it, kv_scratch *ws, float
             PROF(1);
             /* row block rb's softmax runs while the tile unit scores block rb + 32 and then runs block
              * rb - 32's P.V (amx_step): the S and P buffers alternate between even and odd blocks */
+            for (int rb = 0; rb < RP; rb += 32) L.tend[rb / 32] = amx_tend(&L, rb, t0);
             amx_next nx = {.pv = {.done = 1}};
-            amx_sc_begin(&nx.sc, &L, D, 0, L.s);
+            amx_sc_begin(&nx.sc, &L, D, 0, L.s, L.tend[0]);
             while (!nx.sc.done) amx_sc_step(&nx.sc);
             PROF(2);
             for (int rb = 0; rb < RP; rb += 32) {
                 const int b = (rb / 32) & 1;
                 if (rb + 32 < RP)
-                    amx_sc_begin(&nx.sc, &L, D, rb + 32, L.s + (size_t)(b ^ 1) * AMX_T * 32);
+                    amx_sc_begin(&nx.sc, &L, D, rb + 32, L.s + (size_t)(b ^ 1) * AMX_T * 32, L.tend[rb / 32 + 1]);
                 else
                     nx.sc.done = 1;
                 if (rb > 0)
-                    amx_pv_begin(&nx.pv, &L, D, rb - 32, L.p[b ^ 1]);
+                    amx_pv_begin(&nx.pv, &L, D, rb - 32, L.p[b ^ 1], L.tend[rb / 32 - 1]);
                 else
                     nx.pv.done = 1;
-                amx_softmax(&L, D, rb, t0, L.s + (size_t)b * AMX_T * 32, L.p[b], &nx);
+                amx_softmax(&L, D, rb, t0, L.tend[rb / 32], L.s + (size_t)b * AMX_T * 32, L.p[b], &nx);
                 while (!nx.sc.done || !nx.pv.done) amx_step(&nx);
                 PROF(3);
             }
-            amx_pv_begin(&nx.pv, &L, D, RP - 32, L.p[((RP / 32) - 1) & 1]);
+            amx_pv_begin(&nx.pv, &L, D, RP - 32, L.p[((RP / 32) - 1) & 1], L.tend[RP / 32 - 1]);
             while (!nx.pv.done) amx_pv_step(&nx.pv);
             PROF(5);
         }
