@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, FormatError, NonFiniteError, ShapeError
+from ..interop import to_numpy
 from ..validate import is_int
 
 Quantizer = Callable[[np.ndarray], np.ndarray]
@@ -108,13 +109,21 @@ class Format:
 
     def _rows(self, x: Any, dtype: type, what: str) -> np.ndarray:
         """``x`` as a contiguous array of ``dtype`` with at least one axis, or a typed error saying what to pass."""
+        byte_rows = dtype is np.uint8
         try:
-            # nested lists: numbers only (a cast to dtype would read "1.5" and True as values)
-            if getattr(x, "dtype", None) is None and np.asarray(x).dtype.kind not in "fiu":
+            arr = x if isinstance(x, np.ndarray) else to_numpy(x)  # torch, DLPack, nested lists
+            # numbers only, arrays as lists: a cast would read "1.5", True and complex values as values, and
+            # bytes from floats (1.5 -> 1) or out-of-range ints (-1 -> 255)
+            if arr.dtype.kind not in ("iu" if byte_rows else "fiu"):
                 raise TypeError
-            out: np.ndarray = np.ascontiguousarray(x, dtype=dtype)
-        except (TypeError, ValueError):  # None, "abc", ragged lists: not numbers
-            raise DTypeError(f"{what} (format {self.name}); got {type(x).__name__}") from None
+            if byte_rows and arr.dtype != np.uint8 and arr.size and (arr.min() < 0 or arr.max() > 255):
+                raise ValueError
+            out: np.ndarray = np.ascontiguousarray(arr, dtype=dtype)
+        except (TypeError, ValueError, DTypeError):  # None, "abc", ragged lists: not numbers
+            dt = getattr(x, "dtype", None)
+            raise DTypeError(
+                f"{what} (format {self.name}); got {type(x).__name__}{f' of {dt}' if dt is not None else ''}"
+            ) from None
         if out.ndim == 0:
             raise ShapeError(f"{what} (format {self.name}); got a scalar")
         return out

@@ -12,7 +12,17 @@ from kvhal import formats
 
 # the ggml formats gguf.quants can quantize (it only dequantizes nvfp4: tests/unit/test_formats_v2.py)
 GGML = [f for f in formats.names() if formats.get(f).ggml_type and f != "nvfp4"]
-BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "mxfp4": 4.25}
+BITS = {
+    "f32": 32,
+    "f16": 16,
+    "bf16": 16,
+    "q8_0": 8.5,
+    "q4_0": 4.5,
+    "q4_1": 5.0,
+    "q5_0": 5.5,
+    "q5_1": 6.0,
+    "mxfp4": 4.25,
+}
 
 
 def oracle_bytes(x: np.ndarray, name: str) -> np.ndarray:
@@ -33,7 +43,9 @@ def adversarial(rng: np.random.Generator) -> np.ndarray:
         np.r_[-np.full(32, 7.0), np.full(32, 7.0), rng.standard_normal(192)],  # constant blocks of both signs
         np.tile(np.r_[1.0, -1.0], 128),  # ties: +max and -max in every block (first occurrence wins)
         np.tile(np.arange(32) - 15.5, 8) / 4,  # exact grid points and half-steps
-        np.tile(np.r_[127.0, np.float32(0.49999997), -np.float32(0.49999997), 1.5, -2.5, np.zeros(27)], 8),  # roundf edges
+        np.tile(
+            np.r_[127.0, np.float32(0.49999997), -np.float32(0.49999997), 1.5, -2.5, np.zeros(27)], 8
+        ),  # roundf edges
         rng.uniform(-65000, 65000, 256),  # near the fp16 limit
         np.r_[np.full(32, 1e-40), rng.standard_normal(224) * 1e-20],  # subnormal f32, tiny scales
         rng.uniform(0.5, 1.0, 256),  # all positive (min/max formats)
@@ -113,6 +125,18 @@ def test_error_cases():
         with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
             formats.get("q8_0").quantize(text_or_flags)  # type: ignore[arg-type]
     assert formats.get("q8_0").quantize([[1.0] * 32]).shape == (1, 34)  # lists of numbers are arrays
+    # arrays as lists: text, flags and complex values are not values to quantize
+    for not_floats in (np.array(["1.5"] * 32), np.ones(32, bool), np.ones(32, complex), np.ones(32, object)):
+        with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
+            formats.get("q8_0").quantize(not_floats)
+    # bytes are ints in [0, 255]: no cast of floats (1.5 -> 1) or wrap of other ints (-1 -> 255, 300 -> 44)
+    for not_bytes in (np.full(34, 1.5), np.full(34, -1), np.full(34, 300), np.ones(34, bool), [1.5] * 34):
+        with pytest.raises(kvhal.DTypeError, match="dequantize takes uint8 rows"):
+            formats.get("q8_0").dequantize(not_bytes)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(
+        formats.get("q8_0").dequantize(np.arange(34, dtype=np.int64)),
+        formats.get("q8_0").dequantize(np.arange(34, dtype=np.uint8)),
+    )
     with pytest.raises(kvhal.DTypeError, match="dequantize takes uint8 rows"):
         formats.get("q8_0").dequantize(None)  # type: ignore[arg-type]
     with pytest.raises(kvhal.FormatError, match="row length is an int"):
@@ -128,8 +152,13 @@ def test_quantization_error_bounds():
     amax, span = np.abs(blocks).max(axis=1), np.ptp(blocks, axis=1)
     # step per block; the symmetric 4/5-bit formats clip +max's mirror image, so allow a full step there
     bound = {
-        "f16": amax * 2.0**-11, "bf16": amax * 2.0**-8, "q8_0": amax / 127 * 0.6,
-        "q4_0": amax / 8 * 1.01, "q5_0": amax / 16 * 1.01, "q4_1": span / 15 * 0.6, "q5_1": span / 31 * 0.6,
+        "f16": amax * 2.0**-11,
+        "bf16": amax * 2.0**-8,
+        "q8_0": amax / 127 * 0.6,
+        "q4_0": amax / 8 * 1.01,
+        "q5_0": amax / 16 * 1.01,
+        "q4_1": span / 15 * 0.6,
+        "q5_1": span / 31 * 0.6,
     }
     for name, b in bound.items():
         f = formats.get(name)
