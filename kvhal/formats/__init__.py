@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import DTypeError, FormatError, NonFiniteError, ShapeError
 from ..interop import to_numpy
-from ..validate import is_int
+from ..validate import count, is_int
 
 Quantizer = Callable[[np.ndarray], np.ndarray]
 
@@ -35,6 +35,7 @@ class KPageCodec:
 
     def row_bytes(self, n: int, bs: int) -> int:
         """Bytes per token row of a K page: the codes plus this row's share of the page's scales."""
+        n, bs = count(n, "head_dim", 1, FormatError), count(bs, "block_size", 1, FormatError)
         if n % 32 or (4 * n) % bs:
             raise FormatError(
                 f"per-channel K pages of head_dim {n} and block_size {bs}: head_dim must be a multiple of 32 "
@@ -43,7 +44,7 @@ class KPageCodec:
         return n * self.bits // 8 + 4 * n // bs
 
     def bits_per_element(self, bs: int) -> float:
-        return self.bits + 32 / bs
+        return self.bits + 32 / count(bs, "block_size", 1, FormatError)
 
 
 @dataclass(frozen=True)

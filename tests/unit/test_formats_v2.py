@@ -69,7 +69,9 @@ def fp4_inputs(rng: np.random.Generator, n: int) -> np.ndarray:
         np.zeros(n),
         rng.standard_normal(n) * rng.uniform(1e-3, 1e3),
         np.r_[rng.standard_normal(n - 1) * 1e-2, 300.0],  # an outlier
-        np.resize(np.r_[0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.25], n),  # ties
+        np.resize(
+            np.r_[0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.25], n
+        ),  # ties
         rng.uniform(-1, 1, n) * 1e-6,
         np.full(n, -0.0),
     ]
@@ -196,6 +198,15 @@ def test_kivi_k_needs_whole_pages_in_spec():
     spec = kvhal.CacheSpec(1, 2, 128, k_format="kivi4", v_format="kivi2", block_size=16)
     assert spec.k_row_bytes == 64 + 32 and spec.v_row_bytes == 48
     assert spec.k_bits_per_element == 6.0
+    # the page codec's own sizes take ints >= 1 (a numpy int too), as CacheSpec does
+    codec = formats.get("kivi4").k_page
+    assert codec.row_bytes(np.int64(128), np.int32(16)) == 64 + 32
+    for n, bs in (("128", 16), (128.0, 16), (128, 0), (True, 16), (128, None)):
+        with pytest.raises(kvhal.FormatError):
+            codec.row_bytes(n, bs)  # type: ignore[arg-type]
+    for bs in (0, -16, 16.0, False):
+        with pytest.raises(kvhal.FormatError, match="block_size"):
+            codec.bits_per_element(bs)  # type: ignore[arg-type]
 
 
 def test_registry_ids_are_stable():
