@@ -131,6 +131,10 @@ class CacheSpec:
                     raise SpecError(f"CacheSpec.{name}={value!r}: {e}") from None
         for name in ("k_format", "v_format"):
             fmt = formats.get(getattr(self, name))  # raises FormatError for unknown names
+            if fmt.name not in formats.names() or formats.get(fmt.name) != fmt:
+                raise SpecError(f"CacheSpec.{name}={fmt!r} is not a registered format; pass its name, e.g. 'q8_0'")
+            # a Format is kept by its name: one spec, one hash, one fingerprint (JSON has no Format)
+            object.__setattr__(self, name, fmt.name)
             try:
                 fmt.check_row_len(self.head_dim)
                 if name == "k_format" and fmt.k_page is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -16,8 +17,12 @@ from tests.oracle import attention_f64
 
 
 def cache(cap: int = 64, **kw) -> kvhal.KVCache:
-    spec = kvhal.CacheSpec(**({"n_layers": 2, "n_kv_heads": 2, "head_dim": 32, "k_format": "q8_0",
-                               "v_format": "q4_0", "block_size": 8} | kw))
+    spec = kvhal.CacheSpec(
+        **(
+            {"n_layers": 2, "n_kv_heads": 2, "head_dim": 32, "k_format": "q8_0", "v_format": "q4_0", "block_size": 8}
+            | kw
+        )
+    )
     return kvhal.KVCache(spec, cap, backend="reference")
 
 
@@ -78,6 +83,13 @@ def test_spec_validation():
     for bad in (["q8_0"], {}):  # not a name: typed, not "unhashable"
         with pytest.raises(kvhal.FormatError, match="name such as"):
             kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, k_format=bad)
+    # a registered Format is kept by its name (one spec, one hash, one fingerprint); another Format is refused
+    spec = kvhal.CacheSpec(2, 2, 64, k_format=formats.get("q8_0"), v_format=formats.get("q4_0"))
+    assert spec == kvhal.CacheSpec(2, 2, 64, "q8_0", "q4_0") and (spec.k_format, spec.v_format) == ("q8_0", "q4_0")
+    fp = kvhal.Fingerprint("m")
+    assert fp.digest(spec) == fp.digest(kvhal.CacheSpec(2, 2, 64, "q8_0", "q4_0"))
+    with pytest.raises(kvhal.SpecError, match="not a registered format"):
+        kvhal.CacheSpec(2, 2, 64, k_format=dataclasses.replace(formats.get("q8_0"), block_len=16))
     # numpy ints are ints, stored as plain ints (one spec, one hash); a bool is not
     spec = kvhal.CacheSpec(np.int64(2), np.int32(2), np.int64(64), block_size=np.int64(16), tail=np.int64(0))
     assert spec == kvhal.CacheSpec(2, 2, 64) and hash(spec) == hash(kvhal.CacheSpec(2, 2, 64))
@@ -168,7 +180,9 @@ def test_float16_and_torch_inputs_through_dlpack():
     np.testing.assert_allclose(out, want, atol=1e-6)
     kb = torch.from_numpy(k).bfloat16()  # widened exactly: the stored bytes are those of kb.float()
     c.store(s, 0, kb, torch.from_numpy(v))
-    np.testing.assert_array_equal(kvhal.to_numpy(c.load(s, 0, 9)[0]), kb.float().numpy().astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(
+        kvhal.to_numpy(c.load(s, 0, 9)[0]), kb.float().numpy().astype(np.float16).astype(np.float32)
+    )
     with pytest.raises(kvhal.DTypeError, match="float32"):
         c.store(s, 0, torch.from_numpy(k).double(), torch.from_numpy(v))
     assert isinstance(kvhal.to_numpy(torch.ones(2)), np.ndarray)
@@ -362,8 +376,13 @@ def test_supports_sees_the_attention_shape():
     assert c.backend.supports(spec, "attention") is None and plain.backend.supports(spec, "attention") is None
     with pytest.raises(kvhal.SpecError, match="AttentionShape"):
         c.backend.supports(spec, "attention", (4, True, None, 1))
-    for bad in ({"n_heads": True}, {"n_heads": 0}, {"n_heads": 4, "window": 0}, {"n_heads": 4, "window": 2**62 + 1},
-                {"n_heads": 4, "causal": 1}):
+    for bad in (
+        {"n_heads": True},
+        {"n_heads": 0},
+        {"n_heads": 4, "window": 0},
+        {"n_heads": 4, "window": 2**62 + 1},
+        {"n_heads": 4, "causal": 1},
+    ):
         with pytest.raises(kvhal.ShapeError):
             kvhal.AttentionShape(**bad)
 
@@ -460,8 +479,12 @@ def test_backend_options_are_parsed_once_with_typed_errors(monkeypatch):
     with pytest.raises(kvhal.SpecError, match="KVHAL_TEST_THREADS"):
         parse_options("t", {}, opts)
     with pytest.raises(kvhal.SpecError, match="no option threads"):
-        kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 16, backend="reference",
-                      backend_options={"threads": 2})
+        kvhal.KVCache(
+            kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32),
+            16,
+            backend="reference",
+            backend_options={"threads": 2},
+        )
 
 
 def test_visible_range_matches_the_rule():
@@ -480,8 +503,12 @@ def test_visible_range_matches_the_rule():
 
 
 def test_to_numpy_and_to_like_refuse_what_is_not_an_array():
-    for bad, match in ((None, "None, not an array"), ("abc", "str, not an array"), ([[1.0], [1.0, 2.0]], "rectangular"),
-                       (object(), "not numbers")):
+    for bad, match in (
+        (None, "None, not an array"),
+        ("abc", "str, not an array"),
+        ([[1.0], [1.0, 2.0]], "rectangular"),
+        (object(), "not numbers"),
+    ):
         with pytest.raises(kvhal.DTypeError, match=match):
             kvhal.to_numpy(bad)
     np.testing.assert_array_equal(kvhal.to_numpy([[1.0, 2.0]]), [[1.0, 2.0]])  # a list of numbers is still taken
