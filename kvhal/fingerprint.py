@@ -56,6 +56,17 @@ def _check_json(value: Any, where: str) -> None:
     )
 
 
+def _plain(value: Any) -> Any:
+    """Checked JSON values with every Mapping a dict (json writes no other Mapping), copied: later changes to the
+    caller's dicts do not reach a fingerprint."""
+    if isinstance(value, Mapping):
+        return {k: _plain(x) for k, x in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_plain(x) for x in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
 def canonical_json(value: Any) -> bytes:
     """One byte string per value: sorted keys, no spaces, shortest float repr (stable across versions)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
@@ -68,7 +79,7 @@ def extra_digest(extra: Mapping[str, Any] | None) -> bytes:
     if not extra:
         return NO_EXTRA
     _check_json(extra, "extra")
-    return hashlib.sha256(b"kvhal-extra\0" + canonical_json(dict(extra))).digest()
+    return hashlib.sha256(b"kvhal-extra\0" + canonical_json(_plain(extra))).digest()
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class Fingerprint:
         if not isinstance(self.extra, Mapping):
             raise SpecError(f"Fingerprint.extra must be a dict, got {type(self.extra).__name__}")
         _check_json(self.extra, "Fingerprint.extra")
+        object.__setattr__(self, "extra", _plain(self.extra))
 
     def as_dict(self, spec: CacheSpec | None = None) -> dict[str, Any]:
         if spec is not None and not isinstance(spec, CacheSpec):

@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
 import kvhal
+from kvhal.fingerprint import extra_digest
 
 BS = 4
 SPEC = kvhal.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=32, k_format="q8_0", v_format="q4_0", block_size=BS)
@@ -53,7 +55,8 @@ def test_fingerprint_digest_is_canonical_and_covers_the_spec():
         b"kvhal-fingerprint\0"
         + json.dumps(
             {"extra": {"b": [1, 2], "rope_theta": 1000000.0}, "format_version": 1, "model": "org/m@abc"},
-            sort_keys=True, separators=(",", ":"),
+            sort_keys=True,
+            separators=(",", ":"),
         ).encode()
     ).digest()
     assert fp.digest() == want
@@ -65,6 +68,14 @@ def test_fingerprint_digest_is_canonical_and_covers_the_spec():
             kvhal.Fingerprint("m", extra=bad)
     with pytest.raises(kvhal.SpecError):
         kvhal.Fingerprint(3)  # type: ignore[arg-type]
+    # any Mapping, nested too, names what the dict of it names (json writes dicts only); a later change to the
+    # caller's dict does not reach the fingerprint
+    inner = {"b": 1}
+    proxied = kvhal.Fingerprint("m", extra={"a": types.MappingProxyType(inner), "t": (1, 2)})
+    assert proxied.digest() == kvhal.Fingerprint("m", extra={"a": {"b": 1}, "t": [1, 2]}).digest()
+    assert extra_digest({"a": types.MappingProxyType(inner)}) == extra_digest({"a": {"b": 1}})
+    inner["b"] = 2
+    assert proxied.digest() == kvhal.Fingerprint("m", extra={"a": {"b": 1}, "t": [1, 2]}).digest()
     with pytest.raises(kvhal.SpecError, match="CacheSpec or None"):
         fp.digest(1)  # type: ignore[arg-type]
     with pytest.raises(kvhal.SpecError, match="CacheSpec or None"):
@@ -90,8 +101,16 @@ def test_hashes_equal_across_processes_with_different_hash_seeds():
     outs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__)))).stdout.strip())
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+            ).stdout.strip()
+        )
     assert len(outs) == 1 and outs.pop().count(",") == 1
 
 
@@ -140,7 +159,10 @@ def test_match_prefix_shares_full_blocks_and_caps_at_len_minus_one():
     a_k = c.load(a, 0)[0].copy()
     prefill(c, tokens + [7, 7], seq=t, start=8)  # t stores positions 8.. into its own blocks
     np.testing.assert_array_equal(c.load(a, 0)[0], a_k)
-    assert c.seq_table.get(t).hashes[:2] == c.seq_table.get(a).hashes[:2] and c.seq_table.get(t).blocks[2] != c.seq_table.get(a).blocks[2]
+    assert (
+        c.seq_table.get(t).hashes[:2] == c.seq_table.get(a).hashes[:2]
+        and c.seq_table.get(t).blocks[2] != c.seq_table.get(a).blocks[2]
+    )
 
 
 def test_extra_keys_keep_tenants_apart():
