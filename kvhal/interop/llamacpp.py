@@ -162,7 +162,8 @@ def _path(path: Any) -> str:
 def _data(data: Any, what: str) -> memoryview:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise SpecError(f"{what} must be bytes (what llama_state_seq_get_data returns), got {type(data).__name__}")
-    return memoryview(data).cast("B")
+    view = memoryview(data)
+    return (view if view.c_contiguous else memoryview(view.tobytes())).cast("B")  # cast takes contiguous views only
 
 
 # -- reading -------------------------------------------------------------------------------------------
@@ -330,7 +331,7 @@ def read_bytes(data: bytes | bytearray | memoryview) -> LlamaSeqState:
 def read_file(path: str | os.PathLike[str] | bytes | bytearray | memoryview) -> LlamaSeqState:
     """Parse a ``llama_state_seq_save_file`` file (or its bytes), token ids included."""
     if isinstance(path, (bytes, bytearray, memoryview)):
-        data, what = memoryview(path).cast("B"), "llama.cpp sequence-state file"
+        data, what = _data(path, "path"), "llama.cpp sequence-state file"
     else:
         p = _path(path)
         try:

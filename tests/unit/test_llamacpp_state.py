@@ -191,6 +191,10 @@ def test_bad_input_is_typed_and_nothing_half_imported() -> None:
         llamacpp.read_file(as_file(sec, list(range(20)), version=2))
     with pytest.raises(kvhal.SpecError):
         llamacpp.read_bytes("not bytes")  # type: ignore[arg-type]
+    # a strided memoryview is bytes too (memoryview.cast refuses it): read as its bytes
+    strided = memoryview(np.repeat(np.frombuffer(data, np.uint8), 2)[::2])
+    assert llamacpp.read_bytes(strided).to_bytes() == data
+    assert llamacpp.read_file(memoryview(np.repeat(np.frombuffer(file, np.uint8), 2)[::2])).tokens == tuple(range(20))
     # a flipped bit in every header field is caught (the rows themselves carry no checksum in llama.cpp)
     header_fields = [8, 12, 16 + 20 * 12, 20 + 20 * 12, 24 + 20 * 12, 28 + 20 * 12]
     for at in header_fields:
