@@ -116,12 +116,12 @@ class LlamaSeqState:
 
     def to_bytes(self, seq_id: int | None = None) -> bytes:
         """What ``llama_state_seq_get_data`` returns for this state (``llama_state_seq_set_data`` reads it)."""
-        sid = self.seq_id if seq_id is None else _int(seq_id, "seq_id", -(2**31), 2**31)
+        sid = _int(self.seq_id if seq_id is None else seq_id, "seq_id", -(2**31), 2**31)
         return struct.pack("<Ii", IO_MAGIC, sid) + b"".join(_write_section(s) for s in self.sections)
 
     def to_file_bytes(self) -> bytes:
         """What ``llama_state_seq_save_file`` writes for this state (``llama_state_seq_load_file`` reads it)."""
-        tokens = list(self.tokens or ())
+        tokens = validate.token_ids(list(self.tokens or ()))  # an i32 each: not refused by numpy's cast below
         if tokens and len(tokens) != self.n_tokens:
             raise LlamaStateMismatchError(f"{len(tokens)} token ids for a state of {self.n_tokens} tokens")
         head = struct.pack("<III", FILE_MAGIC, FILE_VERSION, len(tokens)) + np.asarray(tokens, "<i4").tobytes()
@@ -360,9 +360,38 @@ def read_file(path: str | os.PathLike[str] | bytes | bytearray | memoryview) -> 
 # -- writing -------------------------------------------------------------------------------------------
 
 
+def _check_section(sec: Section) -> int:
+    """A Section's fields and rows as the state writes them (one built by hand, too): its i32/u32 fields in range and
+    rows llama.cpp reads back, refused here rather than by struct.pack or a dict lookup; returns its token count."""
+    if not isinstance(sec, Section):
+        raise SpecError(f"a state's sections are Section objects, got {type(sec).__name__}")
+    n_stream = _int(sec.n_stream, "Section.n_stream", 1, 2**32)
+    _int(sec.stream, "Section.stream", 0, n_stream)
+    _int(sec.seq_id, "Section.seq_id", 0, 2**31)
+    n = len(sec.layers[0].k) if sec.layers and isinstance(sec.layers[0], LayerRows) else 0
+    for x in sec.layers:
+        if not isinstance(x, LayerRows):
+            raise SpecError(f"a Section's layers are LayerRows objects, got {type(x).__name__}")
+        for w, name, rows in (("K", x.k_format, x.k), ("V", x.v_format, x.v)):
+            if name not in GGML_IDS:
+                raise LlamaStateUnsupportedError(
+                    f"{w} format {name!r} is not a ggml type llama.cpp reads ({sorted(GGML_IDS)})"
+                )
+            fmt = formats.get(name)
+            if not (isinstance(rows, np.ndarray) and rows.dtype == np.uint8 and rows.ndim == 2 and len(rows) == n):
+                raise SpecError(
+                    f"a layer's {w} rows are uint8 [{n}, row bytes] (one row per token), got {type(rows).__name__} {getattr(rows, 'shape', '')}"
+                )
+            if n and (rows.shape[1] == 0 or rows.shape[1] % fmt.block_bytes):
+                raise SpecError(f"a layer's {w} rows of {rows.shape[1]} bytes are not whole {name} blocks")
+        if sec.v_trans and x.v_format not in PLAIN:
+            raise LlamaStateUnsupportedError(f"llama.cpp transposes V of f32/f16/bf16 only, not {x.v_format}")
+    return n
+
+
 def _write_section(sec: Section) -> bytes:
+    n = _check_section(sec)
     out = [struct.pack("<I", sec.n_stream)]
-    n = len(sec.layers[0].k) if sec.layers else 0
     for s in range(sec.n_stream):
         if s != sec.stream or n == 0:
             out.append(struct.pack("<I", 0))

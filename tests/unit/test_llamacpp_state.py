@@ -4,6 +4,7 @@ parser is checked against a second reading of the format. The real engine: tests
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -224,6 +225,33 @@ def test_bad_input_is_typed_and_nothing_half_imported() -> None:
             llamacpp.export_state(c2, s2, **kw)
     with pytest.raises(kvhal.SpecError, match="must be in"):
         llamacpp.export_state(c2, s2).to_bytes(2**31)
+    # a state built by hand: its fields and rows are checked before anything is written
+    good = llamacpp.export_state(c2, s2)
+    sec, rows0 = good.sections[0], good.sections[0].layers[0]
+
+    def with_section(**kw: object) -> llamacpp.LlamaSeqState:
+        return dataclasses.replace(good, sections=(dataclasses.replace(sec, **kw),))
+
+    hand = [
+        (kvhal.SpecError, "to_bytes", dataclasses.replace(good, seq_id=2**40)),
+        (kvhal.ShapeError, "to_file_bytes", dataclasses.replace(good, tokens=(2**40,) * 20)),
+        (kvhal.SpecError, "to_bytes", with_section(n_stream=2**33)),
+        (kvhal.SpecError, "to_bytes", with_section(stream=1)),
+        (kvhal.SpecError, "to_bytes", with_section(seq_id=-1)),
+        (kvhal.SpecError, "to_bytes", dataclasses.replace(good, sections=("section",))),
+        (llamacpp.LlamaStateUnsupportedError, "to_bytes", with_section(v_trans=True)),
+        (
+            llamacpp.LlamaStateUnsupportedError,
+            "to_bytes",
+            with_section(layers=(dataclasses.replace(rows0, k_format="q3_k"),)),
+        ),
+    ]
+    for bad_rows in ({"k": rows0.k.tolist()}, {"v": rows0.v[:5]}, {"k": rows0.k[:, :7]}):
+        hand.append((kvhal.SpecError, "to_file_bytes", with_section(layers=(dataclasses.replace(rows0, **bad_rows),))))
+    for error, method, state in hand:
+        with pytest.raises(error):
+            getattr(state, method)()
+    assert llamacpp.read_bytes(good.to_bytes()).to_bytes() == good.to_bytes()
     with pytest.raises(kvhal.SpecError, match="LlamaSeqState"):
         llamacpp.spec_for(None, kv_heads=2, llama_rotation=None)  # type: ignore[arg-type]
     spec = llamacpp.spec_for(llamacpp.read_bytes(data), kv_heads=H, llama_rotation=True, block_size=np.int64(16))
