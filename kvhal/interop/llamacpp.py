@@ -438,8 +438,8 @@ def spec_for(state: LlamaSeqState, *, kv_heads: int, llama_rotation: bool | None
     kv_heads = _int(kv_heads, "kv_heads")
     if kv_heads <= 0:
         raise SpecError(f"kv_heads must be positive, got {kv_heads}")
-    if llama_rotation is not None and not isinstance(llama_rotation, bool):
-        raise SpecError(f"llama_rotation must be True, False or None, got {type(llama_rotation).__name__}")
+    if llama_rotation is not None:  # numpy's bool is a bool (validate.check_bool), 1 is not
+        llama_rotation = validate.check_bool(llama_rotation, "llama_rotation (True, False or None)", SpecError)
     kf, vf, k_bytes, v_bytes = _layer_formats(state)
     dims = []
     for name, nbytes in ((kf, k_bytes), (vf, v_bytes)):
@@ -575,8 +575,7 @@ def export_state(
 
     if not isinstance(cache, KVCache):
         raise SpecError(f"cache must be a kvhal.KVCache, got {type(cache).__name__}")
-    if not isinstance(v_trans, bool):
-        raise SpecError(f"v_trans must be a bool, got {type(v_trans).__name__}")
+    v_trans = validate.check_bool(v_trans, "v_trans", SpecError)
     # an i32 and a u32 in the state: refused here, not by struct.pack at to_bytes()
     seq_id, n_stream = _int(seq_id, "seq_id", 0, 2**31), _int(n_stream, "n_stream", 1, 2**32)
     stream = _int(stream, "stream")

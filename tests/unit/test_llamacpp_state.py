@@ -144,6 +144,12 @@ def test_quantized_state_needs_the_rotation_said() -> None:
         llamacpp.import_state(data, kv_heads=H, llama_rotation=1, backend="reference")  # type: ignore[arg-type]
     cache, _ = llamacpp.import_state(data, kv_heads=H, llama_rotation=False, backend="reference")
     assert cache.spec.k_rotation is None and cache.spec.v_rotation is None
+    # numpy's bools are bools (as everywhere in kvhal)
+    state = llamacpp.read_bytes(data)
+    assert llamacpp.spec_for(state, kv_heads=H, llama_rotation=np.bool_(True)).k_rotation == "hadamard-llama"
+    assert llamacpp.export_state(cache, 0, v_trans=np.bool_(False)).to_bytes() == data
+    with pytest.raises(kvhal.SpecError, match="v_trans"):
+        llamacpp.export_state(cache, 0, v_trans=0)  # type: ignore[arg-type]
 
 
 def test_attention_over_a_rotated_import_is_right() -> None:
