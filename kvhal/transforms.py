@@ -85,8 +85,17 @@ def _blocks(x: np.ndarray, which: str) -> np.ndarray:
     return _wht(y.reshape(*y.shape[:-1], n // b, b)).reshape(y.shape)
 
 
+def _check_mode(mode: str, which: str) -> None:
+    # a typo ("hadamard_llama") would otherwise run the other rotation, and "q" K's blocks, without a word
+    if not isinstance(mode, str) or mode not in ROTATIONS:
+        raise SpecError(f"rotation {mode!r} is not one of {ROTATIONS}")
+    if not isinstance(which, str) or which not in ("k", "v"):
+        raise SpecError(f'which must be "k" or "v" (the block size of "hadamard-llama"), got {which!r}')
+
+
 def rotate(x: np.ndarray, mode: str = "hadamard", which: str = "k") -> np.ndarray:
     """``R x`` over the last axis, float64 (``which``: "k" or "v", for the block size of "hadamard-llama")."""
+    _check_mode(mode, which)
     if mode == "hadamard-llama":
         return _blocks(x, which)
     check_dim(x.shape[-1])
@@ -95,6 +104,7 @@ def rotate(x: np.ndarray, mode: str = "hadamard", which: str = "k") -> np.ndarra
 
 def unrotate(x: np.ndarray, mode: str = "hadamard", which: str = "k") -> np.ndarray:
     """``R^T x`` over the last axis, float64: the inverse of ``rotate``."""
+    _check_mode(mode, which)
     if mode == "hadamard-llama":
         return _blocks(x, which)
     check_dim(x.shape[-1])

@@ -61,6 +61,11 @@ def test_rotation_is_the_fixed_orthogonal_matrix(rng):
         x = rng.standard_normal((5, 3, n))
         np.testing.assert_allclose(transforms.rotate(x), x @ r.T, atol=1e-12)
         np.testing.assert_allclose(transforms.unrotate(transforms.rotate(x)), x, atol=1e-12)
+    # a misspelt rotation or side is refused, not run as the default one
+    for fn in (transforms.rotate, transforms.unrotate):
+        for mode, which in (("hadamard_llama", "k"), ("Hadamard", "k"), (None, "k"), ("hadamard-llama", "q")):
+            with pytest.raises(kvhal.SpecError):
+                fn(rng.standard_normal((2, 64)), mode, which)
     code = "from kvhal import transforms; print(transforms.signs(64).tolist())"
     outs = set()
     for seed in ("0", "123"):
