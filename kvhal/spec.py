@@ -12,7 +12,7 @@ import numpy as np
 
 from . import formats
 from .errors import FormatError, SpecError
-from .validate import is_int
+from .validate import count, is_int
 
 # a cache scale: None (1.0), a positive finite float, one per KV head, one per KV head for each layer,
 # or "calibrate"
@@ -232,7 +232,12 @@ class CacheSpec:
 
     def page_nbytes(self, which: str) -> int:
         """Bytes of one block's K (``which="k"``) or V page of one layer: ``n_kv_heads * block_size`` rows."""
-        return self.n_kv_heads * self.block_size * (self.k_row_bytes if which == "k" else self.v_row_bytes)
+        return self.n_kv_heads * self.block_size * self._row_bytes(which)
+
+    def _row_bytes(self, which: str) -> int:
+        if not isinstance(which, str) or which not in ("k", "v"):  # anything else was read as "v"
+            raise SpecError(f'which must be "k" or "v", got {which!r}')
+        return self.k_row_bytes if which == "k" else self.v_row_bytes
 
     @property
     def block_nbytes(self) -> int:
@@ -245,8 +250,8 @@ class CacheSpec:
         Head-major inside a page, so one (page, head) is a contiguous ggml tensor of ``block_size``
         rows of ``head_dim`` values: attention over one KV head reads contiguous memory.
         """
-        rb = self.k_row_bytes if which == "k" else self.v_row_bytes
-        return (n_blocks, self.n_kv_heads, self.block_size, rb)
+        n_blocks = count(n_blocks, "n_blocks")
+        return (n_blocks, self.n_kv_heads, self.block_size, self._row_bytes(which))
 
     @property
     def uses_tail(self) -> bool:

@@ -90,6 +90,14 @@ def test_spec_validation():
     assert fp.digest(spec) == fp.digest(kvhal.CacheSpec(2, 2, 64, "q8_0", "q4_0"))
     with pytest.raises(kvhal.SpecError, match="not a registered format"):
         kvhal.CacheSpec(2, 2, 64, k_format=dataclasses.replace(formats.get("q8_0"), block_len=16))
+    # page and pool sizes of K or V only, for a block count
+    assert spec.pool_shape(np.int64(3), "k") == (3, 2, 16, 68) and spec.page_nbytes("v") == 2 * 16 * 36
+    for which in ("x", None, "K"):
+        with pytest.raises(kvhal.SpecError, match="which"):
+            spec.page_nbytes(which)  # type: ignore[arg-type]
+    for n_blocks in (-1, 2.0, "3", True):
+        with pytest.raises(kvhal.SpecError, match="n_blocks"):
+            spec.pool_shape(n_blocks, "k")  # type: ignore[arg-type]
     # numpy ints are ints, stored as plain ints (one spec, one hash); a bool is not
     spec = kvhal.CacheSpec(np.int64(2), np.int32(2), np.int64(64), block_size=np.int64(16), tail=np.int64(0))
     assert spec == kvhal.CacheSpec(2, 2, 64) and hash(spec) == hash(kvhal.CacheSpec(2, 2, 64))
