@@ -44,7 +44,7 @@ def _mxfp4_q(b: np.ndarray) -> np.ndarray:
     amax = np.abs(b).max(axis=1)
     with np.errstate(divide="ignore"):
         # clipped at 0: below 2^-125 ggml's uint8 cast of a negative exponent is undefined; d is then
-        # the smallest scale and the block's values all round to 0
+        # the smallest scale (2^-128), on which the block's values are coded
         e = np.clip(np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0), 0, 254).astype(np.uint8)
     codes = _nearest_code(b, np.broadcast_to(_e8m0_half(e)[:, None], b.shape))
     qs = codes[:, :16] | (codes[:, 16:] << 4)
