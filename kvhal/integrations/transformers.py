@@ -544,10 +544,21 @@ class KVHalCache(Cache):  # type: ignore[misc]
                 "to drop them all"
             )
         self._in_step(what)
-        old, kept, new = self.seqs, set(), []
-        for i in idx:  # seq_cp of a whole sequence shares pages: it allocates nothing and cannot fail midway
-            new.append(self.kv.seq_cp(old[i]) if i in kept else old[i])
-            kept.add(i)
+        old, kept, new, copies = self.seqs, set(), [], []
+        try:
+            # seq_cp of a whole sequence shares pages (it allocates none) but may be refused: a sequence an
+            # AdaKV press compacted per head is not copied
+            for i in idx:
+                if i in kept:
+                    copies.append(self.kv.seq_cp(old[i]))
+                    new.append(copies[-1])
+                else:
+                    new.append(old[i])
+                    kept.add(i)
+        except BaseException:
+            for s in copies:  # the copies made before the refusal: the rows stay as they were
+                self.kv.free_seq(s)
+            raise
         for i, s in enumerate(old):
             if i not in kept:
                 self.kv.free_seq(s)

@@ -320,6 +320,29 @@ def test_rows_share_pages_after_beam_reorder(models):
     assert cache.get_seq_length() == 17 and cache.kv.seq_len(cache.seqs[0]) == 17
 
 
+def test_a_refused_row_copy_leaves_the_rows_as_they_were(models, monkeypatch):
+    """seq_cp may refuse a row (one an AdaKV press compacted per head): the copies made before it are freed and
+    the rows stay as they were (injected here on the second copy of a reorder)."""
+    model, (ids, mask) = models["llama"], prompts(1)
+    cache = kv_cache(model, "reference")
+    with torch.inference_mode():
+        model(ids, attention_mask=mask, cache=cache)
+    cache.batch_repeat_interleave(2)
+    before, seqs, real_cp = cache.kv.stats(), list(cache.seqs), cache.kv.seq_cp
+    calls = []
+
+    def refuse_second(seq, *args):
+        calls.append(seq)
+        if len(calls) == 2:
+            raise kvhal.UnsupportedError("this sequence holds per-head gaps and is not copied")
+        return real_cp(seq, *args)
+
+    monkeypatch.setattr(cache.kv, "seq_cp", refuse_second)
+    with pytest.raises(kvhal.UnsupportedError, match="per-head"):
+        cache.reorder_cache(torch.tensor([0, 0, 1, 1]))
+    assert len(calls) == 2 and cache.seqs == seqs and cache.kv.stats() == before
+
+
 def test_prefix_reuse_across_generate_calls(models, backend_info):
     """A second generate whose prompts extend the first's reuses every cached full block of them (match_prefix),
     computes only the rest, and equals DynamicCache token for token."""
