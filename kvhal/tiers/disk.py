@@ -295,6 +295,7 @@ class DiskTier(Tier):
         ``RUN_BYTES``, read in order (runs in parallel by the worker threads); each record with one pread of header
         and payload, the block a read-only view of the payload in that buffer (no copy), checked."""
         with self._mu:
+            self._check_open()  # closed by another thread while this call waited for the lock
             runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # fd, offset, [(key index, offset, len)]
             last: tuple[int, int] | None = None  # (segment, end offset) of the run being grown
             for i, k in enumerate(keys):
@@ -321,6 +322,7 @@ class DiskTier(Tier):
 
     def _put(self, keys: list[BlockKey], payloads: list[bytes | memoryview]) -> list[bool]:
         with self._mu:
+            self._check_open()  # (its descriptors are gone: a write would fail part-way)
             index, room = self._index, self.max_bytes
             batch: dict[BlockKey, bytes | memoryview] = {}
             for k, p in zip(keys, payloads):
@@ -343,6 +345,7 @@ class DiskTier(Tier):
 
     def _delete(self, keys: list[BlockKey]) -> int:
         with self._mu:
+            self._check_open()
             gone = [k for k in dict.fromkeys(keys) if k in self._index]
             for k in gone:
                 self._unindex(k)

@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,38 @@ def test_durability_modes(tmp_path: Path):
         assert t._unsynced == 2 * blob_size(4096)
         t.put(keys(1, start=5), [payload(5)])
         assert t._unsynced == 0
+
+
+def test_a_call_that_waited_for_the_lock_while_another_thread_closed_the_tier_says_so(tmp_path: Path):
+    """A call past its open check, waiting for the tier's lock while another thread closes it, must not write to
+    (or read from) descriptors close() has just released: a TierError, nothing written, no error counted."""
+    calls = {
+        "put": lambda t: t.put([key(2)], [payload(2)]),
+        "get": lambda t: t.get([key(1)]),
+        "delete": lambda t: t.delete([key(1)]),
+    }
+    for name, call in calls.items():
+        t = DiskTier(tmp_path / name, 1 << 20, durable=True)
+        t.put([key(1)], [payload(1)])
+        got: list[object] = []
+        t._mu.acquire()  # holds the call at the lock, after its open check
+        th = threading.Thread(target=_outcome, args=(call, t, got))
+        th.start()
+        time.sleep(0.1)
+        t.close()  # (the lock is reentrant: this thread closes while the other waits)
+        t._mu.release()
+        th.join()
+        assert got and isinstance(got[0], kvhal.TierError) and "closed" in str(got[0]), (name, got)
+        assert t._stats.errors == 0, t._stats.last_error
+        with DiskTier(tmp_path / name, 1 << 20) as again:
+            assert again.get(keys(3)) == [None, payload(1), None]
+
+
+def _outcome(call: Callable[[DiskTier], object], t: DiskTier, out: list[object]) -> None:
+    try:
+        out.append(call(t))
+    except Exception as e:
+        out.append(e)
 
 
 # A zygote process imports kvhal once, then forks a writer per trial and kills it with SIGKILL at a random
