@@ -216,6 +216,11 @@ def test_arguments_and_unreachable_server():
         ("redis://127.0.0.1:1/abc", "db number"),  # redis-py would drop the db
         ("redis://127.0.0.1:1/3/4", "db number"),  # ... or read it as db 34
         ("unix://", "names no socket"),
+        # options redis-py fails on only when it connects: a TypeError out of every call, or a false outage
+        ("redis://127.0.0.1:1?sockettimeout=1", "option redis cannot use"),
+        ("unix:///tmp/x.sock?foo=1", "option redis cannot use"),
+        ("rediss://127.0.0.1:1?ssl_cert_reqs=bogus", "option redis cannot use"),
+        ("redis://127.0.0.1:1?protocol=9", "option redis cannot use"),
     ]:
         with pytest.raises(kvhal.TierError, match=match):
             RedisTier(bad)  # type: ignore[arg-type]
@@ -232,6 +237,7 @@ def test_arguments_and_unreachable_server():
         RedisTier("unix:///tmp/x.sock", cluster=True)
     # numpy's numbers are numbers; a db path redis-py reads as db 0 is one
     RedisTier("redis://127.0.0.1:1/0/", socket_timeout=np.float32(0.5), connect_timeout=np.int64(1)).close()
+    RedisTier("redis://127.0.0.1:1?client_name=kv&socket_timeout=2", cluster=False).close()  # options it takes
     url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
     for kw in ({"reconnect_s": 0}, {"max_reconnect_s": "1"}):
         with pytest.raises(kvhal.TierError, match="reconnect"):
