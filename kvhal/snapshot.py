@@ -132,14 +132,22 @@ def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     st = safetensors_module()
     remove_dead_temps(target.parent)
     tmp = str(target.parent / f".{target.name}.kvhal-{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except (OSError, ValueError) as e:  # (ValueError: a NUL byte in the path)
+        raise SnapshotError(f"cannot write a snapshot at {str(target)!r} ({e}); pass a writable path") from None
     text = json.dumps(meta)
     try:
         st.numpy.save_file(tensors, tmp, metadata={"kvhal": text, "kvhal_crc32": text_crc(text)})
         fsync_path(tmp)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError | st.SafetensorError):  # a full disk, a file size limit, an I/O error
+            raise SnapshotError(
+                f"cannot write the snapshot {str(target)!r} ({e}); free space or pass another path (a file "
+                "already there is unchanged)"
+            ) from None
         raise
     fsync_path(str(target.parent))
 

@@ -412,3 +412,25 @@ def test_save_onto_a_directory_and_dead_savers_temp_files(saved, tmp_path):
     c.save(tmp_path / "next.kvs")
     assert not dead_tmp.exists() and live_tmp.exists() and other.exists()
     assert sorted(p.name for p in tmp_path.glob(".*kvhal-*.tmp")) == [live_tmp.name]
+
+
+def test_a_save_that_cannot_write_is_a_snapshot_error_and_leaves_the_old_file(saved, tmp_path):
+    """A full disk (here: a file size limit, EFBIG) or an unusable path is a SnapshotError, not safetensors' own
+    error or an OSError; the temp file is gone and the file already at the target is unchanged."""
+    import resource
+
+    path, c = saved
+    old = path.read_bytes()
+    assert len(old) > 2048
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))  # (Python ignores SIGXFSZ: a write fails with EFBIG)
+    try:
+        with pytest.raises(kvhal.SnapshotError, match="cannot write"):
+            c.save(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert path.read_bytes() == old and not list(tmp_path.glob(".*.tmp"))
+    with pytest.raises(kvhal.SnapshotError, match="cannot write"):
+        c.save(str(tmp_path / "nul\0.kvs"))
+    c.save(path)  # and a save that can write still does
+    assert c.restore(path)
