@@ -9,7 +9,7 @@ def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (the writer of a temp file named by its pid)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (a pid beyond the kernel's pid_t, in a stray name: no process)
         return False
     except PermissionError:
         return True

@@ -165,13 +165,14 @@ def test_only_a_dead_writers_temp_files_are_removed(tmp_path: Path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     dead_tmp = tmp_path / f".seg-{7:016x}.{dead.pid}.tmp"
+    no_pid = tmp_path / f".seg-{9:016x}.{2**80}.tmp"  # no process has that id (an OverflowError for os.kill)
     live_tmp = tmp_path / f".seg-{8:016x}.{os.getpid()}.tmp"
     other = tmp_path / "notes.txt"
-    for p in (dead_tmp, live_tmp, other):
+    for p in (dead_tmp, no_pid, live_tmp, other):
         p.write_bytes(b"partial")
     with DiskTier(tmp_path, 1 << 20) as t:
-        assert not dead_tmp.exists() and live_tmp.exists() and other.exists()
-        assert t.stats().corrupt_dropped == 1 and t.stats().blocks == 0
+        assert not dead_tmp.exists() and not no_pid.exists() and live_tmp.exists() and other.exists()
+        assert t.stats().corrupt_dropped == 2 and t.stats().blocks == 0
 
 
 def test_durability_modes(tmp_path: Path):

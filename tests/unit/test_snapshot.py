@@ -406,11 +406,12 @@ def test_save_onto_a_directory_and_dead_savers_temp_files(saved, tmp_path):
     dead.wait()
     dead_tmp = tmp_path / f".good.kvs.kvhal-{dead.pid}-00ff00ff.tmp"
     live_tmp = tmp_path / f".good.kvs.kvhal-{os.getppid()}-00ff00fe.tmp"
+    no_pid = tmp_path / f".good.kvs.kvhal-{2**80}-00ff00fd.tmp"  # no process has that id (OverflowError for os.kill)
     other = tmp_path / ".good.kvs.abcdef.tmp"  # not kvhal's naming: left alone
-    for p in (dead_tmp, live_tmp, other):
+    for p in (dead_tmp, live_tmp, no_pid, other):
         p.write_bytes(b"partial")
     c.save(tmp_path / "next.kvs")
-    assert not dead_tmp.exists() and live_tmp.exists() and other.exists()
+    assert not dead_tmp.exists() and not no_pid.exists() and live_tmp.exists() and other.exists()
     assert sorted(p.name for p in tmp_path.glob(".*kvhal-*.tmp")) == [live_tmp.name]
 
 
