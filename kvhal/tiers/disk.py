@@ -115,7 +115,7 @@ class DiskTier(Tier):
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(os.path.join(self._root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # (ValueError: a NUL byte in the path)
             raise TierError(f"cannot open the disk tier directory {self.path}: {e}; pass a writable directory") from e
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -118,6 +118,8 @@ def test_constructor_arguments(tmp_path: Path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(kvhal.TierError, match="writable directory"):
         DiskTier(tmp_path / "file" / "sub", 10)
+    with pytest.raises(kvhal.TierError, match="writable directory"):
+        DiskTier(str(tmp_path / "nul\0"), 10)  # a ValueError inside
 
 
 def test_import_kvhal_and_tiers_without_redis():
