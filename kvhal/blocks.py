@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -71,15 +72,15 @@ class BlockAllocator:
     def alloc(self, n: int) -> list[int]:
         """``n`` blocks with refcount 1 (reserve first: this evicts cached blocks as needed)."""
         self.reserve(n)
+        if self.on_evict is not None:  # every victim first: one that raises (a closed tier) leaves all as it was
+            for b in list(islice(self._cached, max(0, n - len(self._plain)))):
+                self.on_evict(b, self.hash_of[b])
         out = []
         for _ in range(n):
             if self._plain:
                 b = self._plain.pop()
             else:
                 b, _ = self._cached.popitem(last=False)
-                h = self.hash_of[b]
-                if self.on_evict is not None:
-                    self.on_evict(b, h)
                 self._drop_hash(b)
                 self.counters.evicted_blocks += 1
             self.ref[b] = 1

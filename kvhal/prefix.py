@@ -73,6 +73,9 @@ class PrefixIndex:
             usable = 0
         chain = hash_chain(self.root_hash, ids[: usable * bs], bs, extra)
         blocks = self.allocator.lookup(chain)
+        if self.tiers and len(blocks) < len(chain):
+            for tier in self.tiers:  # a closed tier raises here (TierError), before any block is taken
+                tier.contains([])
         for b in blocks:
             self.allocator.acquire(b)
         if self.tiers and len(blocks) < len(chain):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import kvhal
 from kvhal.tiers import DiskTier, HostTier, RedisTier
@@ -162,3 +163,24 @@ def test_tier_arguments_are_checked():
     for bad in ({"tiers": "host"}, {"tiers": [object()]}, {"write_through": True}, {"write_through": 1}):
         with pytest.raises(kvhal.SpecError):
             kvhal.KVCache(SPEC, 16, backend="reference", **bad)
+
+
+def test_a_closed_tier_is_a_tier_error_that_leaves_the_cache_as_it_was():
+    """A tier closed under a live cache: the store that would write a cached block down to it, and a lookup that
+    would continue in it, raise TierError before they take a block (they had lost every block taken until then)."""
+    tier = HostTier(max_bytes=1 << 20)
+    c = kvhal.KVCache(SPEC, 8 * 4, backend="reference", fingerprint=FP, tiers=[tier])
+    c.free_seq(prefill(c, PROMPT))  # 6 cached free blocks, 2 never used
+    tier.close()
+    s = c.new_seq()
+    k, v = kv_for(list(range(9000, 9016)))  # 4 blocks: 2 plain, then 2 cached ones to write down
+    before = c.stats()
+    with pytest.raises(kvhal.TierError, match="closed"):
+        c.store(s, 0, k, v)
+    with pytest.raises(kvhal.TierError, match="closed"):
+        c.match_prefix(PROMPT[:12] + [1, 2, 3, 4, 5])  # 3 blocks in the pools; the rest would be looked up below
+    assert c.stats() == before and c.seq_len(s, 0) == 0
+    c.tiers = [HostTier(max_bytes=1 << 20)]  # with an open tier, all 8 blocks are there to use
+    c.free_seq(s)
+    prefill(c, list(range(9000, 9032)))
+    assert c.stats().blocks_free == 0 and c.stats().tier_written_blocks == 6
