@@ -119,6 +119,7 @@ class RedisTier(Tier):
     def client(self) -> Any:
         """The tier's redis client (same library, same connection pool), or None while the server is unreachable:
         what a benchmark of raw SET/GET on the same server uses."""
+        self._check_open()  # (a closed tier's client would connect again, behind the tier's back)
         return self._connect()
 
     def _connect(self) -> Any:

@@ -247,6 +247,10 @@ def test_arguments_and_unreachable_server():
         assert t.get(keys(2)) == [None, None] and t.put(keys(1), [b"x"]) == [False] and t.contains(keys(1)) == 0
         assert t.stats().errors == 1 and t.stats().state == "degraded"
         t.close()
+    t = RedisTier(url, cluster=False)
+    t.close()
+    with pytest.raises(kvhal.TierError, match="closed"):
+        t.client()  # as every other call on a closed tier
 
 
 def test_cluster_round_trip_one_slot_per_model(redis_cluster: str):
