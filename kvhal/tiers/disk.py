@@ -189,7 +189,8 @@ class DiskTier(Tier):
         self._next_id = max(segs, default=0) + 1
         with self._mu:
             while self._total > self.max_bytes and self._segs:
-                self._drop_segment(next(iter(self._segs.values())))
+                if not self._drop_segment(next(iter(self._segs.values()))):
+                    break  # it cannot be removed (counted): the next one would not fit the budget either
             if old_dirs:
                 self._migrate(old_dirs)
 

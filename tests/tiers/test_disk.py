@@ -175,6 +175,30 @@ def test_only_a_dead_writers_temp_files_are_removed(tmp_path: Path):
         assert t.stats().corrupt_dropped == 2 and t.stats().blocks == 0
 
 
+def test_a_smaller_budget_at_start_with_segments_that_cannot_be_removed(tmp_path: Path):
+    """Restarted with a smaller budget in a directory whose segments cannot be unlinked (append-only, chattr +a):
+    an error counted and the tier open, not an endless loop over the same segment."""
+    with DiskTier(tmp_path, 1 << 20, segment_bytes=1) as t:  # one segment per put
+        for i in range(4):
+            t.put([key(i)], [payload(i, 3000)])
+    code = (
+        "import os, sys\n"
+        "from kvhal.tiers import DiskTier\n"
+        "from tests.tiers.conftest import key, payload\n"
+        "def refuse(path, *args, **kwargs):\n"
+        "    raise PermissionError(1, 'Operation not permitted', path)\n"
+        "os.unlink = refuse\n"
+        "t = DiskTier(sys.argv[1], 2 * 3100)\n"
+        "print(t.stats().errors, t.put([key(9)], [payload(9, 3000)]) == [False], t.get([key(3)]) == [payload(3, 3000)])\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    errors, put_refused, still_read = res.stdout.split()
+    assert int(errors) >= 1 and put_refused == still_read == "True"
+
+
 def test_durability_modes(tmp_path: Path):
     with pytest.raises(kvhal.TierError, match="durable"):
         DiskTier(tmp_path, 1 << 20, durable=1)  # type: ignore[arg-type]
