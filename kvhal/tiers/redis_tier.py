@@ -90,6 +90,8 @@ class RedisTier(Tier):
             raise TierError(f"url {url!r} names no socket; pass unix:///path/to/redis.sock")
         if scheme != "unix" and path.strip("/") and not path.strip("/").isdigit():
             raise TierError(f"url {url!r}: the path after host:port is a db number such as /0, not {path!r}")
+        if parsed.get("decode_responses"):  # every get would raise UnicodeDecodeError on a block's bytes
+            raise TierError(f"url {url!r} asks for decode_responses; blocks are bytes: drop that option")
         try:  # a url option redis-py does not take (?sockettimeout=1) or a bad value (?ssl_cert_reqs=x) fails only
             # when a connection is made: a TypeError out of every call, or a RedisError taken for an outage
             pool = redis.ConnectionPool.from_url(url, **options)

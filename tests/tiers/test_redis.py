@@ -221,6 +221,7 @@ def test_arguments_and_unreachable_server():
         ("unix:///tmp/x.sock?foo=1", "option redis cannot use"),
         ("rediss://127.0.0.1:1?ssl_cert_reqs=bogus", "option redis cannot use"),
         ("redis://127.0.0.1:1?protocol=9", "option redis cannot use"),
+        ("redis://127.0.0.1:1?decode_responses=True", "blocks are bytes"),  # each get: a UnicodeDecodeError
     ]:
         with pytest.raises(kvhal.TierError, match=match):
             RedisTier(bad)  # type: ignore[arg-type]
