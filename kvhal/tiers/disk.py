@@ -112,6 +112,7 @@ class DiskTier(Tier):
         self.durable = durable
         self.path = Path(path)
         self._root = str(self.path)
+        self._pid = os.getpid()  # the process whose LOCK this is (a forked child inherits it, and this object)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(os.path.join(self._root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -278,6 +279,14 @@ class DiskTier(Tier):
             with self._mu:
                 self._flush()
         return flags
+
+    def _check_open(self) -> None:
+        super()._check_open()
+        if os.getpid() != self._pid:  # its appends would land where this process's index does not know
+            raise TierError(
+                f"this DiskTier of {self.path} was opened by process {self._pid}, not this one (a fork): open a "
+                "DiskTier of another directory in each process"
+            )
 
     def flush(self) -> None:
         """Make every block put so far durable (one fsync) before returning."""

@@ -199,6 +199,29 @@ def test_a_smaller_budget_at_start_with_segments_that_cannot_be_removed(tmp_path
     assert int(errors) >= 1 and put_refused == still_read == "True"
 
 
+def test_a_forked_child_cannot_use_its_parents_tier(tmp_path: Path):
+    """A forked child inherits the tier and its LOCK: its appends would move the segment's end under the parent's
+    index (the parent's later blocks then read back as corrupt). Every call in the child is a TierError."""
+    t = DiskTier(tmp_path, 1 << 20, durable=True)
+    t.put([key(0)], [payload(0)])
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status only
+        code = 3
+        try:
+            for call in (lambda: t.put([key(1)], [payload(1)]), lambda: t.get([key(0)]), t.flush, t.stats):
+                try:
+                    call()
+                    code = 1
+                except kvhal.TierError as e:
+                    code = code if "fork" in str(e) else 2
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 3
+    assert t.put(keys(2, start=2), [payload(2), payload(3)]) == [True, True]
+    assert t.get(keys(4)) == [payload(0), None, payload(2), payload(3)] and t.stats().corrupt_dropped == 0
+    t.close()
+
+
 def test_durability_modes(tmp_path: Path):
     with pytest.raises(kvhal.TierError, match="durable"):
         DiskTier(tmp_path, 1 << 20, durable=1)  # type: ignore[arg-type]
