@@ -453,11 +453,16 @@ class DiskTier(Tier):
         path = os.path.join(self._root, f"seg-{sid:016x}.kvs")
         try:
             wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            rfd = open_segment(path)
         except OSError as e:
             self._error(e)
             return None
-        self._next_id += 1
+        self._next_id += 1  # the name is taken (an empty segment) even if it cannot be read: the next try takes another
+        try:
+            rfd = open_segment(path)
+        except OSError as e:  # (EMFILE): nothing was written to it
+            os.close(wfd)
+            self._error(e)
+            return None
         self._dir_dirty = True  # its name made durable with the group commit of its first records
         seg = Segment(sid, path, fd=rfd)
         self._segs[sid] = seg

@@ -222,6 +222,29 @@ def test_a_forked_child_cannot_use_its_parents_tier(tmp_path: Path):
     t.close()
 
 
+def test_a_segment_that_could_not_be_opened_for_reading_does_not_block_later_puts(tmp_path: Path, monkeypatch):
+    """One failed open of a new segment's read descriptor (EMFILE) is one refused put: the segment's name was
+    taken, so every later put had met EEXIST on it (and a write descriptor leaked)."""
+    import errno
+
+    from kvhal.tiers import disk
+
+    real, failures = disk.open_segment, [OSError(errno.EMFILE, "Too many open files")]
+
+    def flaky(path: str, flags: int = os.O_RDONLY) -> int:
+        if failures:
+            raise failures.pop()
+        return real(path, flags)
+
+    with DiskTier(tmp_path, 1 << 20, segment_bytes=1) as t:  # one segment per put
+        monkeypatch.setattr(disk, "open_segment", flaky)
+        assert t.put([key(1)], [payload(1)]) == [False] and t.stats().errors == 1
+        assert t.put(keys(2, start=2), [payload(2), payload(3)]) == [True, True]
+        assert t.put([key(4)], [payload(4)]) == [True] and t.stats().errors == 1
+    with DiskTier(tmp_path, 1 << 20) as t:
+        assert t.get(keys(5)) == [None, None, payload(2), payload(3), payload(4)]
+
+
 def test_durability_modes(tmp_path: Path):
     with pytest.raises(kvhal.TierError, match="durable"):
         DiskTier(tmp_path, 1 << 20, durable=1)  # type: ignore[arg-type]
