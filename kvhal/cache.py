@@ -193,6 +193,7 @@ class KVCache:
         """
         s = self.seq_table.resident(seq, "seq_rm")
         lo, hi = validate.pos_range(p0, p1)
+        self.prefix.check_tiers(writing=True)
         if self.spec.uses_tail:
             self.tail.remove(s, lo, hi)
             return
@@ -203,6 +204,7 @@ class KVCache:
         """A new sequence holding positions ``[p0, p1)`` of ``seq``; whole pages are shared, not copied."""
         s = self.seq_table.resident(seq, "seq_cp")
         lo, hi = validate.pos_range(p0, p1)
+        self.prefix.check_tiers(writing=True)
         if self.spec.uses_tail:
             return self.seq_table.add(self.tail.fork(s, lo, hi))
         t = self.seq_table.fork(s, lo, hi)
@@ -217,7 +219,9 @@ class KVCache:
         A full block whose token ids are known and whose every layer is stored gets its hash and
         becomes matchable by ``match_prefix``."""
         s = self.seq_table.get(seq)
-        s.tokens.extend(validate.token_ids(token_ids))
+        ids = validate.token_ids(token_ids)
+        self.prefix.check_tiers(writing=True)
+        s.tokens.extend(ids)
         self.prefix.seal(s)
 
     def tokens(self, seq: int) -> list[int]:
@@ -302,6 +306,7 @@ class KVCache:
         k, v = self.backend.asarray(k, "k"), self.backend.asarray(v, "v")
         if validate.kv_rows(k, v, self.spec.n_kv_heads, self.spec.head_dim) == 0:
             return
+        self.prefix.check_tiers(writing=True)
         spec, pending = self.spec, Pending()
         make_room = self.evictor.make_room if isinstance(self.evictor.on_full, EvictOnFull) else None
         if spec.transformed or spec.uses_tail or spec.k_codec or spec.v_codec:
@@ -349,6 +354,7 @@ class KVCache:
             )
         if len(k) == 0:
             return
+        self.prefix.check_tiers(writing=True)
         for fmt, rows, what in ((spec.k_fmt, k, "k_rows"), (spec.v_fmt, v, "v_rows")):
             if fmt.side_data:
                 values = kltq.dequantize(self.codec.side(layer, what[0]), 0, rows)

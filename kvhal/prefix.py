@@ -42,6 +42,14 @@ class PrefixIndex:
         self.tiers = tiers
         self.allocator.on_evict = self._write_down if tiers else None
 
+    def check_tiers(self, writing: bool = False) -> None:
+        """The TierError a closed tier (or one opened by another process) gives, raised before a call changes
+        anything; ``writing``: only where a change would write through to the tiers."""
+        if writing and not self.write_through:
+            return
+        for tier in self.tiers:
+            tier.contains([])  # checks the tier is usable here, reads nothing
+
     def seal(self, s: Seq) -> None:
         """Hash every newly complete block of ``s`` (token ids known, every layer stored)."""
         bs = self.spec.block_size
@@ -73,9 +81,8 @@ class PrefixIndex:
             usable = 0
         chain = hash_chain(self.root_hash, ids[: usable * bs], bs, extra)
         blocks = self.allocator.lookup(chain)
-        if self.tiers and len(blocks) < len(chain):
-            for tier in self.tiers:  # a closed tier raises here (TierError), before any block is taken
-                tier.contains([])
+        if len(blocks) < len(chain):
+            self.check_tiers()  # before any block is taken
         for b in blocks:
             self.allocator.acquire(b)
         if self.tiers and len(blocks) < len(chain):

@@ -184,3 +184,31 @@ def test_a_closed_tier_is_a_tier_error_that_leaves_the_cache_as_it_was():
     c.free_seq(s)
     prefill(c, list(range(9000, 9032)))
     assert c.stats().blocks_free == 0 and c.stats().tier_written_blocks == 6
+
+
+def test_a_closed_write_through_tier_refuses_each_change_before_it_is_made():
+    """write_through: a change that would seal a block writes it to the tiers; with one closed, store, store_rows,
+    append_tokens, seq_cp and seq_rm raise TierError before they change anything (a store used to write its rows
+    and then raise, so a retry stored them twice)."""
+    tier = HostTier(max_bytes=1 << 20)
+    c = kvhal.KVCache(SPEC, 8 * 4, backend="reference", fingerprint=FP, tiers=[tier], write_through=True)
+    s = c.new_seq()
+    k, v = kv_for(PROMPT[:6])
+    c.append_tokens(s, PROMPT[:8])
+    c.store(s, 0, k, v)
+    c.store(s, 1, k, v)
+    tier.close()
+    before, rows = c.stats(), c.load_rows(s, 0)
+    calls = [
+        lambda: c.store(s, 0, k[:2], v[:2]),
+        lambda: c.store_rows(s, 0, *c.load_rows(s, 0, 0, 2)),
+        lambda: c.append_tokens(s, [1, 2]),
+        lambda: c.seq_cp(s),
+        lambda: c.seq_rm(s, 2, 3),
+    ]
+    for call in calls:
+        with pytest.raises(kvhal.TierError, match="closed"):
+            call()
+    assert c.stats() == before and c.tokens(s) == PROMPT[:8] and [c.seq_len(s, i) for i in (0, 1)] == [6, 6]
+    for a, b in zip(c.load_rows(s, 0), rows):
+        np.testing.assert_array_equal(a, b)
