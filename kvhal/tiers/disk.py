@@ -231,8 +231,10 @@ class DiskTier(Tier):
         self._total += off
 
     def _migrate(self, old_dirs: list[str]) -> None:
-        """Blocks of the one-file-per-block layout, oldest first, appended to segments; their files removed."""
-        found = []
+        """Blocks of the one-file-per-block layout, oldest first, appended to segments; the files of those appended
+        and made durable, refused by the budget, or corrupt are removed. A block whose append or commit failed (a
+        full disk: an error counted) keeps its file, migrated at the next start."""
+        found, corrupt, settled = [], [], []
         for d in old_dirs:
             with os.scandir(d) as files:
                 for f in files:
@@ -254,10 +256,14 @@ class DiskTier(Tier):
             payload = decode_blob(blob_key, raw) if ok and blob_key is not None else None
             if payload is None or blob_key is None:
                 self._stats.corrupt_dropped += 1
+                corrupt.append(p)
             else:
-                self._put([blob_key], [payload])
-        self._flush()  # every migrated block durable in its segment before its old file goes
-        for _, p in found:
+                errors = self._stats.errors
+                if self._put([blob_key], [payload])[0] or self._stats.errors == errors:  # else the append failed
+                    settled.append(p)
+        if not self._flush():  # every migrated block durable in its segment before its old file goes
+            settled = []  # none is known durable: their files stay
+        for p in corrupt + settled:
             try:
                 os.unlink(p)
             except OSError as e:
@@ -479,8 +485,9 @@ class DiskTier(Tier):
         os.close(self._wfd)
         self._open, self._wfd = None, -1
 
-    def _flush(self) -> None:
-        """One group commit: the sealed segments' and the open segment's bytes, and new segment names, durable."""
+    def _flush(self) -> bool:
+        """One group commit: the sealed segments' and the open segment's bytes, and new segment names, durable;
+        False where it failed (the error counted)."""
         try:
             while self._sealed:
                 try:
@@ -495,8 +502,9 @@ class DiskTier(Tier):
                 self._dir_dirty = False
         except OSError as e:
             self._error(e)
-            return
+            return False
         self._unsynced = 0
+        return True
 
     def _commit_due(self) -> float | None:
         """Commit if the oldest waiting record is ``commit_s`` old; else the seconds until it is (None: none waits)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -159,6 +160,27 @@ def test_the_old_one_file_per_block_layout_is_migrated(tmp_path: Path):
         assert t.get(ks) == data and t.get([key(7)]) == [None]
         assert t.stats().corrupt_dropped == 2
     assert not ns_dir.exists() and len(segments(tmp_path)) == 1
+
+
+def test_a_migration_that_cannot_append_keeps_the_old_files(tmp_path: Path):
+    """The old layout's blocks are migrated into segments that cannot grow (a file size limit: EFBIG, as a full
+    disk): the errors are counted and every old file stays, so the next start migrates them."""
+    ks, data = keys(3), [payload(i, 5000) for i in range(3)]
+    ns_dir = tmp_path / ks[0].namespace.hex()[:16]
+    ns_dir.mkdir()
+    for k, d in zip(ks, data):
+        (ns_dir / f"{k.block_hash.hex()}.kvb").write_bytes(encode_blob(k, d))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # (Python ignores SIGXFSZ: a write fails with EFBIG)
+    try:
+        with DiskTier(tmp_path, 1 << 20) as t:
+            assert t.stats().errors >= 1 and t.get(ks) == [None] * 3
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert len(list(ns_dir.iterdir())) == 3
+    with DiskTier(tmp_path, 1 << 20) as t:  # room again: migrated, and the old files go
+        assert t.get(ks) == data
+    assert not ns_dir.exists()
 
 
 def test_only_a_dead_writers_temp_files_are_removed(tmp_path: Path):
