@@ -99,7 +99,9 @@ class CudaBackend(Backend):
 
     def supports(self, spec: CacheSpec, op: Op, shape: AttentionShape | None = None) -> str | None:
         why = super().supports(spec, op, shape) or plan.spec_refusal(spec, op)
-        if why is None and self._no_sdpa and op == "attention" and shape is not None and shape.max_q_len > 1:
+        # a spec with an f16 tail (sinks, K per channel) attends through attention_lse, on the kernels: no torch
+        prefill = shape is not None and shape.max_q_len > 1 and not spec.uses_tail
+        if why is None and self._no_sdpa and op == "attention" and prefill:
             return f"{self._no_sdpa}; or backend_options={{'prefill': 'kernel'}} for kvhal's own prefill kernel"
         return why
 
@@ -197,7 +199,8 @@ class CudaBackend(Backend):
         kernel, torch SDPA over bf16 pages, or kvhal.cu's prefill kernel."""
         if q_len <= 1:
             return "kvhal-decode"
-        return "sdpa-bf16" if self.prefill == "sdpa" else "kvhal-prefill"
+        # a spec with an f16 tail (sinks, K per channel) attends through attention_lse: kvhal.cu's prefill kernel
+        return "sdpa-bf16" if self.prefill == "sdpa" and not spec.uses_tail else "kvhal-prefill"
 
     def _attention_sdpa(self, q: Any, pools: Pools, layer: int, batch: AttentionBatch) -> Any:
         """Sequences of one query through the decode kernel (one launch for all of them), each longer one through

@@ -101,3 +101,23 @@ def test_the_missing_torch_names_the_extra(monkeypatch):
 def test_prefill_option_is_checked():
     with pytest.raises(kvhal.SpecError, match="prefill"):
         emulated("q8_0", "q8_0", prefill="flash")
+
+
+@pytest.mark.parametrize("extra", [{"k_format": "kivi4", "v_format": "kivi4"}, {"tail": 16}, {"sinks": 4}])
+def test_a_spec_with_a_tail_prefills_on_the_kernel_and_says_so(monkeypatch, extra):
+    """Such a spec attends through attention_lse, which stays on kvhal_attn_prefill: attention_path names that
+    kernel, and without torch its prefill still runs (it was refused, and reported as sdpa-bf16)."""
+    monkeypatch.setattr(sdpa, "torch_missing", lambda: "prefill runs through torch SDPA and torch is not installed")
+    cuda_emulator = pytest.importorskip("cuda_emulator")
+    if cuda_emulator.compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    spec = kvhal.CacheSpec(**{"n_layers": 1, "n_kv_heads": 2, "head_dim": 64, "k_format": "q8_0", **extra})
+    cache = kvhal.KVCache(spec, 256, backend=cuda_emulator.EmulatedCudaBackend(prefill="sdpa"))
+    s = cache.new_seq()
+    x = np.random.default_rng(0).standard_normal((64, 2, 64)).astype(np.float32)
+    cache.store(s, 0, x, x)
+    launches = cache.backend._rt.launches
+    launches.clear()
+    assert kvhal.to_numpy(cache.attention(0, np.ones((8, 4, 64), np.float32), [s], [8])).shape == (8, 4, 64)
+    assert "kvhal_attn_prefill" in [name for name, *_ in launches]
+    assert cache.backend.attention_path(spec, 4, 8) == "kvhal-prefill"
