@@ -212,7 +212,13 @@ class CupyRuntime:
         self.n_sm = self.info.n_sm
         with self.device:
             module = self._load(cupy)
-            self._fns = {name: module.get_function(name) for name in kernel_names()}
+            try:  # cupy loads the module into the device here: a binary the driver refuses is a reason, not a crash
+                self._fns = {name: module.get_function(name) for name in kernel_names()}
+            except Exception as e:  # a PTX newer than the driver, a missing or damaged prebuilt file
+                raise BackendUnavailableError(
+                    f"{self.info.name}: the driver could not load kvhal's kernels ({type(e).__name__}: {e}); update "
+                    f"the GPU driver, or reinstall the kvhal-{self.info.flavor} wheel"
+                ) from e
 
     def _load(self, cupy: Any) -> Any:
         choice = choose_binary(self.info.flavor, self.info.arch)

@@ -123,3 +123,31 @@ def test_prebuilt_choice_and_stale_manifest(monkeypatch, tmp_path):
 def test_kernel_source_is_self_contained():
     src = runtime.kernel_source()
     assert '#include "platform.h"' not in src and "kv_shfl_xor" in src
+
+
+def test_a_prebuilt_binary_the_driver_cannot_load_is_unavailable(monkeypatch):
+    """cupy loads a module at its first get_function: a PTX newer than the driver failed there with cupy's raw
+    CUDADriverError out of CudaBackend() (and KVCache(backend="auto")); it is a BackendUnavailableError."""
+    import contextlib
+    import types
+
+    class CUDADriverError(RuntimeError):
+        pass
+
+    class RawModule:
+        def __init__(self, **kw):
+            pass
+
+        def get_function(self, name):
+            raise CUDADriverError("CUDA_ERROR_UNSUPPORTED_PTX_VERSION: the provided PTX was compiled with an "
+                                  "unsupported toolchain.")  # fmt: skip
+
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule = RawModule
+    cupy.cuda = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(runtime, "query_device", lambda index=0: info(cc=121))
+    ptx = runtime.plan.KernelChoice("ptx", "compute_120", "kvhal.compute_120.ptx", "prebuilt PTX compute_120")
+    monkeypatch.setattr(runtime, "choose_binary", lambda flavor, arch: ptx)
+    with pytest.raises(kvhal.BackendUnavailableError, match=r"could not load.*UNSUPPORTED_PTX_VERSION.*driver"):
+        CudaBackend()
