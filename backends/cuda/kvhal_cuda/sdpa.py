@@ -23,14 +23,25 @@ INSTALL = f"pip install 'kvhal-cuda[{EXTRA}]' (torch with CUDA or ROCm)"
 # f32 accumulation. test_cuda_sdpa measures 0.7e-2 to 2.9e-2 over its formats (the worst: q8_0, a 12-token window,
 # one K channel at 8x the others)
 TOLERANCE = 5e-2
+MIN_TORCH = (2, 5)  # SDPA's enable_gqa
 
 
 def torch_missing() -> str | None:
-    """Why the route cannot run here (torch is not installed), else None; cheap: finds torch, imports nothing."""
+    """Why the route cannot run here (torch is not installed, or older than MIN_TORCH), else None; cheap: finds
+    torch and reads its version, imports nothing."""
+    import importlib.metadata
     import importlib.util
+    import re
 
     if importlib.util.find_spec("torch") is None:
         return f"prefill runs through torch SDPA and torch is not installed: {INSTALL}"
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a torch without metadata (a source checkout): taken as it is
+        return None
+    # an older torch raised a raw TypeError (enable_gqa) on every prefill call
+    if (m := re.match(r"(\d+)\.(\d+)", version)) and (int(m[1]), int(m[2])) < MIN_TORCH:
+        return f"prefill runs through torch SDPA, which needs torch >= 2.5 (enable_gqa), not torch {version}: {INSTALL}"
     return None
 
 

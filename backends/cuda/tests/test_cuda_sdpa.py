@@ -98,6 +98,26 @@ def test_the_missing_torch_names_the_extra(monkeypatch):
         sdpa.import_torch()
 
 
+def test_a_torch_older_than_enable_gqa_is_refused_as_a_missing_one(monkeypatch):
+    """torch < 2.5 has no enable_gqa: every prefill call raised a raw TypeError from SDPA; supports now refuses it
+    with the version and the extra to install, decode still runs."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.4.1+cu121" if name == "torch" else real(name))
+    assert "torch >= 2.5" in (sdpa.torch_missing() or "") and "2.4.1+cu121" in (sdpa.torch_missing() or "")
+    got, _ = emulated("q8_0", "q8_0", prefill="sdpa")
+    s = got.new_seq()
+    x = np.random.default_rng(0).standard_normal((20, 2, 64)).astype(np.float32)
+    got.store(s, 0, x, x)
+    q = np.ones((4, 4, 64), np.float32)
+    with pytest.raises(kvhal.UnsupportedError, match=r"torch >= 2.5.*kvhal-cuda\[torch\].*'prefill': 'kernel'"):
+        got.attention(0, q, [s], [4])
+    assert kvhal.to_numpy(got.attention(0, q[:1], [s], [1])).shape == (1, 4, 64)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.5.0" if name == "torch" else real(name))
+    assert sdpa.torch_missing() is None
+
+
 def test_prefill_option_is_checked():
     with pytest.raises(kvhal.SpecError, match="prefill"):
         emulated("q8_0", "q8_0", prefill="flash")
