@@ -225,9 +225,9 @@ class CudaBackend(Backend):
                 lo, hi = sdpa.visible_span(seq_len, q_len, batch.causal, batch.window)
                 first = lo // bs
                 ids = np.asarray(batch.block_table[i, first : -(-hi // bs)])
-                k, v = (torch.from_dlpack(x[lo - first * bs :].view(xp.int16)).view(torch.bfloat16)
+                k, v = (sdpa.from_device(torch, x[lo - first * bs :].view(xp.int16)).view(torch.bfloat16)
                         for x in self._load_bf16(pools, layer, ids, hi - first * bs))  # fmt: skip
-                tq = torch.from_dlpack(qd[q0 : q0 + q_len]).to(torch.bfloat16)
+                tq = sdpa.from_device(torch, qd[q0 : q0 + q_len]).to(torch.bfloat16)
                 o = sdpa.attend(torch, tq, k, v, kv_start=lo, seq_len=seq_len, scale=batch.scale,
                                 causal=batch.causal, window=batch.window)  # fmt: skip
                 out[q0 : q0 + q_len] = xp.from_dlpack(o.float().contiguous())

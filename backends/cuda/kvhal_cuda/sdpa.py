@@ -54,6 +54,18 @@ def import_torch() -> Any:
     return torch
 
 
+def from_device(torch: Any, x: Any) -> Any:
+    """``torch.from_dlpack(x)`` of a device array; a torch that cannot take it (a CPU-only build, as pip installs on
+    Windows: AssertionError "Torch not compiled with CUDA enabled"; CUDA torch on ROCm) is an UnsupportedError."""
+    try:
+        return torch.from_dlpack(x)
+    except Exception as e:
+        raise UnsupportedError(
+            f"prefill runs through torch SDPA and torch {torch.__version__} cannot take this GPU's arrays "
+            f"({type(e).__name__}: {e}): {INSTALL}; or create the cache with backend_options={{'prefill': 'kernel'}}"
+        ) from e
+
+
 def visible_span(seq_len: int, q_len: int, causal: bool, window: int | None) -> tuple[int, int]:
     """KV positions ``[lo, hi)`` that any of a sequence's ``q_len`` last queries sees: what is dequantized for it."""
     first_q = seq_len - q_len

@@ -118,6 +118,32 @@ def test_a_torch_older_than_enable_gqa_is_refused_as_a_missing_one(monkeypatch):
     assert sdpa.torch_missing() is None
 
 
+def test_a_torch_without_the_gpu_platform_is_an_unsupported_error(monkeypatch):
+    """A CPU-only torch (what pip installs on Windows) handed a CUDA array raises a raw AssertionError ("Torch not
+    compiled with CUDA enabled") from from_dlpack: every prefill call did; it is now an UnsupportedError."""
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        pytest.skip("needs a CPU-only torch")
+
+    class OnCuda:  # the emulator's arrays, announced on a CUDA device as cupy's are
+        def __init__(self, x):
+            self.x = x
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **kw):
+            return self.x.__dlpack__()
+
+    got, _ = emulated("q8_0", "q8_0", prefill="sdpa")
+    s = got.new_seq()
+    x = np.random.default_rng(0).standard_normal((20, 2, 64)).astype(np.float32)
+    got.store(s, 0, x, x)
+    real = torch.from_dlpack
+    monkeypatch.setattr(torch, "from_dlpack", lambda a: real(OnCuda(a)))
+    with pytest.raises(kvhal.UnsupportedError, match=r"cannot take this GPU's arrays.*'prefill': 'kernel'"):
+        got.attention(0, np.ones((4, 4, 64), np.float32), [s], [4])
+
+
 def test_prefill_option_is_checked():
     with pytest.raises(kvhal.SpecError, match="prefill"):
         emulated("q8_0", "q8_0", prefill="flash")
