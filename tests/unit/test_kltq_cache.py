@@ -101,6 +101,21 @@ def test_a_first_store_too_short_to_calibrate_changes_nothing():
     assert c.seq_len(s) == 0 and c.codec.sides == [None, None] and c.resolved_spec.k_side is None
 
 
+@pytest.mark.parametrize("formats_kv", [("kltq:4", "f16"), ("f16", "kltq:4")])
+def test_loading_a_layer_before_its_first_store_is_empty(formats_kv):
+    """A layer with no side data yet holds no rows: load returns them (none), it does not ask for side data."""
+    c = KVCache(spec(k_format=formats_kv[0], v_format=formats_kv[1]), 64, backend="reference")
+    s = c.new_seq()
+    k = keys(5)[0]
+    c.store(s, 0, k, k)
+    for kw in ({}, {"dtype": "float16"}):
+        got = [kvhal.to_numpy(x) for x in c.load(s, 1, **kw)]
+        assert [x.shape for x in got] == [(0, 2, 32)] * 2
+    out = (np.empty((0, 2, 32), np.float32), np.empty((0, 2, 32), np.float32))
+    got = c.load(s, 1, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+
+
 def test_the_fingerprint_and_snapshots_name_the_side_data(tmp_path):
     a, s, _ = filled(5)
     b, _, _ = filled(6)
