@@ -37,7 +37,7 @@ from kvhal.interop import LoadOut
 from kvhal.spec import CacheSpec
 
 from . import kltq
-from ._abi import ERRORS, ISAS, Args, library_path, open_library
+from ._abi import ERRORS, ISAS, Args, c_window, library_path, open_library
 
 __all__ = ["OPTIONS", "CpuBackend", "ISAS", "available_isas", "best_isa"]
 
@@ -330,7 +330,7 @@ class CpuBackend(HostPoolsBackend):
             keep.append(np.ascontiguousarray(batch.holes, dtype=np.int32))
             a.holes = _ptr(keep[-1])
         a.n_seqs, a.max_blocks, a.n_heads = sl.shape[0], bt.shape[1], q.shape[1]
-        a.scale, a.causal, a.window = batch.scale, batch.causal, batch.window or 0
+        a.scale, a.causal, a.window = batch.scale, batch.causal, c_window(batch.window)
         return a, keep
 
     def _attention(

@@ -40,6 +40,12 @@ class Args(ctypes.Structure):
 _KINDS = {_i32: "i", _i64: "q", _f32: "f", _p: "p"}
 
 
+def c_window(window: int | None) -> int:
+    """A call's window as the kernels' int32 takes it (0: none). kvhal takes windows up to 2**62, which ctypes
+    would wrap (2**32 + 1 as 1); any window past int32 covers every sequence (lengths are int32), so it is cut."""
+    return 0 if window is None else min(window, 2**31 - 1)
+
+
 def layout() -> str:
     """``Args`` in the text ``kvc_args_layout`` writes: its size, then each field's name, offset, size, kind."""
     fields = [

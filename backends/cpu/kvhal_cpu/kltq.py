@@ -21,6 +21,8 @@ from kvhal.errors import KVHalError
 from kvhal.formats import kltq
 from kvhal.reference import side as layer_side
 
+from ._abi import c_window
+
 _i32, _i64, _f32, _p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SYMBOLS = ("kvc_kltq_store", "kvc_kltq_load", "kvc_kltq_attention", "kvc_kltq_attention_mass")
 
@@ -157,7 +159,7 @@ def attention(
     rc = lib.kvc_kltq_attention(
         ctypes.byref(st), q.ctypes.data, out.ctypes.data, None if lse is None or not lse.size else lse.ctypes.data,
         pools.k[index].ctypes.data, pools.v[index].ctypes.data, bt.ctypes.data, sl.ctypes.data, ql.ctypes.data,
-        sl.shape[0], bt.shape[1], q.shape[1], int(batch.causal), batch.window or 0, batch.scale,
+        sl.shape[0], bt.shape[1], q.shape[1], int(batch.causal), c_window(batch.window), batch.scale,
     )  # fmt: skip
     _check(rc, "attention")
     return out, lse
@@ -173,7 +175,7 @@ def attention_mass(
     bt, sl, ql = _tables(batch)
     rc = lib.kvc_kltq_attention_mass(
         ctypes.byref(st), q.ctypes.data, lse.ctypes.data, pools.k[index].ctypes.data, bt.ctypes.data, sl.ctypes.data,
-        ql.ctypes.data, sl.shape[0], bt.shape[1], q.shape[1], int(batch.causal), batch.window or 0, batch.scale, tail,
+        ql.ctypes.data, sl.shape[0], bt.shape[1], q.shape[1], int(batch.causal), c_window(batch.window), batch.scale, tail,
         total.ctypes.data, window.ctypes.data,
     )  # fmt: skip
     _check(rc, "attention_mass")

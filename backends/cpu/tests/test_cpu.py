@@ -366,6 +366,21 @@ def test_float_prefill_matches_float64_at_any_thread_count(isa, fmt, n_heads):
     assert float(np.abs(outs[0] - want).max()) <= path_tolerance(isa, fmt, fmt)
 
 
+@pytest.mark.parametrize("k_format", ["q8_0", "kltq:4.5"])
+def test_a_window_past_int32_is_no_window(k_format):
+    """kvhal takes windows up to 2**62; the kernels' window is an int32, so a larger one must cover every key, not
+    wrap (2**32 + 1 read as 1), also through observe's attention mass and csrc/kltq.c."""
+    rng = np.random.default_rng(4)
+    c = kvhal.KVCache(kvhal.CacheSpec(1, 2, 64, k_format=k_format, v_format="q8_0"), 64, backend=CpuBackend())
+    s = c.new_seq()
+    c.store(s, 0, *(rng.standard_normal((40, 2, 64), dtype=np.float32) for _ in range(2)))
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    want = c.attention(0, q, [s])
+    for window in (2**31, 2**32 + 1, 2**62):
+        np.testing.assert_array_equal(c.attention(0, q, [s], window=window), want)
+        np.testing.assert_array_equal(c.attention(0, q, [s], window=window, observe=True), want)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "bf16"])
 def test_split_kv_merge_matches_unsplit(isa, fmt):
