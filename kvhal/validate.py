@@ -12,6 +12,7 @@ import numpy as np
 from .errors import DTypeError, PositionError, SequenceError, ShapeError, SpecError
 
 END = 2**62  # "to the end" of a range: past any sequence
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def is_int(x: Any) -> bool:
@@ -167,7 +168,8 @@ def attention_options(scale: Any, causal: Any, window: Any, observe: Any, head_d
     if scale is None:
         return 1.0 / math.sqrt(head_dim), None if window is None else int(window)
     try:
-        finite = math.isfinite(scale)
+        # kernels take the scale as float32: one past its range would reach them as inf (NaN rows)
+        finite = math.isfinite(scale) and abs(scale) <= F32_MAX
     except (OverflowError, TypeError):  # an int beyond float's range; a non-number (refused below)
         finite = False
     if (
@@ -175,7 +177,7 @@ def attention_options(scale: Any, causal: Any, window: Any, observe: Any, head_d
         or isinstance(scale, (bool, np.bool_))
         or not finite
     ):
-        raise ShapeError(f"scale must be a finite real number or None, got {scale!r}")
+        raise ShapeError(f"scale must be a finite real number within float32's range, or None; got {scale!r}")
     return float(scale), None if window is None else int(window)
 
 

@@ -154,6 +154,7 @@ def test_validation_errors_change_nothing():
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=2**63)),  # not OverflowError
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], window=2**62 + 1)),
         (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], scale=10**400)),  # beyond float
+        (kvhal.ShapeError, lambda: c.attention(0, rows(1, heads=4), [s], scale=-1e39)),  # beyond float32: inf there
         (kvhal.PositionError, lambda: c.attention(1, rows(1, heads=4), [s])),  # layer 1 holds nothing yet
     ]
     for err, call in bad:
