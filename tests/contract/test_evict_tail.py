@@ -261,6 +261,21 @@ def test_evict_with_a_tail_that_fails_changes_nothing(backend_info):
                 np.testing.assert_array_equal(x, y)
 
 
+def test_evict_with_a_tail_before_every_layer_is_stored(backend_info):
+    """A layer not stored yet holds nothing to keep: evict compacts the stored ones, as without a tail."""
+    for spec in tail_specs(backend_info):
+        rng = np.random.default_rng(7)
+        c = kvhal.KVCache(spec, 256, backend=backend_info.name)
+        s = c.new_seq()
+        k, v = (rng.standard_normal((40, 2, 64), dtype=np.float32) for _ in range(2))
+        c.store(s, 0, k, v)
+        res = c.evict(s, SinkWindow(sinks=4), keep_tokens=20)
+        assert res.kept.tolist() == [*range(4), *range(24, 40)]
+        assert [c.seq_len(s, layer) for layer in (0, 1)] == [20, 0]
+        c.store(s, 1, k[:3], v[:3])  # the layer fills as a fresh one would
+        np.testing.assert_array_equal(held(c, s, 1)[1], f16(v[:3]))
+
+
 def head_specs(info: kvhal.BackendInfo) -> list[kvhal.CacheSpec]:
     """A per-token format with ``tail=32`` and 4 f16 sinks (a page of them), and ``tail_specs``' per-channel K."""
     fmt = next((f for f in ("q8_0", "q4_0", "f16") if f in info.formats), None)
