@@ -42,14 +42,21 @@ from ._abi import ERRORS, ISAS, Args, c_window, library_path, open_library
 __all__ = ["OPTIONS", "CpuBackend", "ISAS", "available_isas", "best_isa"]
 
 TILES = (0, 64, 128)
+
+
+def int32_count(x: int) -> str | None:
+    """An int >= 0 that kv_args' int32 holds (ctypes would wrap a larger one silently: 2**32 + 1 threads as 1)."""
+    return non_negative(x) or (None if x < 2**31 else "must be below 2**31")
+
+
 OPTIONS = (
-    Option("threads", int, 0, env="KVHAL_CPU_THREADS", check=non_negative, help="worker threads; 0: os.cpu_count()"),
+    Option("threads", int, 0, env="KVHAL_CPU_THREADS", check=int32_count, help="worker threads; 0: os.cpu_count()"),
     Option(
         "isa", str, "auto", env="KVHAL_CPU_ISA", check=one_of("auto", *ISAS),
         help="instruction set of the kernels; auto: the best this CPU runs",
     ),
     Option(
-        "kv_split", int, 1024, env="KVHAL_CPU_KV_SPLIT", check=non_negative,
+        "kv_split", int, 1024, env="KVHAL_CPU_KV_SPLIT", check=int32_count,
         help="KV tokens per split-KV slice (0: never split), times the power of two covering rows/128 for work items "
         "of more than 128 query rows (prefill); slices depend on shapes only, so results do not "
         "change with threads",

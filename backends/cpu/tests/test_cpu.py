@@ -322,6 +322,8 @@ def test_tile_option_is_checked(monkeypatch):
         ({"thread": 2}, "no option thread; the options it takes: isa, kv_split, threads, tile"),
         ({"threads": -1}, "threads=-1 must be >= 0"),
         ({"threads": 2.0}, "threads must be int"),
+        ({"threads": 2**32 + 1}, "threads=4294967297 must be below 2\\*\\*31"),  # not 1 thread: kv_args is int32
+        ({"kv_split": 2**31}, "kv_split=2147483648 must be below 2\\*\\*31"),
         ({"kv_split": "big"}, "kv_split must be int"),
         ({"isa": "sse9"}, "isa='sse9' must be one of auto, scalar, avx2, avx512, neon, amx"),
         ({"isa": 2}, "isa must be str"),
