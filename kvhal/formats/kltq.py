@@ -228,6 +228,13 @@ class Side:
             raise ShapeError(f"kltq side data: alloc must hold bits 0..{MAX_BITS}")
         if (self.alloc.sum(axis=2) > self.bits * D).any():
             raise ShapeError(f"kltq side data: a head's bits exceed the budget {self.bits:g} x {D}")
+        # read-only copies in the dtypes the spec's arithmetic and the backends' kernels read (the cpu backend
+        # hands these buffers to C as f32/u8): a float64 or int64 array with the same digest would otherwise
+        # store other bytes there, and a caller's later write would change the bytes a fingerprint named
+        for name in ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks"):
+            a = np.array(getattr(self, name), np.uint8 if name == "alloc" else np.float32, order="C")
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
 
     def __repr__(self) -> str:
         L, H, D = self.shape

@@ -68,6 +68,26 @@ def test_side_data_given_in_the_spec_or_a_file_is_used_as_is(tmp_path):
         np.testing.assert_array_equal(c.load_rows(s, 0)[0], kltq.quantize(side, 0, k[:1]))
 
 
+@pytest.mark.parametrize("backend", [b.name for b in kvhal.backends() if b.available and "kltq:4.5" in b.formats])
+def test_side_data_in_wider_dtypes_stores_what_its_digest_names(backend):
+    """A Side built from float64/int64 arrays (the same digest) stores the same records on every backend: the cpu
+    backend read such buffers as f32/u8. Its arrays are the Side's own read-only copies: a later write to the
+    caller's arrays changes nothing the cache reads."""
+    side = kltq.calibrate(keys(2), 4.5)
+    fields = ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks")
+    wide = {f: getattr(side, f).astype(np.int64 if f == "alloc" else np.float64) for f in fields}
+    s64 = kltq.Side(side.bits, side.weighted, **wide)
+    assert s64.digest() == side.digest()
+    k = keys(3)[0]
+    c = KVCache(spec(k_side=s64), 64, backend=backend)
+    s = c.new_seq()
+    wide["mean"][:] = 100.0  # after the Side was made
+    c.store(s, 0, k, k)
+    np.testing.assert_array_equal(c.load_rows(s, 0)[0], kltq.quantize(side, 0, k))
+    with pytest.raises(ValueError, match="read-only"):
+        s64.mean[0, 0, 0] = 1.0
+
+
 def test_spec_refusals_are_typed():
     side = kltq.calibrate(keys(2), 4.5)
     with pytest.raises(SpecError, match="v_side"):
