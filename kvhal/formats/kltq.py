@@ -32,12 +32,13 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, ShapeError, SpecError
+from ..errors import FormatError, KVHalError, NonFiniteError, ShapeError, SpecError
 
 MAX_BITS = 12  # bits per coefficient (at 8, 39% of SmolLM2's coefficients hit the cap at a 7-bit budget)
 MAX_BUDGET = 8.0  # bits per value
@@ -210,6 +211,23 @@ class Side:
     codebooks: np.ndarray
 
     def __post_init__(self) -> None:
+        if isinstance(self.bits, (bool, np.bool_)) or not isinstance(self.bits, numbers.Real):
+            raise SpecError(f"kltq side data: bits must be a kltq budget (a number), got {self.bits!r}")
+        object.__setattr__(self, "bits", float(self.bits))
+        parse_name(f"{PREFIX}:{self.bits!r}")  # FormatError unless a budget (repr: exactly this float)
+        if not isinstance(self.weighted, (bool, np.bool_)):
+            raise SpecError(f"kltq side data: weighted must be a bool, got {self.weighted!r}")
+        object.__setattr__(self, "weighted", bool(self.weighted))
+        fields = ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks")
+        for name in fields:
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.dtype.kind not in "iuf":
+                raise ShapeError(f"kltq side data: {name} must be a real numpy array, got {type(a).__name__} "
+                                 f"{getattr(a, 'dtype', '')}")  # fmt: skip
+        if self.mean.ndim != 3 or 0 in self.mean.shape:
+            raise ShapeError(
+                f"kltq side data: mean must be [layers, heads, head_dim], each >= 1, got {self.mean.shape}"
+            )
         L, H, D = self.mean.shape
         want = {
             "analysis": (L, H, D, D),
@@ -220,21 +238,30 @@ class Side:
         }
         for name, shape in want.items():
             a = getattr(self, name)
-            if not isinstance(a, np.ndarray) or a.shape != shape:
-                raise ShapeError(
-                    f"kltq side data: {name} must be an array of shape {shape}, got {getattr(a, 'shape', a)}"
-                )
-        if int(self.alloc.min(initial=0)) < 0 or int(self.alloc.max(initial=0)) > MAX_BITS:
-            raise ShapeError(f"kltq side data: alloc must hold bits 0..{MAX_BITS}")
-        if (self.alloc.sum(axis=2) > self.bits * D).any():
+            if a.shape != shape:
+                raise ShapeError(f"kltq side data: {name} must be an array of shape {shape}, got {a.shape}")
+        # checked before the cast to u8, which would wrap 256 to 0 and drop fractions
+        alloc = self.alloc
+        if (alloc != np.floor(alloc)).any() or (alloc < 0).any() or (alloc > MAX_BITS).any():
+            raise ShapeError(f"kltq side data: alloc must hold whole bits 0..{MAX_BITS}")
+        if (alloc.astype(np.int64).sum(axis=2) > self.bits * D).any():
             raise ShapeError(f"kltq side data: a head's bits exceed the budget {self.bits:g} x {D}")
         # read-only copies in the dtypes the spec's arithmetic and the backends' kernels read (the cpu backend
         # hands these buffers to C as f32/u8): a float64 or int64 array with the same digest would otherwise
         # store other bytes there, and a caller's later write would change the bytes a fingerprint named
-        for name in ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks"):
-            a = np.array(getattr(self, name), np.uint8 if name == "alloc" else np.float32, order="C")
+        for name in fields:
+            with np.errstate(over="ignore"):  # beyond f32's range: inf, refused just below
+                a = np.array(getattr(self, name), np.uint8 if name == "alloc" else np.float32, order="C")
             a.setflags(write=False)
             object.__setattr__(self, name, a)
+            if not np.isfinite(a).all():  # after the cast: a float64 beyond f32's range is inf there
+                raise NonFiniteError(f"kltq side data: {name} holds NaN/inf (in float32); calibrate it again")
+        if (self.sigma < 0).any():
+            raise ShapeError("kltq side data: sigma (the square root of each coefficient's variance) must be >= 0")
+        # nearest-level search (the numpy spec's and every kernel's) assumes each width's levels in order
+        for b in range(1, MAX_BITS + 1):
+            if (np.diff(self.codebooks[:, b, : 1 << b], axis=-1) < 0).any():
+                raise ShapeError(f"kltq side data: codebook levels of width {b} must be ascending")
 
     def __repr__(self) -> str:
         L, H, D = self.shape
@@ -449,8 +476,6 @@ def quantize(side: Side, layer: int, x: np.ndarray) -> np.ndarray:
     if not 0 <= layer < L:
         raise ShapeError(f"kltq quantize: layer {layer} outside the side data's {L} layers")
     if not np.isfinite(x).all():
-        from ..errors import NonFiniteError
-
         raise NonFiniteError("kltq stores finite values only: find the NaN/inf upstream")
     return pack(_codes(side, layer, coefficients(side, layer, x)), side.alloc[layer], side.row_bytes)
 
@@ -552,17 +577,20 @@ def join_layers(layers: list[Side]) -> Side:
 
 def from_arrays(a: dict[str, np.ndarray], where: str) -> Side:
     """A Side from the arrays ``Side.arrays`` gives (a calibration file's, a snapshot's); SpecError names ``where``
-    when some are missing."""
+    when some are missing or malformed."""
+    if not isinstance(a, dict):
+        raise SpecError(f"kltq side data in {where}: from_arrays takes a dict of arrays, not {type(a).__name__}")
     missing = {"bits", "weighted", "mean", "analysis", "synthesis", "sigma", "alloc", "codebooks"} - set(a)
     if missing:
         raise SpecError(f"kltq side data in {where} lacks {sorted(missing)}; write it with kvhal eval --calibrate")
-    return Side(
-        float(np.asarray(a["bits"]).reshape(-1)[0]),  # 0-d in an .npz, [1] or 0-d in a snapshot
-        bool(np.asarray(a["weighted"]).reshape(-1)[0]),
-        a["mean"].astype(np.float32),
-        a["analysis"].astype(np.float32),
-        a["synthesis"].astype(np.float32),
-        a["sigma"].astype(np.float32),
-        a["alloc"].astype(np.uint8),
-        a["codebooks"].astype(np.float32),
-    )
+    bits, weighted = (np.asarray(a[n]) for n in ("bits", "weighted"))  # 0-d in an .npz, [1] or 0-d in a snapshot
+    try:
+        if bits.size != 1 or bits.dtype.kind not in "iuf" or weighted.size != 1 or weighted.dtype.kind != "b":
+            raise SpecError("bits must be one number and weighted one bool")
+        # the arrays as stored: Side checks them before its casts (a u8 cast here would wrap alloc's 256 to 0)
+        return Side(float(bits.reshape(-1)[0]), bool(weighted.reshape(-1)[0]),
+                    *(np.asarray(a[n]) for n in ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks")))  # fmt: skip
+    except KVHalError as e:
+        raise SpecError(
+            f"kltq side data in {where} is malformed ({e}); write it again with kvhal eval --calibrate"
+        ) from None

@@ -161,6 +161,38 @@ def test_side_data_saves_loads_and_names_itself(tmp_path):
         kltq.Side.load(tmp_path / "missing.npz")
 
 
+def test_malformed_side_data_is_refused_typed(tmp_path):
+    """Side data whose arrays could not be the codec's (not a budget, fractional or wrapping bits, NaN/inf,
+    levels out of order: the spec's and the kernels' nearest-level searches disagree there, wrong shapes or
+    dtypes) is a typed error when built, and a SpecError naming the file when loaded: never a raw numpy error,
+    never accepted (a u8 cast wrapped alloc's 256 to 0)."""
+    k, _ = data(3, layers=1)
+    side = kltq.calibrate(k, 4.5)
+    good = side.arrays()
+    nan_mean = side.mean.copy()
+    nan_mean[0, 0, 0] = np.nan
+    bad = {
+        "bits": np.array(100.0),
+        "weighted": np.array("False"),
+        "mean": nan_mean,
+        "analysis": np.full(side.analysis.shape, 1e300),  # inf in f32
+        "sigma": -side.sigma,
+        "alloc": side.alloc.astype(np.int64) + 256,
+        "codebooks": side.codebooks[:, :, ::-1].copy(),
+    }
+    for name, value in [*bad.items(), ("mean", side.mean[0]), ("mean", np.full(side.mean.shape, "a")),
+                        ("bits", np.zeros(0)), ("alloc", side.alloc + 0.5)]:  # fmt: skip
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **{**good, name: value})
+        with pytest.raises(SpecError, match=f"{path.name}.*malformed"):
+            kltq.Side.load(path)
+    fields = dict(side.__dict__)
+    for name, value in (("bits", "4.5"), ("bits", True), ("bits", 4.25 + 1e-9), ("weighted", "x"), ("mean", [1.0]),
+                        ("alloc", bad["alloc"]), ("mean", nan_mean), ("codebooks", bad["codebooks"])):  # fmt: skip
+        with pytest.raises((SpecError, FormatError, ShapeError, NonFiniteError)):
+            kltq.Side(**{**fields, name: value})
+
+
 def test_arguments_are_checked():
     k, q = data(2, layers=1)
     side = kltq.calibrate(k, 4.0, q)
