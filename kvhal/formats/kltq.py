@@ -33,6 +33,9 @@ import hashlib
 import io
 import math
 import numbers
+import os
+import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,18 +304,31 @@ class Side:
         return "sha256:" + h.hexdigest()
 
     def save(self, path: Any) -> None:
-        """Write the side data as an .npz (what ``kvhal eval --calibrate`` writes)."""
+        """Write the side data as an .npz (what ``kvhal eval --calibrate`` writes); SpecError when ``path`` is no
+        path or cannot be written."""
+        if not isinstance(path, (str, bytes, os.PathLike)):  # open() takes an int as a descriptor: True is stdout
+            raise SpecError(f"Side.save takes a file path, not {type(path).__name__} {path!r:.40}")
         buf = io.BytesIO()
         np.savez(buf, allow_pickle=False, **self.arrays())
-        with open(path, "wb") as f:
-            f.write(buf.getvalue())
+        try:
+            with open(path, "wb") as f:
+                f.write(buf.getvalue())
+        except OSError as e:
+            raise SpecError(f"cannot write kltq side data to {path!r} ({e}); pass a writable file path") from None
 
     @classmethod
     def load(cls, path: Any) -> Side:
+        """The side data ``save`` wrote to ``path`` (a path or a binary file); SpecError when it cannot be read or
+        is not whole (truncated, bit-flipped: the .npz's CRCs)."""
+        if not isinstance(path, (str, bytes, os.PathLike)) and not hasattr(path, "read"):
+            raise SpecError(f"Side.load takes a file path, not {type(path).__name__} {path!r:.40}")
         try:
-            with np.load(path, allow_pickle=False) as z:
+            z = np.load(path, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):  # a lone .npy array
+                raise ValueError("not an .npz of side data")
+            with z:
                 a = {k: z[k] for k in z.files}
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
             raise SpecError(
                 f"kltq calibration file {path!r} cannot be read ({e}); write one with kvhal eval --calibrate"
             ) from None

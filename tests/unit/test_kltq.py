@@ -161,6 +161,34 @@ def test_side_data_saves_loads_and_names_itself(tmp_path):
         kltq.Side.load(tmp_path / "missing.npz")
 
 
+def test_side_data_files_that_are_not_whole_are_a_spec_error(tmp_path, capfd):
+    """A truncated, bit-flipped (the .npz's CRCs) or compressed-and-damaged calibration file, a lone .npy and a
+    non-path are SpecErrors, never zipfile's/zlib's raw errors; save refuses a non-path (``open(True)`` wrote the
+    file to stdout) and a path it cannot write."""
+    k, _ = data(4, layers=1)
+    side = kltq.calibrate(k, 4.5)
+    path = tmp_path / "s.npz"
+    side.save(path)
+    raw = path.read_bytes()
+    np.savez_compressed(tmp_path / "c.npz", **side.arrays())
+    packed = bytearray((tmp_path / "c.npz").read_bytes())
+    packed[len(packed) // 2] ^= 0xFF
+    flipped = bytearray(raw)
+    flipped[len(raw) // 3] ^= 0x10
+    for i, blob in enumerate((raw[: len(raw) // 2], b"", bytes(flipped), bytes(packed))):
+        (tmp_path / f"{i}.npz").write_bytes(blob)
+        with pytest.raises(SpecError, match="cannot be read"):
+            kltq.Side.load(tmp_path / f"{i}.npz")
+    np.save(tmp_path / "a.npy", side.mean)
+    for bad in (tmp_path / "a.npy", 3, None):
+        with pytest.raises(SpecError):
+            kltq.Side.load(bad)
+    for bad in (True, None, tmp_path):
+        with pytest.raises(SpecError):
+            side.save(bad)
+    assert capfd.readouterr().out == ""
+
+
 def test_malformed_side_data_is_refused_typed(tmp_path):
     """Side data whose arrays could not be the codec's (not a budget, fractional or wrapping bits, NaN/inf,
     levels out of order: the spec's and the kernels' nearest-level searches disagree there, wrong shapes or
