@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, KVHalError, NonFiniteError, ShapeError, SpecError
+from ..errors import DTypeError, FormatError, KVHalError, NonFiniteError, ShapeError, SpecError
+from ..validate import count
 
 MAX_BITS = 12  # bits per coefficient (at 8, 39% of SmolLM2's coefficients hit the cap at a 7-bit budget)
 MAX_BUDGET = 8.0  # bits per value
@@ -364,6 +365,19 @@ def basis(k: np.ndarray, q: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, 
     return mu, u.T @ w, w_inv @ u, lam
 
 
+def _real(x: Any, what: str) -> np.ndarray:
+    """``x`` as a numpy array of finite real numbers: DTypeError (strings, objects, ragged lists), NonFiniteError."""
+    try:
+        a = np.asarray(x)
+    except (ValueError, TypeError):
+        a = np.asarray(None)
+    if a.dtype.kind not in "iuf":
+        raise DTypeError(f"{what} must be an array of real numbers, got {type(x).__name__} of {a.dtype}")
+    if not np.isfinite(a).all():
+        raise NonFiniteError(f"{what} hold NaN/inf: kltq calibrates and stores finite values only")
+    return a
+
+
 def calibrate(
     k: list[np.ndarray] | tuple[np.ndarray, ...],
     bits: float,
@@ -372,16 +386,36 @@ def calibrate(
 ) -> Side:
     """Side data from each layer's keys ``k[l] [n, H, D]`` (and queries ``q[l] [n, Hq, D]``, ``Hq`` a multiple of
     ``H``: query-weighted), skipping the first ``skip`` tokens (the f16 sinks)."""
-    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Real):
         raise SpecError(f"bits must be a number, got {bits!r}")
     bits = float(bits)
-    parse_name(f"{PREFIX}:{bits:g}")
-    if not k:
-        raise ShapeError("calibrate needs keys of at least one layer")
+    parse_name(f"{PREFIX}:{bits!r}")
+    skip = count(skip, "skip")
+    if not isinstance(k, (list, tuple)) or not k:
+        raise ShapeError("calibrate needs a list of each layer's keys [n, H, D], at least one layer")
+    k = [_real(x, f"calibrate: layer {i}'s keys") for i, x in enumerate(k)]
+    if k[0].ndim != 3 or 0 in k[0].shape[1:]:
+        raise ShapeError(f"calibrate: layer 0's keys are {k[0].shape}, expected [n, H, D] with H, D >= 1")
     n, H, D = k[0].shape
     row_bytes(bits, D)
-    if n - skip < 2:
-        raise ShapeError(f"calibrate needs at least 2 tokens after the {skip} sink(s), got {n}")
+    for layer, kl in enumerate(k):
+        if kl.ndim != 3 or kl.shape[1:] != (H, D):
+            raise ShapeError(f"calibrate: layer {layer}'s keys are {kl.shape}, expected [n, {H}, {D}]")
+        if kl.shape[0] - skip < 2:
+            raise ShapeError(f"calibrate needs at least 2 tokens after the {skip} sink(s), got {kl.shape[0]}")
+    if q is not None:
+        # each layer's queries weight its keys' error: one per key token, heads grouped onto the KV heads
+        if not isinstance(q, (list, tuple)) or len(q) != len(k):
+            raise ShapeError(
+                f"calibrate: q must be a list of {len(k)} layers' queries [n, Hq, {D}], one per layer of k"
+            )
+        q = [_real(x, f"calibrate: layer {i}'s queries") for i, x in enumerate(q)]
+        for layer, (ql, kl) in enumerate(zip(q, k)):
+            if ql.ndim != 3 or ql.shape[0] != kl.shape[0] or ql.shape[2] != D or not ql.shape[1] or ql.shape[1] % H:
+                raise ShapeError(
+                    f"calibrate: layer {layer}'s queries are {ql.shape}, expected [{kl.shape[0]}, Hq, {D}] with Hq a "
+                    f"multiple of the {H} KV heads"
+                )
     L = len(k)
     mean = np.zeros((L, H, D))
     T = np.zeros((L, H, D, D))
@@ -390,8 +424,6 @@ def calibrate(
     alloc = np.zeros((L, H, D), np.uint8)
     books = np.zeros((L, MAX_BITS + 1, 1 << MAX_BITS))
     for layer, kl in enumerate(k):
-        if kl.shape[1:] != (H, D):
-            raise ShapeError(f"calibrate: layer {layer}'s keys are {kl.shape}, expected [n, {H}, {D}]")
         kl = np.asarray(kl, np.float64)[skip:]
         coeffs = []
         for h in range(H):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvhal.errors import FormatError, NonFiniteError, ShapeError, SpecError
+from kvhal.errors import DTypeError, FormatError, NonFiniteError, ShapeError, SpecError
 from kvhal.formats import kltq
 
 
@@ -219,6 +219,30 @@ def test_malformed_side_data_is_refused_typed(tmp_path):
                         ("alloc", bad["alloc"]), ("mean", nan_mean), ("codebooks", bad["codebooks"])):  # fmt: skip
         with pytest.raises((SpecError, FormatError, ShapeError, NonFiniteError)):
             kltq.Side(**{**fields, name: value})
+
+
+def test_calibrate_refuses_what_is_not_keys_and_queries():
+    """NaN keys made NaN side data, a negative skip calibrated on the last tokens, queries of another head_dim,
+    head count or token count were reshaped silently (or raised raw), a numpy int budget was refused: each is
+    now checked before anything is computed."""
+    k, q = data(5)
+    bad_k = [k[0], k[1].copy()]
+    bad_k[1][3, 0, 0] = np.nan
+    assert kltq.calibrate(k, np.int64(4)).bits == 4.0
+    for args, kw, error in (
+        ((bad_k, 4.5), {}, NonFiniteError),
+        ((k, 4.5), {"skip": -1}, SpecError),
+        ((k, 4.5), {"skip": 1.0}, SpecError),
+        ((k, 4.5, [x[:, :, :16] for x in q]), {}, ShapeError),  # another head_dim
+        ((k, 4.5, [x[:, :3] for x in q]), {}, ShapeError),  # 3 query heads over 2 KV heads
+        ((k, 4.5, [x[:5] for x in q]), {}, ShapeError),
+        ((k, 4.5, q[:1]), {}, ShapeError),
+        ((k[0], 4.5), {}, ShapeError),
+        (([np.full((5, 2, 32), "a")], 4.5), {}, DTypeError),
+        (([k[0][:, :0]], 4.5), {}, ShapeError),
+    ):
+        with pytest.raises(error):
+            kltq.calibrate(*args, **kw)
 
 
 def test_arguments_are_checked():
