@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, FormatError, KVHalError, NonFiniteError, ShapeError, SpecError
-from ..validate import count
+from ..validate import count, is_int
 
 MAX_BITS = 12  # bits per coefficient (at 8, 39% of SmolLM2's coefficients hit the cap at a 7-bit budget)
 MAX_BUDGET = 8.0  # bits per value
@@ -61,6 +61,8 @@ def names() -> list[str]:
 
 def parse_name(name: str) -> float:
     """The budget (bits per value) of a ``kltq:B`` name; FormatError otherwise."""
+    if not isinstance(name, str):
+        raise FormatError(f"a kltq format name is a str such as 'kltq:4.5', not {type(name).__name__} {name!r:.40}")
     prefix, _, rest = name.partition(":")
     try:
         bits = float(rest)
@@ -76,6 +78,8 @@ def parse_name(name: str) -> float:
 
 def row_bytes(bits: float, head_dim: int) -> int:
     """Bytes of one record: ``bits * head_dim / 8``; FormatError when that is no whole number of bytes."""
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Real) or not is_int(head_dim):
+        raise FormatError(f"kltq row_bytes takes a number of bits and an int head_dim, got {bits!r}, {head_dim!r}")
     total = bits * head_dim
     if total % 8 or head_dim < 1:
         raise FormatError(
@@ -365,15 +369,16 @@ def basis(k: np.ndarray, q: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, 
     return mu, u.T @ w, w_inv @ u, lam
 
 
-def _real(x: Any, what: str) -> np.ndarray:
-    """``x`` as a numpy array of finite real numbers: DTypeError (strings, objects, ragged lists), NonFiniteError."""
+def _real(x: Any, what: str, finite: bool = True) -> np.ndarray:
+    """``x`` as a numpy array of (``finite``: finite) real numbers: DTypeError (strings, objects, ragged lists),
+    NonFiniteError."""
     try:
         a = np.asarray(x)
     except (ValueError, TypeError):
         a = np.asarray(None)
     if a.dtype.kind not in "iuf":
         raise DTypeError(f"{what} must be an array of real numbers, got {type(x).__name__} of {a.dtype}")
-    if not np.isfinite(a).all():
+    if finite and not np.isfinite(a).all():
         raise NonFiniteError(f"{what} hold NaN/inf: kltq calibrates and stores finite values only")
     return a
 
@@ -451,9 +456,31 @@ def calibrate(
 # -- the record ------------------------------------------------------------------------------------------
 
 
+def _at(side: Any, layer: Any, what: str) -> int:
+    """``layer`` of ``side`` as a plain int: SpecError for no Side, ShapeError for a layer it lacks (a bool, a
+    float, a negative index)."""
+    if not isinstance(side, Side):
+        raise SpecError(f"kltq {what}: side is a kvhal.formats.kltq.Side, not {type(side).__name__}")
+    if not is_int(layer) or not 0 <= layer < side.shape[0]:
+        raise ShapeError(f"kltq {what}: layer {layer!r} is not one of the side data's layers 0..{side.shape[0] - 1}")
+    return int(layer)
+
+
+def _rows(side: Side, x: Any, what: str, grouped: bool = False) -> np.ndarray:
+    """``x [n, H, D]`` (``grouped``: ``[n, Hq, D]``, ``Hq`` a multiple of ``H``) as a real array; DTypeError or
+    ShapeError otherwise."""
+    a = _real(x, f"kltq {what}: rows", finite=False)
+    _, H, D = side.shape
+    if a.ndim != 3 or a.shape[2] != D or (a.shape[1] % H or not a.shape[1] if grouped else a.shape[1] != H):
+        heads = f"Hq (a multiple of {H})" if grouped else str(H)
+        raise ShapeError(f"kltq {what}: rows must be [n, {heads}, {D}], got {a.shape}")
+    return a
+
+
 def coefficients(side: Side, layer: int, x: np.ndarray) -> np.ndarray:
     """``c = T (x - mu)`` per head of ``x [n, H, D]``, float64."""
-    x = np.asarray(x, np.float64) - side.mean[layer].astype(np.float64)[None]
+    layer = _at(side, layer, "coefficients")
+    x = _rows(side, x, "coefficients").astype(np.float64) - side.mean[layer].astype(np.float64)[None]
     return np.einsum("hij,nhj->nhi", side.analysis[layer].astype(np.float64), x)
 
 
@@ -517,12 +544,9 @@ def unpack(data: np.ndarray, alloc: np.ndarray) -> np.ndarray:
 
 def quantize(side: Side, layer: int, x: np.ndarray) -> np.ndarray:
     """Rows ``x [n, H, D]`` (finite) into records ``[n, H, row_bytes]`` u8."""
-    x = np.asarray(x, np.float32)
-    L, H, D = side.shape
-    if x.ndim != 3 or x.shape[1:] != (H, D):
-        raise ShapeError(f"kltq quantize: rows must be [n, {H}, {D}], got {x.shape}")
-    if not 0 <= layer < L:
-        raise ShapeError(f"kltq quantize: layer {layer} outside the side data's {L} layers")
+    layer = _at(side, layer, "quantize")
+    with np.errstate(over="ignore"):  # beyond f32's range: inf, refused below
+        x = _rows(side, x, "quantize").astype(np.float32)
     if not np.isfinite(x).all():
         raise NonFiniteError("kltq stores finite values only: find the NaN/inf upstream")
     return pack(_codes(side, layer, coefficients(side, layer, x)), side.alloc[layer], side.row_bytes)
@@ -531,8 +555,12 @@ def quantize(side: Side, layer: int, x: np.ndarray) -> np.ndarray:
 def decode_coefficients(side: Side, layer: int, data: np.ndarray) -> np.ndarray:
     """Records ``[n, H, row_bytes]`` to decoded coefficients ``c'`` ``[n, H, D]`` float32 (what attention scores
     against, after ``query``)."""
+    layer = _at(side, layer, "decode_coefficients")
     _, H, D = side.shape
-    data = np.asarray(data, np.uint8)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:  # a cast would wrap or truncate other dtypes
+        raise DTypeError(
+            f"kltq records must be a uint8 numpy array, got {type(data).__name__} {getattr(data, 'dtype', '')}"
+        )
     if data.ndim != 3 or data.shape[1:] != (H, side.row_bytes):
         raise ShapeError(f"kltq records must be [n, {H}, {side.row_bytes}] u8, got {data.shape}")
     codes = unpack(data, side.alloc[layer])
@@ -544,8 +572,12 @@ def decode_coefficients(side: Side, layer: int, data: np.ndarray) -> np.ndarray:
 
 def synthesize(side: Side, layer: int, c: np.ndarray) -> np.ndarray:
     """``x = mu + S c`` per head, float32."""
+    layer = _at(side, layer, "synthesize")
     s = side.synthesis[layer].astype(np.float64)
-    x = np.einsum("hij,nhj->nhi", s, np.asarray(c, np.float64)) + side.mean[layer].astype(np.float64)[None]
+    x = (
+        np.einsum("hij,nhj->nhi", s, _rows(side, c, "synthesize").astype(np.float64))
+        + side.mean[layer].astype(np.float64)[None]
+    )
     return x.astype(np.float32)
 
 
@@ -557,8 +589,9 @@ def dequantize(side: Side, layer: int, data: np.ndarray) -> np.ndarray:
 def query(side: Side, layer: int, q: np.ndarray) -> np.ndarray:
     """Queries ``[n, Hq, D]`` in coefficient space, ``S^T q`` per KV head (query heads grouped), float32: scores
     against decoded coefficients equal scores against ``x' - mu``."""
+    layer = _at(side, layer, "query")
     _, H, _ = side.shape
-    q = np.asarray(q, np.float64)
+    q = _rows(side, q, "query", grouped=True).astype(np.float64)
     g = q.shape[1] // H
     s = np.repeat(side.synthesis[layer].astype(np.float64), g, axis=0)  # [Hq, D, D]
     return np.einsum("hji,nhj->nhi", s, q).astype(np.float32)
@@ -609,6 +642,7 @@ def rd_channel(k: np.ndarray, q: np.ndarray, bits: float, skip: int = 0, seed: i
 
 def layer_side(side: Side, layer: int) -> Side:
     """Layer ``layer`` of ``side`` as a one-layer Side (what a backend's ``Pools.side[layer]`` holds)."""
+    layer = _at(side, layer, "layer_side")
     sl = slice(layer, layer + 1)
     return Side(side.bits, side.weighted, side.mean[sl], side.analysis[sl], side.synthesis[sl], side.sigma[sl],
                 side.alloc[sl], side.codebooks[sl])  # fmt: skip
@@ -616,8 +650,12 @@ def layer_side(side: Side, layer: int) -> Side:
 
 def join_layers(layers: list[Side]) -> Side:
     """One Side from one-layer Sides in layer order (a cache's, once every layer calibrated)."""
-    if not layers or len({(x.bits, x.weighted) for x in layers}) != 1:
-        raise ShapeError("join_layers takes one or more Sides of one budget and weighting")
+    if (
+        not isinstance(layers, (list, tuple))
+        or not all(isinstance(x, Side) for x in layers)
+        or len({(x.bits, x.weighted, x.shape[1:]) for x in layers}) != 1
+    ):
+        raise ShapeError("join_layers takes a list of one or more Sides of one budget, weighting, heads and head_dim")
     cat = [np.concatenate([getattr(x, f) for x in layers]) for f in
            ("mean", "analysis", "synthesis", "sigma", "alloc", "codebooks")]  # fmt: skip
     return Side(layers[0].bits, layers[0].weighted, *cat)

@@ -262,3 +262,52 @@ def test_arguments_are_checked():
         kltq.calibrate(k, True)  # type: ignore[arg-type]
     with pytest.raises(ShapeError):
         kltq.decode_coefficients(side, 0, np.zeros((2, 2, 3), np.uint8))
+
+
+def test_record_functions_check_their_layer_and_rows():
+    """A negative layer read the last layer's side data silently, a bool or float layer and rows of another
+    shape or dtype raised raw numpy errors (records of another dtype were cast: -1 wrapped to 255), queries with
+    fewer heads than KV heads came back empty: each is now a typed error; numpy ints are layers."""
+    k, q = data(2)
+    side = kltq.calibrate(k, 4.0, q)
+    rows = kltq.quantize(side, np.int64(1), k[1][:4])
+    coeffs = kltq.decode_coefficients(side, 0, rows)
+    calls = (
+        (kltq.quantize, k[0][:4]),
+        (kltq.decode_coefficients, rows),
+        (kltq.dequantize, rows),
+        (kltq.synthesize, coeffs),
+        (kltq.coefficients, k[0][:4]),
+        (kltq.query, q[0][:4]),
+    )
+    for f, x in calls:
+        for layer in (-1, 2, True, 1.0, "0", None):
+            with pytest.raises(ShapeError, match="layer"):
+                f(side, layer, x)
+        with pytest.raises(SpecError):
+            f(None, 0, x)
+    for layer in (-1, 2, True):
+        with pytest.raises(ShapeError, match="layer"):
+            kltq.layer_side(side, layer)
+    for f, x, error in (
+        (kltq.quantize, "abc", DTypeError),
+        (kltq.decode_coefficients, rows.astype(np.int64) - 1, DTypeError),
+        (kltq.decode_coefficients, rows.tobytes(), DTypeError),
+        (kltq.query, q[0][:4, :1], ShapeError),  # 1 query head over 2 KV heads
+        (kltq.query, q[0][:4, :3], ShapeError),
+        (kltq.query, q[0][:4, :, :16], ShapeError),
+        (kltq.synthesize, coeffs[:, :1], ShapeError),
+        (kltq.coefficients, k[0][:4, :, :8], ShapeError),
+    ):
+        with pytest.raises(error):
+            f(side, 0, x)
+    other = kltq.calibrate([x[:, :, :16] for x in k], 4.0)
+    for layers in ([kltq.layer_side(side, 0), kltq.layer_side(other, 0)], [None], side):
+        with pytest.raises(ShapeError):
+            kltq.join_layers(layers)  # type: ignore[arg-type]
+    for name in (4.5, None):
+        with pytest.raises(FormatError):
+            kltq.parse_name(name)  # type: ignore[arg-type]
+    for bits, dim in (("4", 32), (8.0, True), (8.0, 1.0)):
+        with pytest.raises(FormatError):
+            kltq.row_bytes(bits, dim)  # type: ignore[arg-type]
