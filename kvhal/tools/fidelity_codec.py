@@ -109,6 +109,15 @@ class CodecRun:
                     f"kltq side data of shape {s.shape} does not fit this capture "
                     f"({cap.n_layers}, {cap.n_kv_heads}, {cap.head_dim}); calibrate on the same model"
                 )
+        # a file under another row's name (copied, renamed) would code at its own budget while the row reports
+        # this one's bits
+        for s, bits, weighted, which in ((self.k_side, c.bits, c.weighted, "k"), (self.v_side, c.v_bits, False, "v")):
+            if s is not None and (s.bits, s.weighted) != (bits, weighted):
+                raise SpecError(
+                    f"{c.label}: the {which.upper()} side data read from {calibration} is kltq:{s.bits:g} "
+                    f"{'query-weighted' if s.weighted else 'plain'}, not the row's kltq:{bits:g} "
+                    f"{'query-weighted' if weighted else 'plain'}; write it again with kvhal eval --calibrate"
+                )
 
     def k_rate(self, tokens: int) -> float:
         """K bits per value of the quantized part (the sinks apart)."""

@@ -749,6 +749,26 @@ def test_kltq_rows_calibrate_write_and_read_side_data(tmp_path, capsys):
         fidelity.parse_formats("kltq:4.3")
 
 
+def test_a_calibration_file_of_another_budget_or_weighting_is_refused(tmp_path, capsys):
+    """--calibration reads DIR/kltq-k-4.5-sink1.npz by the row's name; a file of another budget or weighting under
+    that name (copied, renamed) coded at its own bits while the row reported the name's (K 6 bits a value
+    reported as 4.5): it is now refused, naming both."""
+    import os
+
+    from kvhal.tools.fidelity_codec import side_path, write_calibration
+
+    cap = synthetic(layers=1, t=16)
+    path = str(tmp_path / "cap.npz")
+    cap.save(path)
+    cal = str(tmp_path / "cal")
+    write_calibration(cal, cap, [(6.0, True, 0), (4.0, False, 0)], [(3.0, 0)])
+    os.replace(side_path(cal, 6.0, True, 0), side_path(cal, 4.0, True, 0))
+    os.replace(side_path(cal, 3.0, False, 0, "v"), side_path(cal, 2.0, False, 0, "v"))
+    for row, want in (("kltq:4", "kltq:6 query-weighted, not the row's kltq:4"), ("kltq:4:plain:v=kltq2", "kltq:3")):
+        assert main(["eval", "--capture", path, "--formats", row, "--no-limit", "--calibration", cal]) == 2
+        assert want in capsys.readouterr().err
+
+
 def oracle_kvarn_tile(x: np.ndarray, bits: int, axis: int, iters: int = 16) -> np.ndarray:
     """KVarN on one tile, value by value (statistics.stdev, numpy's float16 cast): the Sinkhorn log scales
     per token a[t] and channel b[c], the least-imbalance step, b centred, asymmetric RTN along ``axis``."""
