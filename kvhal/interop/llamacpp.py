@@ -368,12 +368,16 @@ def _check_section(sec: Section) -> int:
     n_stream = _int(sec.n_stream, "Section.n_stream", 1, 2**32)
     _int(sec.stream, "Section.stream", 0, n_stream)
     _int(sec.seq_id, "Section.seq_id", 0, 2**31)
-    n = len(sec.layers[0].k) if sec.layers and isinstance(sec.layers[0], LayerRows) else 0
+    v_trans = validate.check_bool(sec.v_trans, "Section.v_trans", SpecError)  # a u32 llama.cpp compares with 0/1
+    if not isinstance(sec.layers, (tuple, list)):
+        raise SpecError(f"a Section's layers are a tuple of LayerRows, got {type(sec.layers).__name__}")
+    first = sec.layers[0].k if sec.layers and isinstance(sec.layers[0], LayerRows) else None
+    n = len(first) if isinstance(first, np.ndarray) and first.ndim else 0  # (other rows are refused below)
     for x in sec.layers:
         if not isinstance(x, LayerRows):
             raise SpecError(f"a Section's layers are LayerRows objects, got {type(x).__name__}")
         for w, name, rows in (("K", x.k_format, x.k), ("V", x.v_format, x.v)):
-            if name not in GGML_IDS:
+            if not isinstance(name, str) or name not in GGML_IDS:
                 raise LlamaStateUnsupportedError(
                     f"{w} format {name!r} is not a ggml type llama.cpp reads ({sorted(GGML_IDS)})"
                 )
@@ -384,7 +388,7 @@ def _check_section(sec: Section) -> int:
                 )
             if n and (rows.shape[1] == 0 or rows.shape[1] % fmt.block_bytes):
                 raise SpecError(f"a layer's {w} rows of {rows.shape[1]} bytes are not whole {name} blocks")
-        if sec.v_trans and x.v_format not in PLAIN:
+        if v_trans and x.v_format not in PLAIN:
             raise LlamaStateUnsupportedError(f"llama.cpp transposes V of f32/f16/bf16 only, not {x.v_format}")
     return n
 

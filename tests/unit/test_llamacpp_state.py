@@ -252,6 +252,12 @@ def test_bad_input_is_typed_and_nothing_half_imported() -> None:
             with_section(layers=(dataclasses.replace(rows0, k_format="q3_k"),)),
         ),
     ]
+    # (a u32 of 0/1 in the state; no tuple of layers; no rows at all in the first layer; an unhashable format)
+    hand += [(kvhal.SpecError, "to_bytes", with_section(v_trans=v)) for v in (2, "yes")]
+    hand.append((kvhal.SpecError, "to_bytes", with_section(layers=None)))
+    hand.append((kvhal.SpecError, "to_bytes", with_section(layers=(dataclasses.replace(rows0, k=5),))))
+    bad_name = (dataclasses.replace(rows0, v_format=["f16"]),)
+    hand.append((llamacpp.LlamaStateUnsupportedError, "to_bytes", with_section(layers=bad_name)))
     for bad_rows in ({"k": rows0.k.tolist()}, {"v": rows0.v[:5]}, {"k": rows0.k[:, :7]}):
         hand.append((kvhal.SpecError, "to_file_bytes", with_section(layers=(dataclasses.replace(rows0, **bad_rows),))))
     for error, method, state in hand:
