@@ -115,7 +115,8 @@ class Format:
             arr = x if isinstance(x, np.ndarray) else to_numpy(x)  # torch, DLPack, nested lists
             # numbers only, arrays as lists: a cast would read "1.5", True and complex values as values, and
             # bytes from floats (1.5 -> 1) or out-of-range ints (-1 -> 255)
-            if arr.dtype.kind not in ("iu" if byte_rows else "fiu"):
+            bf16 = arr.dtype.name == "bfloat16" and not byte_rows  # ml_dtypes' (kind "V"): floats, as load returns
+            if arr.dtype.kind not in ("iu" if byte_rows else "fiu") and not bf16:
                 raise TypeError
             if byte_rows and arr.dtype != np.uint8 and arr.size and (arr.min() < 0 or arr.max() > 255):
                 raise ValueError

@@ -125,6 +125,10 @@ def test_error_cases():
         with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
             formats.get("q8_0").quantize(text_or_flags)  # type: ignore[arg-type]
     assert formats.get("q8_0").quantize([[1.0] * 32]).shape == (1, 34)  # lists of numbers are arrays
+    # ml_dtypes' bfloat16 (what load(dtype="bfloat16") returns; numpy's kind "V") holds floats
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.linspace(-2, 2, 64, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(formats.get("q8_0").quantize(x), formats.get("q8_0").quantize(x.astype(np.float32)))
     # arrays as lists: text, flags and complex values are not values to quantize
     for not_floats in (np.array(["1.5"] * 32), np.ones(32, bool), np.ones(32, complex), np.ones(32, object)):
         with pytest.raises(kvhal.DTypeError, match="quantize takes float rows"):
