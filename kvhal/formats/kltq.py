@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, FormatError, KVHalError, NonFiniteError, ShapeError, SpecError
+from ..interop import to_numpy
 from ..validate import count, is_int
 
 MAX_BITS = 12  # bits per coefficient (at 8, 39% of SmolLM2's coefficients hit the cap at a 7-bit budget)
@@ -373,8 +374,8 @@ def _real(x: Any, what: str, finite: bool = True) -> np.ndarray:
     """``x`` as a numpy array of (``finite``: finite) real numbers: DTypeError (strings, objects, ragged lists),
     NonFiniteError."""
     try:
-        a = np.asarray(x)
-    except (ValueError, TypeError):
+        a = to_numpy(x)  # torch too: one that requires grad or holds bfloat16 is no raw RuntimeError/TypeError
+    except DTypeError:
         a = np.asarray(None)
     if a.dtype.kind not in "iuf":
         raise DTypeError(f"{what} must be an array of real numbers, got {type(x).__name__} of {a.dtype}")

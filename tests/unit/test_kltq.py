@@ -308,6 +308,20 @@ def test_record_functions_check_their_layer_and_rows():
     for name in (4.5, None):
         with pytest.raises(FormatError):
             kltq.parse_name(name)  # type: ignore[arg-type]
+
+
+def test_record_functions_take_torch_rows():
+    """Rows as torch tensors are rows, as everywhere in kvhal: one that requires grad raised torch's raw
+    RuntimeError, a bfloat16 one numpy's raw TypeError (then a DTypeError of 'object')."""
+    torch = pytest.importorskip("torch")
+    k, q = data(2)
+    side = kltq.calibrate(k, 4.0, q)
+    x = torch.from_numpy(k[0][:4].copy()).bfloat16()
+    for t in (x, x.float().requires_grad_()):
+        np.testing.assert_array_equal(kltq.quantize(side, 0, t), kltq.quantize(side, 0, x.float().numpy()))
+    np.testing.assert_array_equal(
+        kltq.query(side, 0, torch.from_numpy(q[0][:4]).requires_grad_()), kltq.query(side, 0, q[0][:4])
+    )
     for bits, dim in (("4", 32), (8.0, True), (8.0, 1.0)):
         with pytest.raises(FormatError):
             kltq.row_bytes(bits, dim)  # type: ignore[arg-type]
