@@ -77,6 +77,18 @@ def parse_name(name: str) -> float:
     return bits
 
 
+def _budget(bits: Any, what: str) -> float:
+    """``bits`` (any real number) as a float budget: SpecError for no number, FormatError for no budget."""
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Real):
+        raise SpecError(f"{what} must be a kltq budget (a number), got {bits!r}")
+    try:
+        b = float(bits)
+    except OverflowError:  # an int past float's range: no budget, refused just below
+        b = math.inf
+    parse_name(f"{PREFIX}:{b!r}")  # FormatError unless a budget (repr: exactly this float)
+    return b
+
+
 def row_bytes(bits: float, head_dim: int) -> int:
     """Bytes of one record: ``bits * head_dim / 8``; FormatError when that is no whole number of bytes."""
     if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Real) or not is_int(head_dim):
@@ -220,10 +232,7 @@ class Side:
     codebooks: np.ndarray
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, (bool, np.bool_)) or not isinstance(self.bits, numbers.Real):
-            raise SpecError(f"kltq side data: bits must be a kltq budget (a number), got {self.bits!r}")
-        object.__setattr__(self, "bits", float(self.bits))
-        parse_name(f"{PREFIX}:{self.bits!r}")  # FormatError unless a budget (repr: exactly this float)
+        object.__setattr__(self, "bits", _budget(self.bits, "kltq side data: bits"))
         if not isinstance(self.weighted, (bool, np.bool_)):
             raise SpecError(f"kltq side data: weighted must be a bool, got {self.weighted!r}")
         object.__setattr__(self, "weighted", bool(self.weighted))
@@ -392,10 +401,7 @@ def calibrate(
 ) -> Side:
     """Side data from each layer's keys ``k[l] [n, H, D]`` (and queries ``q[l] [n, Hq, D]``, ``Hq`` a multiple of
     ``H``: query-weighted), skipping the first ``skip`` tokens (the f16 sinks)."""
-    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Real):
-        raise SpecError(f"bits must be a number, got {bits!r}")
-    bits = float(bits)
-    parse_name(f"{PREFIX}:{bits!r}")
+    bits = _budget(bits, "bits")
     skip = count(skip, "skip")
     if not isinstance(k, (list, tuple)) or not k:
         raise ShapeError("calibrate needs a list of each layer's keys [n, H, D], at least one layer")

@@ -215,8 +215,9 @@ def test_malformed_side_data_is_refused_typed(tmp_path):
         with pytest.raises(SpecError, match=f"{path.name}.*malformed"):
             kltq.Side.load(path)
     fields = dict(side.__dict__)
-    for name, value in (("bits", "4.5"), ("bits", True), ("bits", 4.25 + 1e-9), ("weighted", "x"), ("mean", [1.0]),
-                        ("alloc", bad["alloc"]), ("mean", nan_mean), ("codebooks", bad["codebooks"])):  # fmt: skip
+    for name, value in (("bits", "4.5"), ("bits", True), ("bits", 4.25 + 1e-9), ("bits", 10**400), ("weighted", "x"),
+                        ("mean", [1.0]), ("alloc", bad["alloc"]), ("mean", nan_mean),
+                        ("codebooks", bad["codebooks"])):  # fmt: skip
         with pytest.raises((SpecError, FormatError, ShapeError, NonFiniteError)):
             kltq.Side(**{**fields, name: value})
 
@@ -231,6 +232,7 @@ def test_calibrate_refuses_what_is_not_keys_and_queries():
     assert kltq.calibrate(k, np.int64(4)).bits == 4.0
     for args, kw, error in (
         ((bad_k, 4.5), {}, NonFiniteError),
+        ((k, 10**400), {}, FormatError),  # an int past float's range: no raw OverflowError
         ((k, 4.5), {"skip": -1}, SpecError),
         ((k, 4.5), {"skip": 1.0}, SpecError),
         ((k, 4.5, [x[:, :, :16] for x in q]), {}, ShapeError),  # another head_dim
