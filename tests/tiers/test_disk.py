@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -312,17 +313,33 @@ def test_a_call_that_waited_for_the_lock_while_another_thread_closed_the_tier_sa
         t = DiskTier(tmp_path / name, 1 << 20, durable=True)
         t.put([key(1)], [payload(1)])
         got: list[object] = []
-        t._mu.acquire()  # holds the call at the lock, after its open check
+        t._mu = gate = _Gate(t._mu)
+        gate.lock.acquire()  # holds the call at the lock, after its open check
         th = threading.Thread(target=_outcome, args=(call, t, got))
         th.start()
-        time.sleep(0.1)
+        assert gate.reached.wait(60)  # (a sleep instead: on a loaded machine the call could be closed before it)
         t.close()  # (the lock is reentrant: this thread closes while the other waits)
-        t._mu.release()
+        gate.lock.release()
         th.join()
         assert got and isinstance(got[0], kvhal.TierError) and "closed" in str(got[0]), (name, got)
         assert t._stats.errors == 0, t._stats.last_error
         with DiskTier(tmp_path / name, 1 << 20) as again:
             assert again.get(keys(3)) == [None, payload(1), None]
+
+
+class _Gate:
+    """A tier's lock that says when a thread other than the test's has reached it (past its open check)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock, self.reached, self.main = lock, threading.Event(), threading.get_ident()
+
+    def __enter__(self) -> None:
+        if threading.get_ident() != self.main:
+            self.reached.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def _outcome(call: Callable[[DiskTier], object], t: DiskTier, out: list[object]) -> None:
