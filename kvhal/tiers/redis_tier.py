@@ -92,12 +92,15 @@ class RedisTier(Tier):
             raise TierError(f"url {url!r}: the path after host:port is a db number such as /0, not {path!r}")
         if parsed.get("decode_responses"):  # every get would raise UnicodeDecodeError on a block's bytes
             raise TierError(f"url {url!r} asks for decode_responses; blocks are bytes: drop that option")
-        try:  # a url option redis-py does not take (?sockettimeout=1) or a bad value (?ssl_cert_reqs=x) fails only
-            # when a connection is made: a TypeError out of every call, or a RedisError taken for an outage
-            pool = redis.ConnectionPool.from_url(url, **options)
-            pool.connection_class(**pool.connection_kwargs)  # made, not connected
-        except (TypeError, ValueError, redis.RedisError) as e:
-            raise TierError(f"url {url!r} has an option redis cannot use ({e}); fix or drop it") from None
+        # a url option redis-py does not take (?sockettimeout=1) or a bad value (?ssl_cert_reqs=x) fails only when a
+        # connection is made: a TypeError out of every call, or a RedisError taken for an outage. Checked on one
+        # server's connection class; a Cluster (cluster=True) takes options of its own (?read_from_replicas=...)
+        if not cluster:
+            try:
+                pool = redis.ConnectionPool.from_url(url, **options)
+                pool.connection_class(**pool.connection_kwargs)  # made, not connected
+            except (TypeError, ValueError, redis.RedisError) as e:
+                raise TierError(f"url {url!r} has an option redis cannot use ({e}); fix or drop it") from None
         self.url = url
         self._redis = redis
         # one retry: the first command after a server restart meets a dead pooled connection, the retry reconnects

@@ -239,6 +239,7 @@ def test_arguments_and_unreachable_server():
     # numpy's numbers are numbers; a db path redis-py reads as db 0 is one
     RedisTier("redis://127.0.0.1:1/0/", socket_timeout=np.float32(0.5), connect_timeout=np.int64(1)).close()
     RedisTier("redis://127.0.0.1:1?client_name=kv&socket_timeout=2", cluster=False).close()  # options it takes
+    RedisTier("redis://127.0.0.1:1?read_from_replicas=true", cluster=True).close()  # a Cluster's own option
     url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
     for kw in ({"reconnect_s": 0}, {"max_reconnect_s": "1"}):
         with pytest.raises(kvhal.TierError, match="reconnect"):
