@@ -126,6 +126,9 @@ def host_float_array(x: Any, what: str) -> np.ndarray:
     dtype = getattr(x, "dtype", None)
     if str(dtype) == "torch.bfloat16":  # numpy has no bf16 to take it through DLPack; widening is exact
         x, dtype = x.float(), "torch.float32"
+    elif isinstance(x, np.ndarray) and x.dtype.name == "bfloat16" and x.dtype.itemsize == 2:  # ml_dtypes, as load
+        x = x.astype(np.float32)  # returns it (dtype="bfloat16"); exact
+        dtype = x.dtype
     if dtype is not None and str(dtype).replace("torch.", "") not in ("float32", "float16"):
         raise DTypeError(
             f"{what} has dtype {dtype}; kvhal takes float32, float16 or bfloat16 (convert with .float() or .astype('float32'))"

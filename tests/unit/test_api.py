@@ -173,6 +173,18 @@ def test_validation_errors_change_nothing():
         np.testing.assert_array_equal(d.attention(0, q, [t], window=2**62), d.attention(0, q, [t]))
 
 
+def test_ml_dtypes_bfloat16_arrays_are_stored_as_their_float32_values():
+    """What load(dtype="bfloat16") returns, store takes: widened exactly, as a torch bf16 tensor is."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    c = cache(k_format="f16", v_format="q8_0")
+    s, t = c.new_seq(), c.new_seq()
+    k, v = rows(9).astype(ml_dtypes.bfloat16), rows(9, seed=1).astype(ml_dtypes.bfloat16)
+    c.store(s, 0, k, v)
+    c.store(t, 0, k.astype(np.float32), v.astype(np.float32))
+    for a, b in zip(c.load_rows(s, 0), c.load_rows(t, 0)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_float16_and_torch_inputs_through_dlpack():
     torch = pytest.importorskip("torch")
     c = cache(k_format="f16", v_format="q8_0")
