@@ -19,7 +19,7 @@ import numpy as np
 
 from .backend import AttentionBatch, Backend, Pools
 from .backend_util import merge_lse
-from .errors import SpecError, UnsupportedError
+from .errors import CapacityError, SpecError, UnsupportedError
 from .seqs import Seq, SeqTable
 from .spec import CacheSpec
 
@@ -55,16 +55,22 @@ class HostBlocks:
             self.raw[self.n : self.n + n_new] = data
             self.n += n_new
             return
-        done = 0
-        while done < n_new:
-            at = self.n % self.arena_blocks
-            if at == 0:
-                self.segments.append(self.backend.allocate(self.spec, self.arena_blocks))
-            m = min(self.arena_blocks - at, n_new - done)
-            ids = np.arange(at, at + m, dtype=np.int64)
-            self.backend.write_blocks(self.segments[-1], ids, data[done : done + m])
-            done += m
-            self.n += m
+        n0, held = self.n, len(self.segments)
+        try:
+            done = 0
+            while done < n_new:
+                at = self.n % self.arena_blocks
+                if at == 0:
+                    self.segments.append(self.backend.allocate(self.spec, self.arena_blocks))
+                m = min(self.arena_blocks - at, n_new - done)
+                ids = np.arange(at, at + m, dtype=np.int64)
+                self.backend.write_blocks(self.segments[-1], ids, data[done : done + m])
+                done += m
+                self.n += m
+        except BaseException:  # all or nothing: a later offload must not find some of these blocks held
+            self.n = n0
+            del self.segments[held:]
+            raise
 
     def attention_parts(
         self, pools: Any, arena: np.ndarray, rows: Any, layer: int, n_q: int, scale: float
@@ -114,9 +120,15 @@ class Streamer:
             return 0
         moved = s.blocks[:n_move]
         data = self.backend.read_blocks(self.pools, np.asarray(moved, np.int64))
-        if s.host is None:
-            s.host = HostBlocks.for_pools(self.backend, self.pools, len(self.arena))
-        s.host.append(data)
+        host = s.host if s.host is not None else HostBlocks.for_pools(self.backend, self.pools, len(self.arena))
+        try:
+            host.append(data)
+        except MemoryError as e:
+            raise CapacityError(
+                f"offload of {n_move} blocks ({n_move * self.spec.block_nbytes} bytes) found no host memory for them "
+                f"({e}); free sequences or offload with a larger keep_tokens"
+            ) from None
+        s.host = host
         del s.blocks[:n_move]
         s.changed()
         s.base += n_move * bs

@@ -58,9 +58,15 @@ def test_offloaded_sequences_refuse_what_they_cannot_do():
         c.store(s, layer, x, x)
     assert c.offload(s, keep_tokens=8) == 32 and c.stats().blocks_used == 2 + 1  # arena + the resident block
     q = np.ones((1, 4, 32), np.float32)
-    for call in (lambda: c.load(s, 0), lambda: c.seq_rm(s, 0, 1), lambda: c.seq_cp(s, 0, 8),
-                 lambda: c.evict(s, kvhal.eviction.SinkWindow(), 4), lambda: c.save("/tmp/x.kvs", seqs=[s]),
-                 lambda: c.attention(0, q, [s], window=4), lambda: c.attention(0, q, [s], observe=True)):
+    for call in (
+        lambda: c.load(s, 0),
+        lambda: c.seq_rm(s, 0, 1),
+        lambda: c.seq_cp(s, 0, 8),
+        lambda: c.evict(s, kvhal.eviction.SinkWindow(), 4),
+        lambda: c.save("/tmp/x.kvs", seqs=[s]),
+        lambda: c.attention(0, q, [s], window=4),
+        lambda: c.attention(0, q, [s], observe=True),
+    ):
         with pytest.raises(kvhal.UnsupportedError):
             call()
     plain = kvhal.KVCache(SPEC, 64, backend="reference")
@@ -92,3 +98,30 @@ def test_the_streamer_shows_the_arena_and_each_sequences_host_blocks():
     assert not set(arena) & {b for q in c.seqs for b in c.block_ids(q)}  # the arena holds no sequence's page
     with pytest.raises(kvhal.SequenceError):
         c.streamer.host_blocks(99)
+
+
+def test_an_offload_that_runs_out_of_host_memory_changes_nothing(monkeypatch):
+    """The host pools are allocated one arena-full at a time: one that fails after others were written must not
+    leave those blocks held (the next offload would append after them, and attention read them twice)."""
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32, k_format="f16", v_format="f16", block_size=4)
+    c = kvhal.KVCache(spec, 64, backend="reference", stream_arena_tokens=8)  # host pools of 2 blocks
+    s = c.new_seq()
+    x = np.random.default_rng(0).standard_normal((40, 1, 32), dtype=np.float32)
+    c.store(s, 0, x, x)
+    allocate, calls = c.backend.allocate, []
+
+    def second_fails(spec, n_blocks):
+        calls.append(n_blocks)
+        if len(calls) == 2:
+            raise MemoryError("host memory is full")
+        return allocate(spec, n_blocks)
+
+    monkeypatch.setattr(c.backend, "allocate", second_fails)
+    with pytest.raises(kvhal.CapacityError, match="no host memory"):
+        c.offload(s, keep_tokens=4)
+    assert c.streamer.host_blocks(s) is None and c.seq_len(s) == 40 and len(c.block_ids(s)) == 10
+    monkeypatch.undo()
+    assert c.offload(s, keep_tokens=4) == 36
+    q = np.ones((1, 1, 32), np.float32)
+    xd = x.astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(c.attention(0, q, [s]), attention_f64(q, [xd], [xd], [1]), atol=1e-6)
