@@ -69,6 +69,14 @@ class PrefixIndex:
         if self.write_through and sealed:
             self._put_down([b for b, _ in sealed], [h for _, h in sealed])
 
+    def publish(self, named: dict[int, bytes]) -> None:
+        """Name blocks whose bytes came from elsewhere (a snapshot's) by their hashes, as ``seal`` names stored ones:
+        with ``write_through`` they are put down too, since eviction writes down only blocks not written through."""
+        for b, h in named.items():
+            self.allocator.register(b, h)
+        if self.write_through and named:
+            self._put_down(list(named), list(named.values()))
+
     def match(self, ids: list[int], extra: bytes) -> tuple[list[int], list[bytes]]:
         """The blocks (each acquired once for the caller) of the longest cached prefix of ``ids``, whole
         blocks only and at most ``len(ids) - 1`` tokens (the caller computes the last token's logits), and

@@ -246,6 +246,7 @@ def _restore(cache: KVCache, r: SnapshotReader) -> list[int]:
             f"restoring {str(r.path)!r} needs {n_blocks} free blocks but {allocator.n_usable} of {cache.n_blocks} "
             "are free; free sequences first or create the cache with a larger capacity_tokens"
         )
+    cache.prefix.check_tiers(writing=True)  # a closed tier the restored blocks would be written through to
     # everything checked: stage the bytes, then publish
     ids = allocator.alloc(n_blocks)
     try:
@@ -269,13 +270,13 @@ def _restore(cache: KVCache, r: SnapshotReader) -> list[int]:
         cache.adopt_scales(adopt)
     for w, x in side.items():  # a kltq cache that had not stored yet takes the snapshot's side data
         cache.adopt_side(x, w)
-    out = []
+    named: dict[int, bytes] = {}
     for s in staged:
         s.blocks = [ids[j] for j in s.blocks]
         for b, h in zip(s.blocks, s.hashes):
-            allocator.register(b, h)
-        out.append(cache.seq_table.add(s))
-    return out
+            named.setdefault(b, h)  # a block has one hash: the first sequence's
+    cache.prefix.publish(named)
+    return [cache.seq_table.add(s) for s in staged]
 
 
 def _adopt_side(cache: KVCache, r: SnapshotReader, saved: Any) -> tuple[dict[str, Any], bytes]:

@@ -54,7 +54,9 @@ def test_save_restore_round_trip_shares_blocks_and_is_matchable(tmp_path):
     t, n = d.match_prefix(tokens + [0])
     assert n == 12 and d.seq_table.get(t).blocks == d.seq_table.get(ra).blocks[:3]
     q = np.random.default_rng(1).standard_normal((2, 4, 32), dtype=np.float32)
-    np.testing.assert_array_equal(kvhal.to_numpy(d.attention(1, q, [ra], [2])), kvhal.to_numpy(c.attention(1, q, [a], [2])))
+    np.testing.assert_array_equal(
+        kvhal.to_numpy(d.attention(1, q, [ra], [2])), kvhal.to_numpy(c.attention(1, q, [a], [2]))
+    )
 
 
 RESTART_CHILD = """
@@ -85,8 +87,14 @@ def test_restart_reuses_every_full_block(tmp_path):
     code = RESTART_CHILD.format(root=str(ROOT))
     snap, att = tmp_path / "s.kvs", tmp_path / "att.npy"
     subprocess.run([sys.executable, "-c", code, "save", str(snap), str(att)], check=True, cwd=ROOT)
-    out = subprocess.run([sys.executable, "-c", code, "restore", str(snap)], check=True, stdout=subprocess.PIPE,
-                         text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "99"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, "restore", str(snap)],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONHASHSEED": "99"},
+    ).stdout
     r = json.loads(out)
     assert r["n"] == 32 and r["stored"] == 8  # 35 saved tokens = 8 full blocks of 4; 40 - 32 new
     assert r["hit_tokens"] == 32 and r["recomputed"] == 8 and r["shared"] == 8
@@ -200,8 +208,9 @@ def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
     cases.append((kvhal.FingerprintMismatchError, tmp_path / "other.kvs"))
     import dataclasses
 
-    other_spec = kvhal.KVCache(dataclasses.replace(SPEC, v_format="q8_0"), 64, backend="reference",
-                               fingerprint=kvhal.Fingerprint("test-model"))
+    other_spec = kvhal.KVCache(
+        dataclasses.replace(SPEC, v_format="q8_0"), 64, backend="reference", fingerprint=kvhal.Fingerprint("test-model")
+    )
     s = prefill(other_spec, list(range(40, 50)))
     other_spec.save(tmp_path / "other-spec.kvs", seqs=[s])
     cases.append((kvhal.FingerprintMismatchError, tmp_path / "other-spec.kvs"))
@@ -246,6 +255,30 @@ def test_restore_needs_free_blocks_not_contiguous_ones(saved):
         c2.free_seq(x)  # free blocks 0, 2, 4: scattered
     [r] = c2.restore(path)
     assert sorted(c2.seq_table.get(r).blocks) == [0, 2, 4]
+
+
+def test_restored_blocks_are_written_through_to_the_tiers(saved):
+    """With write_through, eviction writes down no block (each was put down when it got its hash): restored blocks
+    get theirs at restore, so they are put down then, or their space would be reused with nothing kept."""
+    from kvhal.tiers import HostTier
+
+    path, _ = saved
+    tier = HostTier(1 << 20)
+    c = kvhal.KVCache(
+        SPEC, 3 * BS, backend="reference", fingerprint=kvhal.Fingerprint("test-model"), tiers=[tier], write_through=True
+    )
+    [r] = c.restore(path)
+    assert tier.stats().blocks == 2  # the two full blocks of 40..49
+    c.free_seq(r)
+    prefill(c, [1] * 12)  # reuses all three blocks
+    assert c.stats().prefix_evicted_blocks == 2
+    c.seq_keep(c.new_seq())
+    t, n = c.match_prefix(list(range(40, 50)))
+    assert n == 8 and c.stats().tier_hit_blocks == 2
+    for layer in (0, 1):
+        np.testing.assert_array_equal(
+            c.load(t, layer)[0], kvhal.KVCache.from_snapshot(path, "reference")[0].load(0, layer)[0][:8]
+        )
 
 
 def test_snapshot_inspect_cli(saved, tmp_path, capsys):
@@ -336,9 +369,13 @@ def test_fuzz_findings_are_typed_errors_and_inspect_agrees(saved, tmp_path, caps
     assert main(["snapshot", "inspect", str(tmp_path / "negative.kvs")]) == 1
     assert "negative token id" in capsys.readouterr().out
     # the bit-flipped lens: inspect no longer says all is well
-    rep = json.loads((main(["snapshot", "inspect", str(tmp_path / "lens-flip.kvs"), "--json"]), capsys.readouterr().out)[1])
+    rep = json.loads(
+        (main(["snapshot", "inspect", str(tmp_path / "lens-flip.kvs"), "--json"]), capsys.readouterr().out)[1]
+    )
     assert rep["checksums_ok"] and not rep["ok"] and "metadata fails its checksum" in rep["error"]
-    rep = json.loads((main(["snapshot", "inspect", str(tmp_path / "fingerprint-null.kvs"), "--json"]), capsys.readouterr().out)[1])
+    rep = json.loads(
+        (main(["snapshot", "inspect", str(tmp_path / "fingerprint-null.kvs"), "--json"]), capsys.readouterr().out)[1]
+    )
     assert rep["fingerprint"] is None and not rep["ok"] and "fingerprint" in rep["error"]
 
 
