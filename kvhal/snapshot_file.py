@@ -106,7 +106,11 @@ class SnapshotReader:
     def __init__(self, path: Path, defer: bool = False) -> None:
         """``defer``: an unusable metadata section is kept in ``problem`` (raised by ``validate``), not raised."""
         st = safetensors_module()
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError as e:  # a name too long, a directory that may not be searched
+            raise SnapshotError(f"cannot look up {str(path)!r} ({e}); pass a readable snapshot path") from None
+        if not found:
             raise SnapshotError(f"no snapshot file at {str(path)!r}")
         try:
             self._file = st.safe_open(str(path), framework="numpy")

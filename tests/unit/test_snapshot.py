@@ -221,6 +221,11 @@ def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
         assert_unchanged(before, c)
     with pytest.raises(kvhal.SnapshotError, match="no snapshot file"):
         c.restore(tmp_path / "missing.kvs")
+    from kvhal.snapshot import inspect
+
+    for read in (c.restore, inspect):  # a name longer than the file system takes: its OSError, not a raw one
+        with pytest.raises(kvhal.SnapshotError, match="cannot look up"):
+            read(tmp_path / ("x" * 300))
     with pytest.raises(kvhal.SnapshotError):
         c.restore(123)  # type: ignore[arg-type]
     from kvhal import snapshot
