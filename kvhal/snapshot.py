@@ -65,8 +65,15 @@ def _check_cache(cache: Any) -> None:
 def save(cache: KVCache, path: Any, seqs: list[int] | None = None) -> None:
     _check_cache(cache)
     target = file_path(path)
-    if target.is_dir():
-        raise SnapshotError(f"{str(target)!r} is a directory; pass a file path, such as {str(target / 'cache.kvs')!r}")
+    try:
+        if target.is_dir():
+            raise SnapshotError(
+                f"{str(target)!r} is a directory; pass a file path, such as {str(target / 'cache.kvs')!r}"
+            )
+        if target.exists() and not target.is_file():  # os.replace would put the snapshot in a device's place
+            raise SnapshotError(f"{str(target)!r} is not a regular file (a device, FIFO or socket); pass a file path")
+    except OSError as e:  # a name too long, a directory that may not be searched
+        raise SnapshotError(f"cannot look up {str(target)!r} ({e}); pass a writable path") from None
     ids = cache.seqs if seqs is None else seqs
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
         raise SequenceError(f"seqs must be a list of sequence ids, got {type(ids).__name__}")

@@ -441,6 +441,12 @@ def test_save_onto_a_directory_and_dead_savers_temp_files(saved, tmp_path):
     path, c = saved
     with pytest.raises(kvhal.SnapshotError, match="is a directory"):
         c.save(tmp_path)
+    os.mkfifo(tmp_path / "fifo")  # (as /dev/null: os.replace would put a file in its place)
+    with pytest.raises(kvhal.SnapshotError, match="not a regular file"):
+        c.save(tmp_path / "fifo")
+    assert (tmp_path / "fifo").is_fifo()
+    with pytest.raises(kvhal.SnapshotError, match="cannot look up"):
+        c.save(tmp_path / ("x" * 300))
     with pytest.raises(kvhal.SequenceError, match="twice"):  # a restore would make two sequences of it
         c.save(tmp_path / "twice.kvs", seqs=[c.seqs[0], c.seqs[0]])
     assert not (tmp_path / "twice.kvs").exists()
