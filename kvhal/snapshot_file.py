@@ -326,6 +326,11 @@ def spec_of(r: SnapshotReader, spec_d: dict[str, Any]) -> CacheSpec:
 def validate(r: SnapshotReader) -> None:
     """Every check on the file that needs no cache: SnapshotCorruptError (or SnapshotVersionError) on the first
     failure. ``restore`` runs it before reading the header for the cache; ``inspect`` reports its verdict."""
+    if not isinstance(r, SnapshotReader):
+        raise SnapshotError(
+            f"validate takes an open SnapshotReader, not {type(r).__name__}; for a path, inspect(path) runs the same "
+            "checks and reports their verdict"
+        )
     where = repr(str(r.path))
 
     def bad(what: str) -> SnapshotCorruptError:

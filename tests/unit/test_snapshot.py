@@ -234,6 +234,8 @@ def test_bad_files_are_typed_errors_and_change_nothing(saved, tmp_path):
         snapshot.save(None, tmp_path / "none.kvs")  # type: ignore[arg-type]
     with pytest.raises(kvhal.SnapshotError, match="must be a kvhal.KVCache"):
         snapshot.restore(1, path)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.SnapshotError, match="inspect"):
+        snapshot.validate(path)  # type: ignore[arg-type]
     assert_unchanged(before, c)
     for typo in ({"capcity_tokens": 64}, {"fingerprint": kvhal.Fingerprint("x")}):  # the fingerprint is the file's
         with pytest.raises(kvhal.SpecError, match="no option"):
