@@ -148,7 +148,9 @@ class Streamer:
             parts = []
             if tail:
                 lens, ql = np.array([tail], np.int32), np.array([n_q], np.int32)
-                batch = AttentionBatch(s.table()[None, : -(-tail // bs)], lens, ql, scale, causal)
+                # a resident sequence a per-head eviction compacted, batched with an offloaded one: its masked rows
+                holes = s.holes[layer][None].astype(np.int32) if s.holes else None
+                batch = AttentionBatch(s.table()[None, : -(-tail // bs)], lens, ql, scale, causal, holes=holes)
                 parts.append(self.backend.attention_lse(rows, self.pools, layer, batch))
             if s.host is not None:
                 parts += s.host.attention_parts(self.pools, arena, rows, layer, n_q, scale)

@@ -125,3 +125,26 @@ def test_an_offload_that_runs_out_of_host_memory_changes_nothing(monkeypatch):
     q = np.ones((1, 1, 32), np.float32)
     xd = x.astype(np.float16).astype(np.float32)
     np.testing.assert_allclose(c.attention(0, q, [s]), attention_f64(q, [xd], [xd], [1]), atol=1e-6)
+
+
+def test_a_batch_with_an_offloaded_sequence_keeps_the_holes_of_a_per_head_evicted_one():
+    """Batched with an offloaded sequence, the whole call takes the streaming path: a resident sequence that AdaKV
+    compacted must still not attend the rows its heads dropped."""
+    from kvhal.eviction import AdaKV, SnapKV
+
+    c = kvhal.KVCache(SPEC, 256, backend="reference", stream_arena_tokens=16, observe_window=4)
+    rng = np.random.default_rng(0)
+    a, b = c.new_seq(), c.new_seq()
+    x, y = (rng.standard_normal((40, 2, 32), dtype=np.float32) for _ in range(2))
+    for layer in (0, 1):
+        c.store(a, layer, x, x)
+        c.store(b, layer, 3 * y, 3 * y)
+        c.attention(layer, rng.standard_normal((8, 4, 32), dtype=np.float32), [b], [8], observe=True)
+    c.offload(a, keep_tokens=4)
+    c.evict(b, AdaKV(SnapKV(window=4), ceiling=2.0, safeguard=0.1), 16)
+    assert any((h[:, 0] < h[:, 1]).any() for h in c.seq_table.get(b).holes.values())
+    q = rng.standard_normal((2, 4, 32), dtype=np.float32)
+    for layer in (0, 1):
+        both = c.attention(layer, q, [a, b], [1, 1])
+        np.testing.assert_allclose(both[:1], c.attention(layer, q[:1], [a]), atol=1e-6)
+        np.testing.assert_allclose(both[1:], c.attention(layer, q[1:], [b]), atol=1e-6)
