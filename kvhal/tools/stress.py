@@ -512,7 +512,7 @@ def _make_tiers(names: list[str], stack: ExitStack) -> list[Any]:
                 raise KVHalError(
                     "--tiers redis starts a private redis-server: install it (apt-get install redis-server)"
                 )
-            server = stack.enter_context(RedisServer(os.path.join(work, "redis")).start())
+            server = stack.enter_context(RedisServer(os.path.join(work, "redis")))
             tier = stack.enter_context(
                 RedisTier(
                     server.url,

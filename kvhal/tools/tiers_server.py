@@ -43,6 +43,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server, or nothing if it runs (``with RedisServer(...).start()`` starts it once: a second
+        process would fail to bind the port while the first answered its PING, and the first would be left
+        running, no longer this object's)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
         cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.args]
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the server keeps writing it

@@ -62,6 +62,16 @@ def test_server_killed_mid_run_then_back_on_the_same_port(redis_server: RedisSer
     t.close()
 
 
+def test_a_started_server_used_as_a_context_is_one_process_stopped_at_exit(tmp_path: Path):
+    """``with RedisServer(...).start()`` (kvhal stress --tiers redis did this) started a second redis-server that
+    failed to bind while the first answered, and left the first running after the block."""
+    require_redis()
+    with RedisServer(tmp_path / "redis").start() as server:
+        proc = server.proc
+        assert proc is not None and server.ping()
+    assert proc.poll() is not None and not server.ping()
+
+
 def test_server_down_at_construction_then_started(tmp_path: Path):
     require_redis()
     server = RedisServer(tmp_path / "redis")  # its port chosen, nothing listening yet

@@ -101,7 +101,7 @@ def bf16_runs(model_dir: Path, prompts: list[list[int]], tmp_path_factory: pytes
         _unavailable("redis-server not installed: apt-get install redis-server")
     work = tmp_path_factory.mktemp("vllm-bf16")
     disk = work / "disk"
-    with RedisServer(work / "redis").start() as server:
+    with RedisServer(work / "redis") as server:
         a = run_engine(model_dir, prompts, {"disk_path": str(disk), "redis_url": server.url}, work, "A", warm=[0])
         b = run_engine(model_dir, prompts[:1], {"disk_path": str(disk)}, work, "B-disk")
         broken = break_first_blocks(server.url, prompts, a["block_size"])
