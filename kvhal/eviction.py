@@ -190,9 +190,13 @@ class Knorm(Policy):
 
 def _real(name: str, x: object, minimum: float = 0.0) -> float:
     ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-    if not ok or not math.isfinite(float(x)) or float(x) < minimum:  # type: ignore[arg-type]
+    try:
+        value = float(x) if ok else math.nan  # type: ignore[arg-type]
+    except OverflowError:  # an int past float's range
+        value = math.inf
+    if not math.isfinite(value) or value < minimum:
         raise SpecError(f"{name} must be a finite real number >= {minimum}, got {x!r}")
-    return float(x)  # type: ignore[arg-type]
+    return value
 
 
 def expected_queries(
@@ -365,12 +369,9 @@ class AdaKV(Policy):
                 "AdaKV.press must be a scorer whose scores compare across heads (attention weights: SnapKV, H2O or "
                 f"ExpectedAttention), got {self.press!r}"
             )
-        for what, x, lo in (("ceiling", self.ceiling, 1.0), ("safeguard", self.safeguard, 0.0)):
-            ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-            if not ok or not math.isfinite(x) or x < lo or (what == "safeguard" and x > 1):
-                raise SpecError(
-                    f"AdaKV.{what} must be a real number >= {lo}{' and <= 1' * (what == 'safeguard')}, got {x!r}"
-                )
+        _real("AdaKV.ceiling", self.ceiling, 1.0)
+        if _real("AdaKV.safeguard", self.safeguard) > 1:
+            raise SpecError(f"AdaKV.safeguard must be a real number in [0, 1], got {self.safeguard!r}")
 
     def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:
         raise SpecError("AdaKV keeps different positions per KV head: KVCache.evict runs it (select_heads)")
@@ -382,7 +383,7 @@ class AdaKV(Policy):
         return replace(self, press=self.press.with_queries(queries))
 
     def select_heads(self, n: int, keep: int, scores: Scores, n_layers: int) -> list[list[np.ndarray]]:
-        cap = min(n, int(self.ceiling * keep))
+        cap = int(min(n, self.ceiling * keep))  # (a huge finite ceiling times keep is inf: no int of it)
         n_safe = min(keep, int(self.safeguard * keep))
         out = []
         for layer in range(n_layers):

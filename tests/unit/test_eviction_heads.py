@@ -113,12 +113,19 @@ def test_adakv_argument_checks():
         AdaKV(SnapKV(), ceiling=0.9)
     with pytest.raises(kvhal.SpecError, match="safeguard"):
         AdaKV(SnapKV(), safeguard=1.5)
+    with pytest.raises(kvhal.SpecError, match="ceiling"):
+        AdaKV(SnapKV(), ceiling=10**400)  # past float's range: not a raw OverflowError
     with pytest.raises(kvhal.UnsupportedError, match="same positions"):
         EvictOnFull(AdaKV(SnapKV()), 8)
     c, s, *_ = prefilled("reference")
     with pytest.raises(kvhal.SpecError, match="observe_window=32"):
         c.evict(s, AdaKV(SnapKV(window=32)), keep_tokens=24)
     assert c.seq_len(s) == N and not c.seq_table.get(s).holes  # a refused call changes nothing
+    # a huge finite ceiling is no ceiling (ceiling * keep overflows to inf): every head may hold every position
+    free = c.evict(s, AdaKV(SnapKV(window=WIN), ceiling=1e308), keep_tokens=24)
+    c2, s2, *_ = prefilled("reference")
+    capped = c2.evict(s2, AdaKV(SnapKV(window=WIN), ceiling=3.0), keep_tokens=24)  # 3 * 24 >= N
+    assert [k.tolist() for layer in free.heads for k in layer] == [k.tolist() for layer in capped.heads for k in layer]
 
 
 def test_knorm_keeps_the_lowest_norm_keys():
