@@ -312,13 +312,16 @@ class ExpectedAttention(Policy):
         mean, cov = self.queries[layer]
         k, v = (np.asarray(x, np.float64) for x in scores.kv(layer))
         n_kv_heads, d = k.shape[1], k.shape[2]
-        if mean.shape[1] != d or mean.shape[0] % n_kv_heads:
+        if mean.shape[1] != d or mean.shape[0] % n_kv_heads or not mean.shape[0]:
             raise SpecError(
                 f"ExpectedAttention.queries[{layer}] has {mean.shape[0]} heads of {mean.shape[1]}; the cache has "
                 f"{n_kv_heads} KV heads of {d}"
             )
         group = mean.shape[0] // n_kv_heads
         sink = min(self.n_sink, n)
+        out = np.full((n_kv_heads, n), np.inf)
+        if sink == n:  # every position is a sink: no softmax over an empty set
+            return out
         kh = np.repeat(k[sink:n].transpose(1, 0, 2), group, axis=0)  # [Hq, m, d]
         logits = np.matmul(kh, mean[:, :, None])[:, :, 0] / math.sqrt(d)
         if self.covariance:
@@ -327,7 +330,6 @@ class ExpectedAttention(Policy):
         w = (w / w.sum(axis=1, keepdims=True)).reshape(n_kv_heads, group, -1).mean(axis=1)  # [H, m]
         if self.vnorm:
             w = (w + self.epsilon) * np.linalg.norm(v[sink:n], axis=-1).T
-        out = np.full((n_kv_heads, n), np.inf)
         out[:, sink:] = w
         return out
 

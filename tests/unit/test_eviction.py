@@ -258,6 +258,18 @@ def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
             with pytest.raises(kvhal.SpecError, match=f"for {len(wrong)} layers but the cache has 2"):
                 c.evict(s, policy, 10)
     assert c.seq_len(s) == 20
+    # statistics of no heads: refused like any other head count (a raw ValueError from a reshape)
+    none = [(np.zeros((0, 32)), np.zeros((0, 32, 32)))] * 2
+    for policy in (ExpectedAttention().with_queries(none), AdaKV(ExpectedAttention()).with_queries(none)):
+        with pytest.raises(kvhal.SpecError, match="has 0 heads"):
+            c.evict(s, policy, 10)
+    # a sequence no longer than n_sink: every position is a sink, the first keep_tokens are kept (the softmax over
+    # no key raised a raw ValueError)
+    c2, s2, _, _ = filled(6)
+    assert c2.evict(s2, ExpectedAttention(n_sink=8).with_queries(stats), 3).kept.tolist() == [0, 1, 2]
+    c3, s3, _, _ = filled(6)
+    res = c3.evict(s3, AdaKV(ExpectedAttention(n_sink=8)).with_queries(stats), 3)
+    assert [k.tolist() for layer in res.heads for k in layer] == [[0, 1, 2]] * 4
     res = c.evict(s, ExpectedAttention().with_queries(stats), 10)
     assert len(res.kept) == 10 and res.kept[:4].tolist() == [0, 1, 2, 3] and c.seq_len(s) == 10  # sinks kept
 
