@@ -214,15 +214,23 @@ def expected_queries(
     ``[n, n_heads, head_dim]``; ``positions``: their RoPE positions ``[n]``; ``inv_freq``: the RoPE frequencies
     ``[head_dim / 2]`` and ``rope_scale`` the factor on cos and sin (transformers' ``attention_scaling``).
     Returns float64 ``mean [n_heads, head_dim]`` and ``cov [n_heads, head_dim, head_dim]``."""
-    q = np.asarray(q, np.float64)
+    try:
+        q, inv_freq = np.asarray(q, np.float64), np.asarray(inv_freq, np.float64)
+    except (TypeError, ValueError):
+        raise SpecError(
+            f"expected_queries takes real arrays q and inv_freq; got {type(q).__name__}, {type(inv_freq).__name__}"
+        ) from None
     positions = np.asarray(positions)
-    inv_freq = np.asarray(inv_freq, np.float64)
+    if positions.dtype.kind not in "iu":  # a float or a string is not a RoPE position
+        raise SpecError(f"expected_queries takes integer positions [n]; got dtype {positions.dtype}")
     if q.ndim != 3 or positions.shape != q.shape[:1] or inv_freq.shape != (q.shape[2] // 2,) or q.shape[2] % 2:
         raise SpecError(
             f"expected_queries takes q [n, n_heads, head_dim], positions [n] and inv_freq [head_dim / 2]; got "
             f"{q.shape}, {positions.shape}, {inv_freq.shape}"
         )
     scale = _real("rope_scale", rope_scale)
+    if scale == 0:  # the queries are divided by it
+        raise SpecError("rope_scale must be > 0 (transformers' attention_scaling, 1.0 for the default RoPE), got 0")
     n_sink, n_future = _count("n_sink", n_sink), _count("n_future", n_future, 1)
     half = q.shape[2] // 2
     rows = positions >= n_sink

@@ -237,6 +237,16 @@ def test_expected_queries_undo_rope_and_carry_the_mean_future_rotation():
             expected_queries(*bad)
     with pytest.raises(kvhal.SpecError, match="n_sink"):
         expected_queries(post, pos, inv_freq, n_sink=100)
+    # not numbers, positions that are not ints, a rope_scale of 0 (NaN statistics): typed, not raw or accepted
+    for bad, what in (
+        (("q", pos, inv_freq), "real arrays"),
+        ((post, pos + 0.5, inv_freq), "integer positions"),
+        ((post, pos.astype(str), inv_freq), "integer positions"),
+        ((post, pos, inv_freq, 0.0), "rope_scale"),
+        ((post, pos, inv_freq, 10**400), "rope_scale"),
+    ):
+        with pytest.raises(kvhal.SpecError, match=what):
+            expected_queries(*bad)
     bad_kw = ({"n_future": 0}, {"n_sink": -1}, {"covariance": 1}, {"epsilon": -1.0}, {"queries": ((mean,),)})
     for kw in (*bad_kw, {"queries": 1}):  # an int, not pairs: typed, not "not iterable"
         with pytest.raises(kvhal.SpecError):
