@@ -142,7 +142,7 @@ class SnapKV(Policy):
         _count("SnapKV.kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise SpecError(f"SnapKV.kernel must be odd (same-length pooling), got {self.kernel}")
-        if self.pool not in ("avg", "max"):
+        if not isinstance(self.pool, str) or self.pool not in ("avg", "max"):  # (an array compares elementwise)
             raise SpecError(f"SnapKV.pool must be 'avg' or 'max', got {self.pool!r}")
 
     def select(self, n: int, keep: int, scores: Scores) -> np.ndarray:

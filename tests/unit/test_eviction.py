@@ -89,7 +89,7 @@ def test_snapkv_matches_the_published_rule_with_torch_pooling():
     c2.attention(0, q[:16], [s2], [16], observe=True)
     with pytest.raises(kvhal.SpecError, match="observe_window=8"):
         c2.evict(s2, SnapKV(window=8), keep_tokens=10)
-    for bad in ({"kernel": 4}, {"pool": "sum"}, {"window": 0}, {"window": True}):
+    for bad in ({"kernel": 4}, {"pool": "sum"}, {"pool": np.array(["avg", "max"])}, {"window": 0}, {"window": True}):
         with pytest.raises(kvhal.SpecError):
             SnapKV(**bad)
 
