@@ -559,6 +559,8 @@ class KVCache:
                     f"sequence {seqs[i]} has {n + base} tokens at layer {layer} but {n_q} queries; {why}"
                 )
         scale, window = validate.attention_options(scale, causal, window, observe, spec.head_dim)
+        if observe and len({id(x) for x in seq_objs}) < len(seq_objs):  # whose queries would its mass be?
+            raise ShapeError("attention(observe=True) takes each sequence once per call; attend it in separate calls")
         causal = bool(causal)
         offloaded = any(s.base for s in seq_objs)
         if offloaded and (window is not None or observe):

@@ -61,6 +61,9 @@ def test_h2o_keeps_heavy_hitters_by_observed_mass():
         np.testing.assert_allclose(out, attention_f64(q, [k], [v], [q_len]), atol=1e-6)
         total += mass_f64(q, k, q_len, 30)
     np.testing.assert_allclose(c.seq_table.get(s).mass[0], total, rtol=1e-9, atol=1e-12)
+    with pytest.raises(kvhal.ShapeError, match="once per call"):  # whose queries would the window mass hold?
+        c.attention(0, rng.standard_normal((2, 4, 32), dtype=np.float32), [s, s], [1, 1], observe=True)
+    np.testing.assert_allclose(c.seq_table.get(s).mass[0], total, rtol=1e-9, atol=1e-12)
     score = total.sum(axis=0)  # one set of positions for every head: heads summed
     heavy = sorted(sorted(range(30 - 5), key=lambda j: (-score[j], j))[:7])
     res = c.evict(s, H2O(heavy=7, recent=5), keep_tokens=12)
