@@ -132,6 +132,8 @@ def resolve(
     take it, unless ``allow_fallback`` (then the best of them, with a warning)."""
     if options is not None and not isinstance(options, dict):
         raise SpecError(f"backend_options must be a dict, got {type(options).__name__}")
+    if options and (bad := [k for k in options if not isinstance(k, str)]):  # ** would raise a raw TypeError
+        raise SpecError(f"backend_options keys are option names (str), got {bad[0]!r}; see the backend's docs")
     if isinstance(name, Backend):
         if options:
             raise SpecError("backend_options apply to a backend given by name; configure the instance instead")

@@ -506,6 +506,8 @@ def test_backend_options_are_parsed_once_with_typed_errors(monkeypatch):
             backend="reference",
             backend_options={"threads": 2},
         )
+    with pytest.raises(kvhal.SpecError, match="option names"):  # not a raw TypeError from **options
+        kvhal.KVCache(kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32), 16, backend_options={1: 2, "x": 3})
 
 
 def test_visible_range_matches_the_rule():
