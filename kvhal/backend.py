@@ -117,6 +117,8 @@ class Backend(ABC):
         size, workgroup memory, ...), so ``backend="auto"`` and ``kvhal info --spec`` see every refusal
         before anything is allocated. A backend that also refuses some shapes (a window, a GQA ratio,
         prefill) sets ``shape_limits``; without a shape, supports answers for the spec alone."""
+        if not isinstance(spec, CacheSpec):  # a raw AttributeError on spec.k_format otherwise
+            raise SpecError(f"spec must be a kvhal.CacheSpec, got {type(spec).__name__}")
         if op not in OPS:
             return f"unknown op {op!r} (one of {', '.join(OPS)})"
         if shape is not None and not isinstance(shape, AttentionShape):

@@ -351,6 +351,8 @@ def test_supports_sees_the_spec_and_auto_moves_on(monkeypatch):
     assert "no such device here" in info["absent"].refusal(small)
     with pytest.raises(kvhal.SpecError, match="CacheSpec"):
         info["reference"].refusal(None)  # type: ignore[arg-type]
+    with pytest.raises(kvhal.SpecError, match="CacheSpec"):  # not a raw AttributeError
+        ReferenceBackend().supports({"head_dim": 64}, "store")  # type: ignore[arg-type]
     from kvhal.tools.cli import info_data
 
     rows = {r["name"]: r for r in info_data(big)["backends"]}
