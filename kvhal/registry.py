@@ -137,9 +137,12 @@ def resolve(
     if isinstance(name, Backend):
         if options:
             raise SpecError("backend_options apply to a backend given by name; configure the instance instead")
-        backend, requested = name, name.name
+        backend, requested, source = name, name.name, ""
     elif isinstance(name, str):
-        requested = (os.environ.get("KVHAL_BACKEND") or "auto") if name == "auto" else name
+        # stripped as backend options' variables are; every error below names the variable (the caller passed "auto")
+        env = (os.environ.get("KVHAL_BACKEND") or "").strip() if name == "auto" else ""
+        requested = env or name
+        source = " (from KVHAL_BACKEND; unset it or set another backend)" if env and env != "auto" else ""
         if requested == "auto":
             ok, why = _capable(spec)
             if not ok:
@@ -149,8 +152,13 @@ def resolve(
             return instance(ok[0], options)
         info = {i.name: i for i in backends()}.get(requested)
         if info is not None and not info.available and not options:  # options may name a usable device
-            raise BackendUnavailableError(f"backend {requested!r} is unavailable: {info.reason}")
-        backend = instance(requested, options)
+            raise BackendUnavailableError(f"backend {requested!r} is unavailable: {info.reason}{source}")
+        try:
+            backend = instance(requested, options)
+        except BackendUnavailableError as e:
+            if not source:
+                raise
+            raise BackendUnavailableError(f"{e}{source}") from None
     else:
         raise SpecError(f"backend must be a name, 'auto' or a kvhal.Backend instance, got {type(name).__name__}")
     why_not = refusal(backend, spec)
@@ -159,7 +167,8 @@ def resolve(
     ok, _ = _capable(spec, skip=requested)
     if not allow_fallback or not ok:
         raise UnsupportedError(
-            f"backend {requested!r} refuses this spec ({why_not}); backends that take it: {', '.join(ok) or 'none'} "
+            f"backend {requested!r}{source} refuses this spec ({why_not}); "
+            f"backends that take it: {', '.join(ok) or 'none'} "
             "(pick one of them, or pass allow_fallback=True to use the best of them)"
         )
     warnings.warn(f"kvhal: {requested!r} refuses this spec ({why_not}); falling back to {ok[0]!r}", stacklevel=3)

@@ -257,9 +257,11 @@ def test_backend_selection(monkeypatch):
     assert "reference" in names
     monkeypatch.setenv("KVHAL_BACKEND", "no-such-backend")
     spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=32)
-    with pytest.raises(kvhal.BackendUnavailableError, match="no backend named"):
+    with pytest.raises(kvhal.BackendUnavailableError, match="no backend named.*from KVHAL_BACKEND"):
         kvhal.KVCache(spec, 16)
     monkeypatch.setenv("KVHAL_BACKEND", "reference")
+    assert kvhal.KVCache(spec, 16).backend.name == "reference"
+    monkeypatch.setenv("KVHAL_BACKEND", " reference\n")  # stripped, as backend options' variables are
     assert kvhal.KVCache(spec, 16).backend.name == "reference"
 
 
