@@ -143,13 +143,15 @@ def resolve(
         env = (os.environ.get("KVHAL_BACKEND") or "").strip() if name == "auto" else ""
         requested = env or name
         source = " (from KVHAL_BACKEND; unset it or set another backend)" if env and env != "auto" else ""
-        if requested == "auto":
+        picked = requested == "auto"
+        if picked:
             ok, why = _capable(spec)
             if not ok:
                 raise UnsupportedError(
                     "no available backend takes this spec: " + "; ".join(f"{n}: {r}" for n, r in why.items())
                 )
-            return instance(ok[0], options)
+            # _capable asked the shared instance: the one built with options is checked below like a named one
+            requested = ok[0]
         info = {i.name: i for i in backends()}.get(requested)
         if info is not None and not info.available and not options:  # options may name a usable device
             raise BackendUnavailableError(f"backend {requested!r} is unavailable: {info.reason}{source}")
@@ -159,6 +161,12 @@ def resolve(
             if not source:
                 raise
             raise BackendUnavailableError(f"{e}{source}") from None
+        except SpecError as e:
+            if not picked:
+                raise
+            raise SpecError(
+                f"{e} (backend='auto' picked {requested!r}: name the backend these options are for)"
+            ) from None
     else:
         raise SpecError(f"backend must be a name, 'auto' or a kvhal.Backend instance, got {type(name).__name__}")
     why_not = refusal(backend, spec)

@@ -288,6 +288,37 @@ def test_unsupported_format_is_an_error_unless_fallback_allowed(monkeypatch):
     assert kvhal.KVCache(spec, 16).backend.name == "reference"  # auto picks the best that can
 
 
+def test_auto_checks_the_backend_its_options_build(monkeypatch):
+    """backend="auto" with backend_options: the instance built with them is asked supports(), and options the picked
+    backend does not take say that auto picked it."""
+    from kvhal import registry
+    from kvhal.backend_util import Option, parse_options
+
+    class Limited(ReferenceBackend):
+        name = "limited"
+
+        def __init__(self, **options):
+            self.limit = parse_options(self.name, options, (Option("limit", int, 128),))["limit"]
+
+        @classmethod
+        def probe(cls) -> kvhal.Probe:
+            return kvhal.Probe(10, "test backend whose head_dim limit is an option")
+
+        def supports(self, spec, op, shape=None):
+            return super().supports(spec, op, shape) or (
+                f"head_dim {spec.head_dim} > {self.limit}" if spec.head_dim > self.limit else None
+            )
+
+    monkeypatch.setattr(registry, "_classes", lambda: {"reference": ReferenceBackend, "limited": Limited})
+    spec = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=64)
+    assert kvhal.KVCache(spec, 16, backend_options={"limit": 64}).backend.name == "limited"
+    with pytest.raises(kvhal.UnsupportedError, match="head_dim 64 > 32"):  # not a cache on a backend that refuses
+        kvhal.KVCache(spec, 16, backend_options={"limit": 32})
+    big = kvhal.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=256)
+    with pytest.raises(kvhal.SpecError, match="no option limit.*auto' picked 'reference'"):
+        kvhal.KVCache(big, 16, backend_options={"limit": 512})
+
+
 def test_broken_plugin_is_reported_not_raised(monkeypatch):
     from kvhal import registry
 
