@@ -87,7 +87,10 @@ def info_data(spec: CacheSpec | None = None) -> dict[str, Any]:
     ]
     data: dict[str, Any] = {"backends": out, "formats": fmts}
     if spec is not None:
-        data["spec"] = dataclasses.asdict(spec)
+        # kltq side data by its digest, as the fingerprint has it: asdict would give its arrays (not JSON)
+        data["spec"] = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        for name in ("k_side", "v_side"):
+            data["spec"][name] = None if getattr(spec, name) is None else getattr(spec, name).digest()
     return data
 
 

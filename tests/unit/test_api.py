@@ -481,6 +481,20 @@ def test_info_spec_cli(capsys):
     assert 'takes a number or "calibrate"' in capsys.readouterr().err
 
 
+def test_info_spec_with_kltq_side_data_is_json(tmp_path, capsys):
+    """A --spec naming a kltq side file: the side data by its digest (not its arrays, which JSON cannot hold)."""
+    import json
+
+    from kvhal.formats import kltq
+    from kvhal.tools.cli import main
+
+    side = kltq.calibrate([rows(64, heads=1, dim=32)], 4)
+    side.save(tmp_path / "side.kvs")
+    spec = f"n_layers=1,n_kv_heads=1,head_dim=32,k_format=kltq:4,k_side={tmp_path / 'side.kvs'}"
+    assert main(["info", "--spec", spec, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["k_side"] == side.digest()
+
+
 def test_info_marks_formats_a_backend_runs_as_v_only():
     # the oracle: whether a cache with that format as K (and as V beside f16 K) can be made at all
     from kvhal.tools.cli import info_data, info_text
