@@ -50,6 +50,9 @@ class Probe:
     score: int | None
     reason: str
     device: str = ""
+    # unusable because of this process's own settings (an environment variable the backend reads), not the
+    # machine: backend="auto" raises rather than passing it over for a slower one without a word
+    misconfigured: bool = False
 
     @property
     def available(self) -> bool:

@@ -30,6 +30,7 @@ class BackendInfo:
     reason: str
     device: str
     cls: type[Backend] | None
+    misconfigured: bool = False  # Probe.misconfigured
 
     @property
     def formats(self) -> frozenset[str]:
@@ -70,7 +71,7 @@ def _info(name: str, entry: type[Backend] | str) -> BackendInfo:
         probe: Probe = entry.probe()
     except Exception as e:
         return BackendInfo(name, False, None, f"probe failed: {type(e).__name__}: {e}", "", entry)
-    return BackendInfo(name, probe.available, probe.score, probe.reason, probe.device, entry)
+    return BackendInfo(name, probe.available, probe.score, probe.reason, probe.device, entry, probe.misconfigured)
 
 
 def backends() -> list[BackendInfo]:
@@ -145,6 +146,12 @@ def resolve(
         source = " (from KVHAL_BACKEND; unset it or set another backend)" if env and env != "auto" else ""
         picked = requested == "auto"
         if picked:
+            for i in backends():  # "auto" would pass it over for a slower one: say so instead
+                if i.misconfigured:
+                    raise SpecError(
+                        f"backend {i.name!r} is set up wrongly in this process ({i.reason}); backend='auto' does "
+                        "not pass it over for another: fix the setting, or name the backend to use"
+                    )
             ok, why = _capable(spec)
             if not ok:
                 raise UnsupportedError(

@@ -174,10 +174,13 @@ class CpuBackend(HostPoolsBackend):
     def probe(cls) -> Probe:
         try:
             lib, _ = _library()
+        except KVHalError as e:
+            return Probe(None, str(e))
+        try:  # only the KVHAL_CPU_* variables are read here: an error is this process's settings, not the machine
             opts = parse_options(cls.name, {}, OPTIONS)
             isa = ISAS[_pick_isa(lib, opts["isa"])]
         except KVHalError as e:
-            return Probe(None, str(e))
+            return Probe(None, str(e), misconfigured=True)
         threads = opts["threads"] or os.cpu_count() or 1
         return Probe(50, f"native kernels, {isa}, {threads} threads", device=f"host {platform.machine()}")
 

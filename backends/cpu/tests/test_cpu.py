@@ -530,9 +530,20 @@ def test_env_isa_and_threads(monkeypatch):
     assert CpuBackend(threads=2, isa=ISAS[-1]).threads == 2  # an argument beats its variable
     monkeypatch.setenv("KVHAL_CPU_ISA", "sse9")
     probe = CpuBackend.probe()
-    assert probe.score is None and "sse9" in probe.reason and "KVHAL_CPU_ISA" in probe.reason
+    assert probe.score is None and "sse9" in probe.reason and "KVHAL_CPU_ISA" in probe.reason and probe.misconfigured
     with pytest.raises(kvhal.SpecError, match="sse9"):
         CpuBackend()
+    spec = kvhal.CacheSpec(1, 2, 64, "q8_0", "q8_0")
+    for var, value in (("KVHAL_CPU_ISA", "sse9"), ("KVHAL_CPU_THREADS", "many"), ("KVHAL_CPU_ISA", "neon")):
+        if value == "neon" and "neon" in ISAS:
+            continue
+        with monkeypatch.context() as m:  # "auto" does not fall to the reference backend without a word
+            m.setenv(var, value)
+            if var != "KVHAL_CPU_ISA":
+                m.setenv("KVHAL_CPU_ISA", "auto")
+            with pytest.raises(kvhal.SpecError, match=f"set up wrongly.*{var}"):
+                kvhal.KVCache(spec, 64)
+    assert kvhal.KVCache(spec, 64, backend="reference").backend.name == "reference"  # named: it runs
     missing = [i for i in kvhal_cpu.ISAS if i not in ISAS]
     if missing:
         with pytest.raises(kvhal.BackendUnavailableError, match="runs only"):
