@@ -160,8 +160,8 @@ class AscendBackend(Backend):
     def probe(cls) -> Probe:
         try:
             device = parse_options(cls.name, {}, OPTIONS)["device"]
-        except SpecError as e:
-            return Probe(None, str(e))
+        except SpecError as e:  # its variable's value: this process's settings (auto must not pass it over)
+            return Probe(None, str(e), misconfigured=True)
         return _choose(device)
 
     def __init__(self, **options: Any) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from kvhal import formats
 from kvhal.backend import AttentionBatch, AttentionShape, Backend, Op, Pools, Probe
 from kvhal.backend_util import Option, check_block_data, parse_options
-from kvhal.errors import BackendUnavailableError, CapacityError, PositionError, ShapeError
+from kvhal.errors import BackendUnavailableError, CapacityError, PositionError, ShapeError, SpecError
 from kvhal.formats import Format
 from kvhal.interop import host_float_array
 from kvhal.spec import CacheSpec
@@ -57,7 +57,11 @@ class OpenCLBackend(Backend):
 
     @classmethod
     def probe(cls) -> Probe:
-        found = select(parse_options(cls.name, {}, OPTIONS)["device"])
+        try:
+            selector = parse_options(cls.name, {}, OPTIONS)["device"]
+        except SpecError as e:  # its variable's value: this process's settings (auto must not pass it over)
+            return Probe(None, str(e), misconfigured=True)
+        found = select(selector)
         if isinstance(found, str):
             return Probe(None, found)
         import pyopencl as cl
