@@ -166,9 +166,9 @@ class KVHalCache(Cache):  # type: ignore[misc]
         self._step: _Step | None = None
         self._failed: str | None = None
         self._config = config  # its attention implementation is read per update: sdpa/eager get dense K/V
-        self._layers_checked = False  # the model's layer count compared with the cache's (config or first attention)
+        self._checked_config: Any = None  # the last model config whose layers matched the cache's
         if config is not None:
-            self._check_layer_count(config)
+            self._check_model(config)
         self.press, self.keep = press, keep
         self.evictions: list[EvictionResult] = []  # what the press dropped from each row, in row order
         self._pressed_cols: int | None = None  # columns at the press (None: the prefill is still to come)
@@ -512,20 +512,33 @@ class KVHalCache(Cache):  # type: ignore[misc]
             "forward pass that stopped midway needs reset()"
         )
 
-    def _check_layer_count(self, config: Any) -> None:
-        """Refuse a model whose layer count (from its text config, as ``from_model`` counts them) is not the cache's."""
+    def _check_model(self, config: Any) -> None:
+        """Refuse a model whose layers (from its text config, as ``from_model`` reads them) are not the cache's:
+        another count, or a layer whose sliding window (None: full attention) differs from the cache's, which
+        kvhal attention would apply to that layer (a model may window through its mask alone, without telling
+        the attention function)."""
+        checked = config
         try:
             if hasattr(config, "get_text_config"):
                 config = config.get_text_config(decoder=True)
-            n_model = len(get_layer_types_and_kwargs(config)[1])
+            kinds, kwargs = get_layer_types_and_kwargs(config)
         except Exception:  # not a transformers config (a stand-in): nothing to compare
             return
-        self._layers_checked = True
-        if n_model != len(self._cols):
+        if len(kwargs) != len(self._cols):
             raise SpecError(
-                f"the model has {n_model} attention layers but the cache has {len(self._cols)}: build the cache "
+                f"the model has {len(kwargs)} attention layers but the cache has {len(self._cols)}: build the cache "
                 "with one window per model layer (KVHalCache.from_model(model, ...) does)"
             )
+        for i, (kind, kw) in enumerate(zip(kinds, kwargs)):
+            if kind not in ("full_attention", "sliding_attention"):
+                continue  # not a layer from_model builds a window for
+            window = kw.get("sliding_window") if kind == "sliding_attention" else None
+            if window != self.windows[i]:
+                raise SpecError(
+                    f"layer {i} of the model is {kind} (sliding_window={window}) but the cache was built with "
+                    f"{self.windows[i]}: build it from this model with KVHalCache.from_model"
+                )
+        self._checked_config = checked
 
     def _select(self, idx: Any, what: str) -> None:
         """Rows become ``old[idx[0]], old[idx[1]], ...``: each old row's first use keeps its sequence, later
@@ -774,8 +787,9 @@ def kvhal_attention(
         )
     _PENDING.set(None)
     cache, layer = pending[0], pending[1]
-    if not cache._layers_checked and getattr(module, "config", None) is not None:
-        cache._check_layer_count(module.config)  # a cache built without config: checked at its first attention
+    config = getattr(module, "config", None)
+    if config is not None and config is not cache._checked_config:
+        cache._check_model(config)  # a cache built without config, or run by another model than its own
     if dropout:
         raise UnsupportedError(f"kvhal attention has no dropout (got {dropout}); run the model in eval() mode")
     for name in ("softcap", "position_bias", "s_aux"):

@@ -497,9 +497,10 @@ def test_cache_with_more_layers_than_the_model_is_refused(models):
     with pytest.raises(kvhal.SpecError, match="model has 2 attention layers but the cache has 3"):
         KVHalCache(kv, [None] * 3, config=model.config)
     cache = KVHalCache(kv, [None] * 3)  # no config: the model's attention module tells, before anything is stored
-    with pytest.raises(kvhal.SpecError, match="model has 2 attention layers but the cache has 3"), torch.inference_mode():
-        model.generate(torch.tensor([[1, 2, 3]]), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert cache.seqs == [] and kv.stats().n_seqs == 0 and cache._failed is None
+    for _ in range(2):  # a second try is refused the same way (it ran a whole forward pass and stored it)
+        with pytest.raises(kvhal.SpecError, match="2 attention layers but the cache has 3"), torch.inference_mode():
+            model.generate(torch.tensor([[1, 2, 3]]), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert cache.seqs == [] and kv.stats().n_seqs == 0 and cache._failed is None
     # driven by hand (no module to ask): the next forward pass's first update finds the layer left behind
     cache = KVHalCache(kv, [None] * 3)
     q, k = torch.zeros(1, 4, 1, 32), torch.zeros(1, 2, 1, 32)
@@ -512,3 +513,19 @@ def test_cache_with_more_layers_than_the_model_is_refused(models):
         cache.update(k, k, 0)
     cache.reset()
     assert kv.stats().n_seqs == 0
+
+
+def test_cache_of_a_sliding_window_model_is_refused_by_a_full_attention_one(models):
+    """A full-attention layer passes no sliding_window to the attention function, so only the model's config tells
+    that the cache's window (which kvhal attention applies) is not this model's: Mistral's cache on Llama silently
+    attended over 12 tokens."""
+    ids = torch.tensor([[1, 2, 3]])
+    for src, dst, layer in (("mistral", "llama", 0), ("qwen2", "llama", 1), ("llama", "mistral", 0)):
+        cache = kv_cache(models[src], "reference")
+        models[dst].set_attn_implementation("kvhal")
+        for _ in range(2):  # and again: a refusal does not mark the model as checked
+            with pytest.raises(kvhal.SpecError, match=f"layer {layer} of the model"), torch.inference_mode():
+                models[dst].generate(ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+            assert cache.seqs == [] and cache.kv.stats().n_seqs == 0 and cache._failed is None
+    with pytest.raises(kvhal.SpecError, match="layer 1 of the model is full_attention.*built with 10"):
+        KVHalCache(kv_cache(models["llama"], "reference").kv, [None, 10], config=models["llama"].config)
