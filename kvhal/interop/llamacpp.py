@@ -616,7 +616,9 @@ def export_state(
     rows = []
     for layer in range(spec.n_layers):
         k, v = cache.load_rows(seq, layer)
-        rows.append(LayerRows(spec.k_format, spec.v_format, k.reshape(n, -1), v.reshape(n, -1)))
+        # the widths spelled out: an empty sequence (n 0) has no -1 to infer; it writes llama.cpp's 0-cell state
+        k, v = (x.reshape(n, x.shape[1] * x.shape[2]) for x in (k, v))
+        rows.append(LayerRows(spec.k_format, spec.v_format, k, v))
     sections, at = [], 0
     for count in split:
         sections.append(Section(tuple(rows[at : at + count]), v_trans, n_stream, stream, seq_id))

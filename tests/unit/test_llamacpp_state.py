@@ -126,6 +126,18 @@ def test_transposed_v_reads_as_rows_and_writes_back() -> None:
     assert llamacpp.export_state(cache, seq).to_bytes() == as_bytes(section(rows, "f16", "f16"))
 
 
+def test_empty_sequence_exports_llama_cpps_zero_cell_state() -> None:
+    # what llama_state_seq_get_data / _save_file give for a sequence with no cells (llama-cpp-python 0.3.36)
+    cache, _ = llamacpp.import_state(
+        as_bytes(section(make(3, "q8_0", "q8_0"), "q8_0", "q8_0")), kv_heads=H, llama_rotation=True, backend="reference"
+    )
+    empty = llamacpp.export_state(cache, cache.new_seq(), seq_id=2, n_stream=2)
+    assert empty.n_tokens == 0
+    assert empty.to_bytes() == struct.pack("<IiIII", 0xAF143CD8, 2, 2, 0, 0)
+    assert empty.to_file_bytes() == struct.pack("<IIIIII", 0x67677371, 3, 0, 2, 0, 0)
+    assert llamacpp.read_bytes(empty.to_bytes()).n_tokens == 0
+
+
 def test_cells_out_of_order_are_sorted_by_position_and_gaps_refused() -> None:
     rows = make(8, "q8_0", "q8_0")
     perm = np.random.default_rng(0).permutation(8)
