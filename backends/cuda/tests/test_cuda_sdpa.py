@@ -77,16 +77,21 @@ def test_sdpa_route_matches_float64_on_the_emulator(fmt):
     assert [got.backend.attention_path(got.spec, 8, n) for n in (1, 512)] == ["kvhal-decode", "sdpa-bf16"]
 
 
-def test_prefill_without_torch_is_refused_with_the_extra_to_install(monkeypatch):
-    monkeypatch.setattr(sdpa, "torch_missing", lambda: "prefill runs through torch SDPA and torch is not installed")
-    got, ref = emulated("q8_0", "q8_0", prefill="sdpa")
+def assert_prefill_refused_decode_runs(match: str) -> None:
+    """An sdpa-route cache whose torch cannot run: prefill is refused (``match``), decode still runs."""
+    got, _ = emulated("q8_0", "q8_0", prefill="sdpa")
     s = got.new_seq()
     x = np.random.default_rng(0).standard_normal((20, 2, 64)).astype(np.float32)
     got.store(s, 0, x, x)
     q = np.ones((4, 4, 64), np.float32)
-    with pytest.raises(kvhal.UnsupportedError, match=r"prefill.*'kernel'"):
+    with pytest.raises(kvhal.UnsupportedError, match=match):
         got.attention(0, q, [s], [4])
-    assert kvhal.to_numpy(got.attention(0, q[:1], [s], [1])).shape == (1, 4, 64)  # decode still runs
+    assert kvhal.to_numpy(got.attention(0, q[:1], [s], [1])).shape == (1, 4, 64)
+
+
+def test_prefill_without_torch_is_refused_with_the_extra_to_install(monkeypatch):
+    monkeypatch.setattr(sdpa, "torch_missing", lambda: "prefill runs through torch SDPA and torch is not installed")
+    assert_prefill_refused_decode_runs(r"prefill.*'kernel'")
 
 
 def test_the_missing_torch_names_the_extra(monkeypatch):
@@ -106,14 +111,7 @@ def test_a_torch_older_than_enable_gqa_is_refused_as_a_missing_one(monkeypatch):
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.4.1+cu121" if name == "torch" else real(name))
     assert "torch >= 2.5" in (sdpa.torch_missing() or "") and "2.4.1+cu121" in (sdpa.torch_missing() or "")
-    got, _ = emulated("q8_0", "q8_0", prefill="sdpa")
-    s = got.new_seq()
-    x = np.random.default_rng(0).standard_normal((20, 2, 64)).astype(np.float32)
-    got.store(s, 0, x, x)
-    q = np.ones((4, 4, 64), np.float32)
-    with pytest.raises(kvhal.UnsupportedError, match=r"torch >= 2.5.*kvhal-cuda\[torch\].*'prefill': 'kernel'"):
-        got.attention(0, q, [s], [4])
-    assert kvhal.to_numpy(got.attention(0, q[:1], [s], [1])).shape == (1, 4, 64)
+    assert_prefill_refused_decode_runs(r"torch >= 2.5.*kvhal-cuda\[torch\].*'prefill': 'kernel'")
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.5.0" if name == "torch" else real(name))
     assert sdpa.torch_missing() is None
 
