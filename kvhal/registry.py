@@ -111,10 +111,12 @@ def refusal(backend: Backend, spec: CacheSpec) -> str | None:
     return None
 
 
-def _capable(spec: CacheSpec, skip: str = "") -> tuple[list[str], dict[str, str]]:
+def _capable(
+    spec: CacheSpec, skip: str = "", infos: list[BackendInfo] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """Available backends that take ``spec``, best first, and why each other one does not."""
     ok, why = [], {}
-    for info in backends():
+    for info in backends() if infos is None else infos:
         if info.name == skip:
             continue
         reason = info.refusal(spec)
@@ -145,21 +147,22 @@ def resolve(
         requested = env or name
         source = " (from KVHAL_BACKEND; unset it or set another backend)" if env and env != "auto" else ""
         picked = requested == "auto"
+        infos = backends()  # one probe of each per call
         if picked:
-            for i in backends():  # "auto" would pass it over for a slower one: say so instead
+            for i in infos:  # "auto" would pass it over for a slower one: say so instead
                 if i.misconfigured:
                     raise SpecError(
                         f"backend {i.name!r} is set up wrongly in this process ({i.reason}); backend='auto' does "
                         "not pass it over for another: fix the setting, or name the backend to use"
                     )
-            ok, why = _capable(spec)
+            ok, why = _capable(spec, infos=infos)
             if not ok:
                 raise UnsupportedError(
                     "no available backend takes this spec: " + "; ".join(f"{n}: {r}" for n, r in why.items())
                 )
             # _capable asked the shared instance: the one built with options is checked below like a named one
             requested = ok[0]
-        info = {i.name: i for i in backends()}.get(requested)
+        info = {i.name: i for i in infos}.get(requested)
         if info is not None and not info.available and not options:  # options may name a usable device
             raise BackendUnavailableError(f"backend {requested!r} is unavailable: {info.reason}{source}")
         try:
