@@ -56,7 +56,7 @@ class Row:
     # same backend and threads (round-robin, one call each), so their ratios share the machine's moments
     alternating_ms: float | None = None
     # the kernels an attention figure ran, where the backend says (``attention_path``: the cpu backend's
-    # amx-bf16, avx512-vnni, avx512-fma, avx2, neon, scalar); SDPA rows: torch-<dtype>
+    # amx-bf16, avx512-vnni, avx512-fma, avx2-gemm, avx2, neon, scalar); SDPA rows: torch-<dtype>
     path: str | None = None
 
 

@@ -360,7 +360,7 @@ class CpuBackend(HostPoolsBackend):
 
     def attention_path(self, spec: CacheSpec, n_heads: int, q_len: int) -> str:
         """The kernels an attention call of ``spec`` with ``n_heads`` query heads and ``q_len`` queries per
-        sequence runs on this instance: amx-bf16, avx512-vnni, avx512-fma, avx2, neon or scalar; kltq-avx512 or
+        sequence runs on this instance: amx-bf16, avx512-vnni, avx512-fma, avx2-gemm, avx2, neon or scalar; kltq-avx512 or
         kltq-scalar for a kltq K or V (csrc/kltq.c's own kernels)."""
         if spec.k_codec or spec.v_codec:
             return "kltq-avx512" if self.isa in ("avx512", "amx") else "kltq-scalar"  # (head_dim % 16 == 0 always)

@@ -1035,6 +1035,16 @@ def test_v2_every_byte_loads_and_attends_as_the_reference(isa, fmt):
     assert err <= path_tolerance(isa, "f16", fmt) * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.skipif("avx2" not in ISAS, reason="this CPU has no AVX2")
+def test_avx2_prefill_path_is_named_where_items_reach_the_gemm_tiles():
+    """AVX2 items of 12+ query rows per KV head (head_dim a multiple of 16) run the GEMM-form tiles; decode
+    items keep the dot form. (That the GEMM tiles compute right is every prefill test on avx2 above.)"""
+    be = CpuBackend(isa="avx2")
+    spec = kvhal.CacheSpec(1, 8, 128, k_format="q8_0", v_format="q4_0")
+    assert [be.attention_path(spec, 32, n) for n in (1, 2, 3, 512)] == ["avx2", "avx2", "avx2-gemm", "avx2-gemm"]
+    assert be.attention_path(kvhal.CacheSpec(1, 2, 24, k_format="f16", v_format="f16"), 8, 512) == "avx2"
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_attention_path_names_the_kltq_kernels(isa):
     """A kltq K or V runs csrc/kltq.c's kernels (AVX-512 where the instance's ISA has it), whatever the block

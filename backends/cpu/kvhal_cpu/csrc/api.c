@@ -759,7 +759,8 @@ int kv_attention_mass_run(kv_call c, const kv_isa *isa, const int32_t *holes, in
 
 /* Which kernels run a call of this layer (a's isa, formats, head_dim, kpaged, n_kv_heads, n_heads) whose
  * sequences have q_len queries: "amx-bf16" (kern_amx.c), "avx512-vnni" (integer kernels for a ggml
- * K or V format), "avx512-fma" (f32 FMA), "avx2", "neon", "scalar". For `kvhal bench` and users on
+ * K or V format), "avx512-fma" (f32 FMA), "avx2-gemm" (f32 FMA, register-blocked tiles), "avx2", "neon",
+ * "scalar". For `kvhal bench` and users on
  * another CPU; it follows kvc_attention's own choices. */
 KV_EXPORT const char *kvc_attention_path(const kv_args *a, int32_t q_len) {
     if (!kvc_isa_supported(a->isa)) return "unsupported";
@@ -776,7 +777,7 @@ KV_EXPORT const char *kvc_attention_path(const kv_args *a, int32_t q_len) {
     case KV_ISA_AVX512:
         return kv_is_quant(a->kfmt) || kv_is_quant(a->vfmt) || a->vfmt == KV_KIVI4 ? "avx512-vnni" : "avx512-fma";
     case KV_ISA_AVX2:
-        return "avx2";
+        return np * G >= KV_GEMM_MIN_ROWS && a->head_dim % 16 == 0 ? "avx2-gemm" : "avx2";
     case KV_ISA_NEON:
         return "neon";
     default:

@@ -13,6 +13,7 @@
 
 #define FN(x) x##_avx2
 #define ISA_NAME "avx2"
+#define KV_GEMM_TILES 1
 
 #include "simd_avx2.h"
 
@@ -92,6 +93,35 @@ static inline void kpage_group_avx2(int four, const uint8_t *y, const float *d, 
     }
 }
 #define KPAGE_GROUP(four, y, d, m, out) kpage_group_avx2(four, y, d, m, out)
+
+/* [KV_T][D] -> [D][KV_T] (kern_template.h's prefill scores), 8x8 blocks in registers */
+static void transpose_tile_avx2(const float *src, float *dst, int D) {
+    if (D % 8) {
+        for (int t = 0; t < KV_T; t++)
+            for (int j = 0; j < D; j++) dst[(size_t)j * KV_T + t] = src[(size_t)t * D + j];
+        return;
+    }
+    for (int t = 0; t < KV_T; t += 8)
+        for (int j = 0; j < D; j += 8) {
+            __m256 r[8], u[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)(t + i) * D + j);
+            for (int i = 0; i < 8; i += 2) {
+                u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                r[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
+                r[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xEE);
+                r[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+                r[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+            }
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_ps(dst + (size_t)(j + i) * KV_T + t, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+                _mm256_storeu_ps(dst + (size_t)(j + i + 4) * KV_T + t, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+            }
+        }
+}
+#define TRANSPOSE_TILE(src, dst, D) transpose_tile_avx2(src, dst, D)
 
 #include "kern_template.h"
 

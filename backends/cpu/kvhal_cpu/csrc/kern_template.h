@@ -307,13 +307,101 @@ static void FN(kpage_rows)(int fmt, const uint8_t *page, int bs, int D, int u0, 
     }
 }
 
-/* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e) */
+/* Prefill tiles (at least KV_GEMM_MIN_ROWS rows per KV head, an ISA that defines KV_GEMM_TILES): the products as a GEMM
+ * micro-kernel, KV_MR rows x 2 vectors (of tokens for S, of dims for O) of accumulators in registers, so each
+ * loaded K/V vector feeds KV_MR FMAs; the dot form below loads a vector per FMA and reduces every score
+ * across lanes. S needs K transposed ([D][KV_T], tokens along lanes): the tile is converted, then transposed
+ * once for all the rows. */
+#define KV_MR 6
+#if defined(KV_GEMM_TILES) && KV_T % (2 * VL) != 0
+#error "KV_GEMM_TILES needs KV_T a multiple of two vectors"
+#endif
+
+#ifndef TRANSPOSE_TILE
+static void FN(transpose_tile)(const float *src, float *dst, int D) { /* [KV_T][D] -> [D][KV_T] */
+    for (int t = 0; t < KV_T; t++)
+        for (int j = 0; j < D; j++) dst[(size_t)j * KV_T + t] = src[(size_t)t * D + j];
+}
+#define TRANSPOSE_TILE(src, dst, D) FN(transpose_tile)(src, dst, D)
+#endif
+
+/* S[r][t] = q_r . k_t for r < R, kt the tile transposed */
+static void FN(gemm_scores)(const float *q, const float *kt, float *S, int R, int D) {
+    for (int r0 = 0; r0 < R; r0 += KV_MR) {
+        const int nr = R - r0 < KV_MR ? R - r0 : KV_MR;
+        const float *qr[KV_MR]; /* rows past R repeat row r0; their sums are not stored */
+        for (int i = 0; i < KV_MR; i++) qr[i] = q + (size_t)(r0 + (i < nr ? i : 0)) * D;
+        for (int t = 0; t < KV_T; t += 2 * VL) {
+            VF a[KV_MR][2];
+            for (int i = 0; i < KV_MR; i++) a[i][0] = a[i][1] = vzero();
+            for (int j = 0; j < D; j++) {
+                const VF k0 = vload(kt + (size_t)j * KV_T + t), k1 = vload(kt + (size_t)j * KV_T + t + VL);
+                for (int i = 0; i < KV_MR; i++) {
+                    const VF qv = vset1(qr[i][j]);
+                    a[i][0] = vfma(qv, k0, a[i][0]);
+                    a[i][1] = vfma(qv, k1, a[i][1]);
+                }
+            }
+            for (int i = 0; i < nr; i++) {
+                vstore(S + (size_t)(r0 + i) * KV_T + t, a[i][0]);
+                vstore(S + (size_t)(r0 + i) * KV_T + t + VL, a[i][1]);
+            }
+        }
+    }
+}
+
+/* O[r] += sum_t P[r][t] v_t for r < R, vt the tile's rows [KV_T][D], D a multiple of two vectors */
+static void FN(gemm_values)(const float *P, const float *vt, float *O, int R, int D) {
+    for (int r0 = 0; r0 < R; r0 += KV_MR) {
+        const int nr = R - r0 < KV_MR ? R - r0 : KV_MR;
+        const float *pr[KV_MR];
+        float *orow[KV_MR];
+        for (int i = 0; i < KV_MR; i++) {
+            pr[i] = P + (size_t)(r0 + (i < nr ? i : 0)) * KV_T;
+            orow[i] = O + (size_t)(r0 + (i < nr ? i : 0)) * D;
+        }
+        for (int j = 0; j < D; j += 2 * VL) {
+            VF a[KV_MR][2];
+            for (int i = 0; i < KV_MR; i++) {
+                a[i][0] = vload(orow[i] + j);
+                a[i][1] = vload(orow[i] + j + VL);
+            }
+            for (int t = 0; t < KV_T; t++) {
+                const VF v0 = vload(vt + (size_t)t * D + j), v1 = vload(vt + (size_t)t * D + j + VL);
+                for (int i = 0; i < KV_MR; i++) {
+                    const VF pv = vset1(pr[i][t]);
+                    a[i][0] = vfma(pv, v0, a[i][0]);
+                    a[i][1] = vfma(pv, v1, a[i][1]);
+                }
+            }
+            for (int i = 0; i < nr; i++) {
+                vstore(orow[i] + j, a[i][0]);
+                vstore(orow[i] + j + VL, a[i][1]);
+            }
+        }
+    }
+}
+
+#ifdef KV_GEMM_TILES
+#define KV_GEMM(R, D) ((R) >= KV_GEMM_MIN_ROWS && (D) % (2 * VL) == 0)
+#else
+#define KV_GEMM(R, D) 0
+#endif
+
+/* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e). tb: the tile's
+ * f32 rows, then (tb + KV_T*D) its transpose */
 static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, const uint8_t *const *rows, float *tb) {
     const int D = c->head_dim;
 #ifdef K_TILE_FLOAT
     if (K_TILE_FLOAT(c, ws, r0, R, rows, tb)) return; /* the ISA's kernel for the float formats */
 #endif
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->kfmt, rows[t], tb + (size_t)t * D, D);
+    if (KV_GEMM(R, D)) {
+        float *tt = tb + (size_t)KV_T * D;
+        TRANSPOSE_TILE(tb, tt, D);
+        FN(gemm_scores)(ws->qf + (size_t)r0 * D, tt, ws->s, R, D);
+        return;
+    }
     for (int r = 0; r < R; r++)
         for (int t = 0; t < KV_T; t++)
             ws->s[r * KV_T + t] = FN(dot)(ws->qf + (size_t)(r0 + r) * D, tb + (size_t)t * D, D);
@@ -326,6 +414,10 @@ static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, cons
     if (V_TILE_FLOAT(c, ws, r0, R, rows, tb)) return;
 #endif
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->vfmt, rows[t], tb + (size_t)t * D, D);
+    if (KV_GEMM(R, D)) {
+        FN(gemm_values)(ws->s, tb, ws->o + (size_t)r0 * D, R, D);
+        return;
+    }
     for (int r = 0; r < R; r++) {
         const float *p = ws->s + r * KV_T;
         float *o = ws->o + (size_t)(r0 + r) * D;
@@ -405,8 +497,8 @@ static size_t FN(int_bytes)(const kv_call *c, int rows) {
 #endif
 }
 
-static size_t FN(extra_bytes)(const kv_call *c, int rows) { /* int scratch | tb | per-channel K's f32 tile */
-    return FN(int_bytes)(c, rows) + (size_t)(c->kpaged ? 2 : 1) * KV_T * c->head_dim * sizeof(float);
+static size_t FN(extra_bytes)(const kv_call *c, int rows) { /* int scratch | tb | its transpose | per-channel K's f32 tile */
+    return FN(int_bytes)(c, rows) + (size_t)(c->kpaged ? 3 : 2) * KV_T * c->head_dim * sizeof(float);
 }
 
 /* One item: query positions [pos0, pos0+npos) of a sequence for KV heads [head0, head0+nheads), over
@@ -448,7 +540,7 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
     const uint8_t *krows[KV_T], *vrows[KV_T];
     /* per-channel K pages: each tile's K rows are made f32 rows in kt first (one page run at a time) and
      * scored as f32 K, through a copy of the call that says so */
-    float *kt = tb + (size_t)KV_T * D;
+    float *kt = tb + (size_t)2 * KV_T * D;
     kv_call kf32;
     if (c->kpaged) {
         kf32 = *c;

@@ -168,6 +168,8 @@ extern const kv_isa kv_isa_neon;
  * (cpuid, XCR0, and Linux's tile-state permission, asked once), whether a call's formats and head_dim
  * do, and its item kernel, which api.c gives items of at least KV_AMX_MIN_ROWS query rows per KV head */
 #define KV_AMX_MIN_ROWS 16
+/* items of at least this many query rows per KV head run kern_template.h's GEMM-form tiles (avx2) */
+#define KV_GEMM_MIN_ROWS 12
 int kv_amx_supported(void);
 int kv_amx_takes(const kv_call *c);
 size_t kv_amx_extra_bytes(const kv_call *c, int rows);
