@@ -384,8 +384,10 @@ static void FN(gemm_values)(const float *P, const float *vt, float *O, int R, in
 
 #ifdef KV_GEMM_TILES
 #define KV_GEMM(R, D) ((R) >= KV_GEMM_MIN_ROWS && (D) % (2 * VL) == 0)
+#define KV_GEMM_TILE_BUFS 1 /* the K tile transposed, after tb */
 #else
 #define KV_GEMM(R, D) 0
+#define KV_GEMM_TILE_BUFS 0
 #endif
 
 /* scores of R rows against one tile: S[r][t] = qf_r . k_t (qf already carries scale*log2e). tb: the tile's
@@ -498,7 +500,7 @@ static size_t FN(int_bytes)(const kv_call *c, int rows) {
 }
 
 static size_t FN(extra_bytes)(const kv_call *c, int rows) { /* int scratch | tb | its transpose | per-channel K's f32 tile */
-    return FN(int_bytes)(c, rows) + (size_t)(c->kpaged ? 3 : 2) * KV_T * c->head_dim * sizeof(float);
+    return FN(int_bytes)(c, rows) + (size_t)(1 + KV_GEMM_TILE_BUFS + (c->kpaged ? 1 : 0)) * KV_T * c->head_dim * sizeof(float);
 }
 
 /* One item: query positions [pos0, pos0+npos) of a sequence for KV heads [head0, head0+nheads), over
@@ -540,7 +542,7 @@ static void FN(attn_item)(const kv_call *c, const kv_item *it, kv_scratch *ws, f
     const uint8_t *krows[KV_T], *vrows[KV_T];
     /* per-channel K pages: each tile's K rows are made f32 rows in kt first (one page run at a time) and
      * scored as f32 K, through a copy of the call that says so */
-    float *kt = tb + (size_t)2 * KV_T * D;
+    float *kt = tb + (size_t)(1 + KV_GEMM_TILE_BUFS) * KV_T * D;
     kv_call kf32;
     if (c->kpaged) {
         kf32 = *c;
