@@ -95,12 +95,7 @@ static inline void kpage_group_avx2(int four, const uint8_t *y, const float *d, 
 #define KPAGE_GROUP(four, y, d, m, out) kpage_group_avx2(four, y, d, m, out)
 
 /* [KV_T][D] -> [D][KV_T] (kern_template.h's prefill scores), 8x8 blocks in registers */
-static void transpose_tile_avx2(const float *src, float *dst, int D) {
-    if (D % 8) {
-        for (int t = 0; t < KV_T; t++)
-            for (int j = 0; j < D; j++) dst[(size_t)j * KV_T + t] = src[(size_t)t * D + j];
-        return;
-    }
+static void transpose_tile_avx2(const float *src, float *dst, int D) { /* D % 8 == 0: KV_GEMM's D % 16 */
     for (int t = 0; t < KV_T; t += 8)
         for (int j = 0; j < D; j += 8) {
             __m256 r[8], u[8];

@@ -325,58 +325,36 @@ static void FN(transpose_tile)(const float *src, float *dst, int D) { /* [KV_T][
 #define TRANSPOSE_TILE(src, dst, D) FN(transpose_tile)(src, dst, D)
 #endif
 
-/* S[r][t] = q_r . k_t for r < R, kt the tile transposed */
-static void FN(gemm_scores)(const float *q, const float *kt, float *S, int R, int D) {
+/* C[r] (+)= sum_k A[r][k] B[k] for r < R, over N columns of C and B (a multiple of two vectors): the
+ * micro-kernel of both products, S = Q.K^T (A = q, B = K transposed) and O += P.V (A = P, B = V rows);
+ * inlined into each, whose constant strides and trip counts it then runs at the speed of a copy of its own */
+KV_INLINE void FN(gemm_tile)(const float *A, int lda, int K, const float *B, int ldb, int N, float *C, int ldc,
+                             int R, int accumulate) {
     for (int r0 = 0; r0 < R; r0 += KV_MR) {
         const int nr = R - r0 < KV_MR ? R - r0 : KV_MR;
-        const float *qr[KV_MR]; /* rows past R repeat row r0; their sums are not stored */
-        for (int i = 0; i < KV_MR; i++) qr[i] = q + (size_t)(r0 + (i < nr ? i : 0)) * D;
-        for (int t = 0; t < KV_T; t += 2 * VL) {
-            VF a[KV_MR][2];
-            for (int i = 0; i < KV_MR; i++) a[i][0] = a[i][1] = vzero();
-            for (int j = 0; j < D; j++) {
-                const VF k0 = vload(kt + (size_t)j * KV_T + t), k1 = vload(kt + (size_t)j * KV_T + t + VL);
-                for (int i = 0; i < KV_MR; i++) {
-                    const VF qv = vset1(qr[i][j]);
-                    a[i][0] = vfma(qv, k0, a[i][0]);
-                    a[i][1] = vfma(qv, k1, a[i][1]);
-                }
-            }
-            for (int i = 0; i < nr; i++) {
-                vstore(S + (size_t)(r0 + i) * KV_T + t, a[i][0]);
-                vstore(S + (size_t)(r0 + i) * KV_T + t + VL, a[i][1]);
-            }
-        }
-    }
-}
-
-/* O[r] += sum_t P[r][t] v_t for r < R, vt the tile's rows [KV_T][D], D a multiple of two vectors */
-static void FN(gemm_values)(const float *P, const float *vt, float *O, int R, int D) {
-    for (int r0 = 0; r0 < R; r0 += KV_MR) {
-        const int nr = R - r0 < KV_MR ? R - r0 : KV_MR;
-        const float *pr[KV_MR];
-        float *orow[KV_MR];
+        const float *ar[KV_MR]; /* rows past R repeat row r0; their sums are not stored */
+        float *cr[KV_MR];
         for (int i = 0; i < KV_MR; i++) {
-            pr[i] = P + (size_t)(r0 + (i < nr ? i : 0)) * KV_T;
-            orow[i] = O + (size_t)(r0 + (i < nr ? i : 0)) * D;
+            ar[i] = A + (size_t)(r0 + (i < nr ? i : 0)) * lda;
+            cr[i] = C + (size_t)(r0 + (i < nr ? i : 0)) * ldc;
         }
-        for (int j = 0; j < D; j += 2 * VL) {
-            VF a[KV_MR][2];
+        for (int n = 0; n < N; n += 2 * VL) {
+            VF c[KV_MR][2];
             for (int i = 0; i < KV_MR; i++) {
-                a[i][0] = vload(orow[i] + j);
-                a[i][1] = vload(orow[i] + j + VL);
+                c[i][0] = accumulate ? vload(cr[i] + n) : vzero();
+                c[i][1] = accumulate ? vload(cr[i] + n + VL) : vzero();
             }
-            for (int t = 0; t < KV_T; t++) {
-                const VF v0 = vload(vt + (size_t)t * D + j), v1 = vload(vt + (size_t)t * D + j + VL);
+            for (int k = 0; k < K; k++) {
+                const VF b0 = vload(B + (size_t)k * ldb + n), b1 = vload(B + (size_t)k * ldb + n + VL);
                 for (int i = 0; i < KV_MR; i++) {
-                    const VF pv = vset1(pr[i][t]);
-                    a[i][0] = vfma(pv, v0, a[i][0]);
-                    a[i][1] = vfma(pv, v1, a[i][1]);
+                    const VF av = vset1(ar[i][k]);
+                    c[i][0] = vfma(av, b0, c[i][0]);
+                    c[i][1] = vfma(av, b1, c[i][1]);
                 }
             }
             for (int i = 0; i < nr; i++) {
-                vstore(orow[i] + j, a[i][0]);
-                vstore(orow[i] + j + VL, a[i][1]);
+                vstore(cr[i] + n, c[i][0]);
+                vstore(cr[i] + n + VL, c[i][1]);
             }
         }
     }
@@ -401,7 +379,7 @@ static void FN(k_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, cons
     if (KV_GEMM(R, D)) {
         float *tt = tb + (size_t)KV_T * D;
         TRANSPOSE_TILE(tb, tt, D);
-        FN(gemm_scores)(ws->qf + (size_t)r0 * D, tt, ws->s, R, D);
+        FN(gemm_tile)(ws->qf + (size_t)r0 * D, D, D, tt, KV_T, KV_T, ws->s, KV_T, R, 0);
         return;
     }
     for (int r = 0; r < R; r++)
@@ -417,7 +395,7 @@ static void FN(v_tile_f32)(const kv_call *c, kv_scratch *ws, int r0, int R, cons
 #endif
     for (int t = 0; t < KV_T; t++) FN(dequantize)(c->vfmt, rows[t], tb + (size_t)t * D, D);
     if (KV_GEMM(R, D)) {
-        FN(gemm_values)(ws->s, tb, ws->o + (size_t)r0 * D, R, D);
+        FN(gemm_tile)(ws->s, KV_T, KV_T, tb, D, D, ws->o + (size_t)r0 * D, D, R, 1);
         return;
     }
     for (int r = 0; r < R; r++) {
