@@ -140,7 +140,7 @@ def resolve(
     if isinstance(name, Backend):
         if options:
             raise SpecError("backend_options apply to a backend given by name; configure the instance instead")
-        backend, requested, source = name, name.name, ""
+        backend, requested, source, infos = name, name.name, "", None
     elif isinstance(name, str):
         # stripped as backend options' variables are; every error below names the variable (the caller passed "auto")
         env = (os.environ.get("KVHAL_BACKEND") or "").strip() if name == "auto" else ""
@@ -182,7 +182,7 @@ def resolve(
     why_not = refusal(backend, spec)
     if why_not is None:
         return backend
-    ok, _ = _capable(spec, skip=requested)
+    ok, _ = _capable(spec, skip=requested, infos=infos)  # the probes this call already made, if any
     if not allow_fallback or not ok:
         raise UnsupportedError(
             f"backend {requested!r}{source} refuses this spec ({why_not}); "
